@@ -1,0 +1,43 @@
+# omnistage — two commands: `make serve` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_CPU_VERSION ?= 2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+PIPELINE ?= tiny-omni
+
+.PHONY: install serve test test-unit lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# Without an NVIDIA driver take the CPU build of torch first; a bare `torch`
+	@# requirement would otherwise pull a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+serve: install
+	$(BIN)/omnistage serve --pipeline $(PIPELINE) --enable-sleep-mode --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test-unit: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+lint: install
+	$(BIN)/ruff check omnistage tests benchmarks
+	$(BIN)/ruff format --check omnistage tests benchmarks
+	$(BIN)/mypy omnistage
+
+bench: install
+	$(BIN)/python -m omnistage.cli bench all --out bench-results
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

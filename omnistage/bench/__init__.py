@@ -1,0 +1,1 @@
+"""Benchmarks (never collected by pytest). Each writes JSON and prints a table."""

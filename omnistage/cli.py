@@ -1,0 +1,67 @@
+"""The ``omnistage`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_build_tiny(sub: argparse._SubParsersAction) -> None:
+    from omnistage.models.tiny import PRESETS
+
+    p = sub.add_parser("build-tiny", help="Build a deterministic random-init tiny checkpoint.")
+    p.add_argument(
+        "--preset", required=True, choices=sorted(PRESETS), help="Which tiny model to build."
+    )
+    p.add_argument("out", help="Output folder.")
+    p.set_defaults(func=_run_build_tiny)
+
+
+def _run_build_tiny(args: argparse.Namespace) -> int:
+    from omnistage.models.tiny import build_preset
+
+    out = build_preset(args.preset, args.out)
+    print(f"built preset {args.preset!r} into {out}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
+    p.add_argument("name", choices=["arena"], help="Which benchmark to run.")
+    p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
+    p.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N'.")
+    p.add_argument(
+        "--sizes-mib", default="64,256,1024", help="Arena sizes to measure, comma-separated."
+    )
+    p.add_argument("--repeats", type=int, default=3, help="Cycles per measurement (median taken).")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    if args.name == "arena":
+        from omnistage.bench import arena
+
+        sizes = tuple(int(s) for s in args.sizes_mib.split(","))
+        print(arena.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omnistage", description="Multi-stage omni-modality serving with sleep/wake."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_build_tiny(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

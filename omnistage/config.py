@@ -1,0 +1,135 @@
+"""Typed, validated configuration: a pipeline is an ordered list of stages.
+
+Configs reject unknown keys and bad values with the offending key named, and are frozen:
+values resolved at start-up (KV blocks, thread counts) are returned by the code that resolves
+them, never written back here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+StageKind = Literal["ar", "diffusion"]
+DType = Literal["float32", "float16", "bfloat16"]
+SleepMode = Literal["abort", "wait", "keep"]
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the key."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class StageConfig(_Frozen):
+    stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
+    kind: StageKind = Field(description="'ar' (autoregressive LLM) or 'diffusion'.")
+    model: str = Field(
+        min_length=1, description="Checkpoint folder (HF layout or diffusers layout)."
+    )
+    preset: str | None = Field(
+        default=None, description="Built-in tiny preset to build into `model` when it is missing."
+    )
+    name: str | None = Field(default=None, description="Display name; defaults to the kind.")
+    device: str = Field(default="cpu", description="'cpu', 'cuda' or 'cuda:N'.")
+    dtype: DType = "float32"
+    enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of this stage.")
+    kv_cache_bytes: int | None = Field(default=None, gt=0, description="KV cache size in bytes.")
+    kv_cache_memory_fraction: float = Field(
+        default=0.1,
+        gt=0,
+        le=0.95,
+        description="KV cache as a fraction of free memory, if no bytes given.",
+    )
+    block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
+    max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded at once.")
+    max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
+    max_model_len: int = Field(
+        default=1024, gt=0, description="Longest prompt + output, in tokens."
+    )
+    max_batch_size: int = Field(
+        default=4, gt=0, description="Diffusion: most images denoised at once."
+    )
+    input_from: int | None = Field(
+        default=None, ge=0, description="Stage whose final output feeds this stage."
+    )
+    input_processor: str | None = Field(
+        default=None, description="Named function turning that output into this stage's input."
+    )
+    torch_threads: int | None = Field(
+        default=None, gt=0, description="torch threads in the stage process."
+    )
+    drain_timeout_s: float = Field(
+        default=30.0, gt=0, description="Longest wait for mode 'wait' drains."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not _DEVICE_RE.match(v):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_input(self) -> StageConfig:
+        if self.input_from is not None and self.input_from >= self.stage_id:
+            raise ValueError(
+                f"input_from must name an earlier stage (< {self.stage_id}), got {self.input_from}"
+            )
+        if self.input_from is not None and self.input_processor is None:
+            raise ValueError("input_processor is required when input_from is set")
+        return self
+
+    @property
+    def display_name(self) -> str:
+        return self.name or self.kind
+
+
+class PipelineConfig(_Frozen):
+    name: str = Field(default="pipeline", min_length=1)
+    stages: list[StageConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_stage_ids(self) -> PipelineConfig:
+        ids = [s.stage_id for s in self.stages]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"stage_id values must be 0..{len(ids) - 1} in order, got {ids}")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+
+def _format_error(exc: ValidationError, source: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{key}: {msg}")
+    return f"invalid config {source}: " + "; ".join(lines)
+
+
+def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
+    """Validate a mapping as a ``PipelineConfig``; errors name each offending key."""
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+
+
+def load_pipeline_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a pipeline config from YAML."""
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {p}: {exc}") from exc
+    return parse_pipeline_config(data, source=str(p))

@@ -1,0 +1,41 @@
+"""Built-in tiny checkpoints: random-initialised, seeded, saved in standard layouts.
+
+No model hub is reachable, so built-in pipelines build their models here on first use and
+load them through the same loader as a real checkpoint. Same preset → same bytes.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+# preset name -> "module:function"; builders take the output folder and return it.
+PRESETS: dict[str, str] = {
+    "demo": "omnistage.models.tiny_ar:build_demo",
+    "bench": "omnistage.models.tiny_ar:build_bench",
+    "image": "omnistage.models.tiny_diffusion:build_image",
+    "image-cond": "omnistage.models.tiny_diffusion:build_image_cond",
+}
+
+_DONE_MARKER = ".omnistage-built"
+
+
+def build_preset(preset: str, out: str | Path) -> Path:
+    """Build ``preset`` into ``out`` (a folder). Raises ``ValueError`` for an unknown preset."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    module_name, func_name = PRESETS[preset].split(":")
+    builder = getattr(importlib.import_module(module_name), func_name)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    builder(out)
+    (out / _DONE_MARKER).write_text(preset + "\n")
+    return out
+
+
+def ensure_preset(preset: str, out: str | Path) -> Path:
+    """Build ``preset`` into ``out`` unless a completed build is already there."""
+    out = Path(out)
+    if (out / _DONE_MARKER).exists():
+        return out
+    return build_preset(preset, out)

@@ -1,0 +1,1 @@
+"""Stage engines (AR, diffusion), their sleep control, and the stage process."""

@@ -1,0 +1,28 @@
+"""What a stage engine hands back from ``step()``; shared by every engine kind."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass
+class StageOutput:
+    """One update for one request: a streamed delta, or the final result when ``finished``.
+
+    ``payload`` carries what the next stage or the client needs from a finished request,
+    e.g. ``{"hidden_states": Tensor}`` from an AR stage or ``{"images": [ImageOutput]}``
+    from a diffusion stage.
+    """
+
+    request_id: str
+    text_delta: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    payload: dict[str, Any] | None = None

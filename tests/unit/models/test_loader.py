@@ -1,0 +1,106 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from omnistage.memory import Arena
+from omnistage.models.loader import CheckpointError, checkpoint_files, load_module
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16))
+    model.register_buffer("scale", torch.tensor([2.0]))
+    return model
+
+
+def save_sharded(model: nn.Module, folder) -> None:
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    half = len(names) // 2
+    shards = {
+        "model-00001-of-00002.safetensors": names[:half],
+        "model-00002-of-00002.safetensors": names[half:],
+    }
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file))
+        weight_map.update({k: file for k in keys})
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+
+def test_sharded_checkpoint_loads_into_meta_built_arena_module(tmp_path):
+    source = make_model()
+    save_sharded(source, tmp_path)
+    assert [f.name for f in checkpoint_files(tmp_path)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    with torch.device("meta"):
+        target = make_model()
+    arena = Arena("cpu")
+    arena.adopt(target)
+    ptrs = [p.data_ptr() for p in target.state_dict().values()]
+    report = load_module(target, tmp_path)
+    assert report.num_tensors == len(source.state_dict())
+    for (name, a), b in zip(source.state_dict().items(), target.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    load_module(target, tmp_path)  # reload lands in the same memory
+    assert [p.data_ptr() for p in target.state_dict().values()] == ptrs
+
+
+def test_dtype_is_converted_on_copy(tmp_path):
+    model = make_model()
+    save_file(
+        {
+            k: v.to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in model.state_dict().items()
+        },
+        str(tmp_path / "m.safetensors"),
+    )
+    load_module(model, tmp_path)
+    assert model[1].weight.dtype == torch.float32
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    model = make_model()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["1.weight"] = torch.zeros(8, 16)
+    save_file(state, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"1\.weight"):
+        load_module(model, tmp_path)
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    model = make_model()
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "2.bias"}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    with pytest.raises(CheckpointError, match=r"2\.bias"):
+        load_module(model, tmp_path)
+    assert load_module(model, tmp_path, strict=False).missing == ["2.bias"]
+
+
+def test_tied_weights_count_as_loaded(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied()
+    save_file({"embed.weight": torch.ones(8, 4)}, str(tmp_path / "m.safetensors"))
+    load_module(model, tmp_path)
+    assert torch.all(model.head.weight == 1)
+
+
+def test_missing_path_and_garbage_file_are_clear_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint_files(tmp_path / "nope")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x05")
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        load_module(make_model(), tmp_path)

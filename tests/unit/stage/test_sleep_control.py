@@ -1,0 +1,75 @@
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from omnistage.errors import InvalidRequestError, WeightsInvalidError
+from omnistage.memory import Arena
+from omnistage.models.loader import load_module
+from omnistage.stage.sleep_control import SleepController
+
+
+@pytest.fixture
+def stage(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(tmp_path / "model.safetensors"),
+    )
+    arena = Arena("cpu")
+    arena.adopt(model)
+    arena.empty((4096,), torch.float32, "kv_cache")
+    control = SleepController(
+        arena, 3, tmp_path, lambda path, strict: load_module(model, path, strict=strict)
+    )
+    return model, control, tmp_path
+
+
+def test_level2_wake_reloads_same_weights(stage):
+    model, control, _ = stage
+    expected = model.weight.detach().clone()
+    ack = control.sleep(2)
+    assert ack["status"] == "SUCCESS" and ack["stage_id"] == 3
+    assert sorted(ack["metadata"]["tags"]) == ["kv_cache", "weights"]
+    assert not control.weights_valid and control.is_sleeping
+    with pytest.raises(WeightsInvalidError):
+        control.check_can_generate()
+    wake = control.wake_up()
+    assert wake["status"] == "SUCCESS" and control.weights_valid and not control.is_sleeping
+    assert torch.equal(model.weight, expected)
+
+
+def test_level1_keeps_host_backup_and_repeats_are_skipped(stage):
+    _, control, _ = stage
+    ack = control.sleep(1)
+    assert ack["metadata"]["host_backup_bytes"] > 0 and control.level == 1
+    assert control.sleep(1)["status"] == "SKIPPED"
+    assert control.wake_up()["status"] == "SUCCESS"
+    assert control.wake_up()["status"] == "SKIPPED"
+
+
+def test_wake_without_reload_refuses_until_update(stage, tmp_path):
+    model, control, folder = stage
+    control.sleep(2)
+    ack = control.wake_up(tags=["weights"], reload=False)
+    assert ack["metadata"]["weights_valid"] is False
+    with pytest.raises(WeightsInvalidError, match="update_weights"):
+        control.check_can_generate()
+    new = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    update = tmp_path / "update.safetensors"
+    save_file(new, str(update))
+    control.update_weights(update)
+    control.check_can_generate()
+    # a later level-2 cycle reloads the updated weights, not the original checkpoint
+    control.sleep(2)
+    control.wake_up()
+    assert torch.all(model.weight == 0.5)
+
+
+def test_bad_level_and_tags_name_the_field(stage):
+    _, control, _ = stage
+    with pytest.raises(InvalidRequestError, match="level"):
+        control.sleep(7)
+    with pytest.raises(InvalidRequestError, match="tags"):
+        control.sleep(1, tags=["activations"])
