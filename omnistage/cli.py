@@ -28,7 +28,7 @@ def _run_build_tiny(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
-    p.add_argument("name", choices=["arena"], help="Which benchmark to run.")
+    p.add_argument("name", choices=["arena", "ar", "diffusion", "all"], help="Which benchmark to run.")
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N'.")
     p.add_argument(
@@ -39,11 +39,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    if args.name == "arena":
-        from omnistage.bench import arena
+    import importlib
 
-        sizes = tuple(int(s) for s in args.sizes_mib.split(","))
-        print(arena.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
+    names = ["arena", "ar", "diffusion"] if args.name == "all" else [args.name]
+    for name in names:
+        module = importlib.import_module(f"omnistage.bench.{name}")
+        if name == "arena":
+            sizes = tuple(int(s) for s in args.sizes_mib.split(","))
+            print(module.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
+        else:
+            print(module.run(args.out, device=args.device))
     return 0
 
 
