@@ -28,7 +28,9 @@ def _run_build_tiny(args: argparse.Namespace) -> int:
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
-    p.add_argument("name", choices=["arena", "ar", "diffusion", "all"], help="Which benchmark to run.")
+    p.add_argument(
+        "name", choices=["arena", "ar", "diffusion", "all"], help="Which benchmark to run."
+    )
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N'.")
     p.add_argument(
@@ -52,11 +54,57 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from omnistage.entrypoints.openai.server_config import ServerConfig
+
+    p = sub.add_parser("serve", help="Serve a pipeline over the OpenAI-compatible HTTP API.")
+    for name, field in ServerConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            p.add_argument(flag, action="store_true", help=field.description)
+        else:
+            p.add_argument(
+                flag, default=None, help=f"{field.description} (default: {field.default})"
+            )
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from omnistage.config import ConfigError
+    from omnistage.entrypoints.openai.api_server import run_server
+    from omnistage.entrypoints.openai.server_config import ServerConfig
+
+    values = {
+        k: v
+        for k, v in vars(args).items()
+        if k in ServerConfig.model_fields and v not in (None, False)
+    }
+    try:
+        config = ServerConfig.model_validate(values)
+    except ValidationError as exc:
+        for err in exc.errors():
+            name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
+            print(f"error: {name}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        run_server(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omnistage", description="Multi-stage omni-modality serving with sleep/wake."
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    from omnistage.entrypoints import ctl
+
+    _add_serve(sub)
+    ctl.add_parser(sub)
     _add_build_tiny(sub)
     _add_bench(sub)
     return parser

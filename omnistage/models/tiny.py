@@ -7,6 +7,8 @@ load them through the same loader as a real checkpoint. Same preset → same byt
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 from pathlib import Path
 
 # preset name -> "module:function"; builders take the output folder and return it.
@@ -33,9 +35,28 @@ def build_preset(preset: str, out: str | Path) -> Path:
     return out
 
 
+def is_built(out: str | Path) -> bool:
+    return (Path(out) / _DONE_MARKER).exists()
+
+
 def ensure_preset(preset: str, out: str | Path) -> Path:
-    """Build ``preset`` into ``out`` unless a completed build is already there."""
+    """Build ``preset`` into ``out`` unless a completed build is already there.
+
+    Builds go to a temporary sibling folder first and are renamed into place, so a crash
+    or a concurrent build never leaves a half-written model behind.
+    """
     out = Path(out)
-    if (out / _DONE_MARKER).exists():
+    if is_built(out):
         return out
-    return build_preset(preset, out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_preset(preset, tmp)
+    if out.exists():  # an interrupted build without the marker: ours to replace
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+        if not is_built(out):
+            raise
+    return out

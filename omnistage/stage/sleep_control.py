@@ -158,6 +158,7 @@ class SleepController:
             host_backup_bytes=sum(s.backup_bytes for s in self.arena.stats().values()),
             resident_bytes_before=before,
             resident_bytes_after=after,
+            sleeping_tags=self.sleeping_tags,
             **metadata,
         )
 
@@ -208,6 +209,7 @@ class SleepController:
             resident_bytes_before=before,
             resident_bytes_after=after,
             weights_valid=self.weights_valid,
+            sleeping_tags=self.sleeping_tags,
             **metadata,
         )
 

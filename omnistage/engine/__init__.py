@@ -1,0 +1,1 @@
+"""The engine client: AsyncOmni and the per-stage clients it drives."""

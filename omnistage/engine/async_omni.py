@@ -1,0 +1,507 @@
+"""AsyncOmni: one engine client for a whole multi-stage pipeline.
+
+It routes a request through the stages it needs (streaming stage 0, handing each stage's
+final output to the next through the configured input processor), and orders every control
+operation: admission closes per stage, in-flight submits finish, AR stages sleep through
+their scheduler (pause → release) and diffusion stages through their worker, ACKs come back
+one per stage. Other stages keep serving while one sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from omnistage.config import PipelineConfig, StageConfig
+from omnistage.engine import admission as adm
+from omnistage.engine.input_processors import NEEDS_HIDDEN_STATES, StageResult, get_input_processor
+from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.engine.stage_client import InProcStageClient, StageProcClient, rebuild_error
+from omnistage.errors import InvalidRequestError, SleepModeDisabledError
+from omnistage.stage.messages import OutputMessage
+from omnistage.stage.sleep_control import SLEEP_LEVELS, SLEEP_MODES
+
+MODALITY_OF_KIND = {"ar": "text", "diffusion": "image"}
+KNOWN_TAGS = ("weights", "kv_cache")
+
+StageClient = StageProcClient | InProcStageClient
+
+
+class AsyncOmni:
+    """Build with ``from_config`` / ``from_pipeline``; close with ``shutdown()``."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        clients: Sequence[StageClient],
+        *,
+        resume_after_wake: bool = False,
+    ) -> None:
+        self.config = config
+        self.clients = list(clients)
+        self.gate = adm.AdmissionGate(len(self.clients))
+        # The HTTP server wakes and resumes in one call; the Python API (as the seed) does not.
+        self.resume_after_wake = resume_after_wake
+        self._active: dict[str, int] = {}  # request id -> stage currently serving it
+        self._control_listeners: list[Callable[[str, list[dict[str, Any]]], None]] = []
+        self._downstream = self._compute_downstream()
+        for client in self.clients:
+            client.on_death(self._on_stage_death)
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_config(
+        cls,
+        config: PipelineConfig,
+        *,
+        in_process: bool = False,
+        stage_init_timeout_s: float = 600.0,
+        resume_after_wake: bool = False,
+    ) -> AsyncOmni:
+        """Start every stage (in parallel) and wait for their ready handshakes."""
+        for stage in config.stages:
+            if stage.input_processor is not None:
+                get_input_processor(stage.input_processor)  # fail early on a typo
+        threads = max(1, (os.cpu_count() or 1) // len(config.stages))
+        clients: list[StageClient] = []
+        try:
+            for stage in config.stages:
+                if in_process:
+                    clients.append(InProcStageClient(stage))
+                else:
+                    clients.append(
+                        StageProcClient(
+                            stage,
+                            num_threads=stage.torch_threads or threads,
+                            ready_timeout_s=stage_init_timeout_s,
+                        )
+                    )
+                clients[-1].start()
+            for client in clients:
+                client.wait_ready()
+        except BaseException:
+            for client in clients:
+                client.shutdown()
+            raise
+        return cls(config, clients, resume_after_wake=resume_after_wake)
+
+    @classmethod
+    def from_pipeline(cls, name: str, **overrides: Any) -> AsyncOmni:
+        """A built-in pipeline (``tiny-omni``, ``tiny-image``, ``tiny-chat``, ``bench``)."""
+        from omnistage.pipelines import load_pipeline
+
+        options = {
+            k: overrides.pop(k)
+            for k in ("in_process", "stage_init_timeout_s", "resume_after_wake")
+            if k in overrides
+        }
+        return cls.from_config(load_pipeline(name, **overrides), **options)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.clients)
+
+    @property
+    def sleep_mode_enabled(self) -> bool:
+        """False when no stage may sleep (the HTTP layer then answers 501, as the seed)."""
+        return any(s.enable_sleep_mode for s in self.config.stages)
+
+    def _compute_downstream(self) -> dict[int, int]:
+        downstream: dict[int, int] = {}
+        for stage in self.config.stages:
+            if stage.input_from is not None:
+                if stage.input_from in downstream:
+                    raise ValueError(
+                        f"stage {stage.input_from} feeds more than one stage; only chains are supported"
+                    )
+                downstream[stage.input_from] = stage.stage_id
+        return downstream
+
+    # -- data path ----------------------------------------------------------------------
+
+    def output_modalities(self) -> list[str]:
+        return list(dict.fromkeys(MODALITY_OF_KIND[s.kind] for s in self.config.stages))
+
+    def plan(self, modalities: Sequence[str] | None) -> list[int]:
+        """The chain of stages a request with these output modalities must pass through."""
+        wanted = list(modalities) if modalities else self.output_modalities()
+        available = self.output_modalities()
+        unknown = [m for m in wanted if m not in available]
+        if unknown:
+            raise InvalidRequestError(
+                "modalities", f"{unknown} not produced by this pipeline; it produces {available}"
+            )
+        last = max(s.stage_id for s in self.config.stages if MODALITY_OF_KIND[s.kind] in wanted)
+        chain = [last]
+        while self.config.stages[chain[0]].input_from is not None:
+            chain.insert(0, self.config.stages[chain[0]].input_from)  # type: ignore[arg-type]
+        return chain
+
+    async def generate(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: dict[str, Any] | None = None,
+        modalities: Sequence[str] | None = None,
+        *,
+        image_params: dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """Stream a request through the pipeline.
+
+        ``prompt`` is a string or a dict with ``prompt``, ``prompt_token_ids`` or ``messages``.
+        ``sampling_params`` go to AR stages, ``image_params`` to diffusion stages. Raises
+        ``StageAsleepError`` at once if a needed stage is asleep; waits while one is paused.
+        """
+        request_id = request_id or uuid.uuid4().hex
+        wanted = list(modalities) if modalities else self.output_modalities()
+        chain = self.plan(wanted)
+        self.gate.check_available(chain)
+        options = {"image_params": image_params or {}, "sampling_params": sampling_params or {}}
+        request = self._first_request(chain, prompt, options)
+        for position, stage_id in enumerate(chain):
+            stage = self.config.stages[stage_id]
+            emit = MODALITY_OF_KIND[stage.kind] in wanted
+            is_last = position == len(chain) - 1
+            result = StageResult()
+            async for out in self._run_stage(stage_id, request_id, request):
+                if out.error is not None:
+                    raise rebuild_error(stage_id, out.error_type, out.error, None)
+                result.text += out.text_delta
+                result.token_ids.extend(out.new_token_ids)
+                ends_request = out.finished and (is_last or out.finish_reason == "abort")
+                if emit or ends_request:
+                    yield self._to_omni_output(request_id, stage, out, final=ends_request)
+                if out.finished:
+                    result.payload = dict(out.payload or {})
+                    if out.finish_reason == "abort":
+                        return
+            if not is_last:
+                next_stage = self.config.stages[chain[position + 1]]
+                processor = get_input_processor(next_stage.input_processor or "")
+                request = processor(result, options)
+
+    def _first_request(
+        self, chain: list[int], prompt: str | dict[str, Any], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        first = self.config.stages[chain[0]]
+        fields = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
+        allowed = {"prompt", "prompt_token_ids", "messages", "prompt_embeds", "negative_prompt"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise InvalidRequestError(
+                "prompt", f"unknown prompt fields {sorted(unknown)}; use {sorted(allowed)}"
+            )
+        if first.kind == "ar":
+            next_stage = self._downstream.get(first.stage_id)
+            needs_hidden = (
+                next_stage is not None
+                and next_stage in chain
+                and self.config.stages[next_stage].input_processor in NEEDS_HIDDEN_STATES
+            )
+            return {
+                **fields,
+                "sampling_params": options["sampling_params"],
+                "return_hidden_states": needs_hidden,
+            }
+        return {**fields, "params": options["image_params"]}
+
+    async def _run_stage(
+        self, stage_id: int, request_id: str, request: dict[str, Any]
+    ) -> AsyncIterator[OutputMessage]:
+        client = self.clients[stage_id]
+        async with self.gate.admit(stage_id):
+            queue = client.add_request(request_id, request)
+        self._active[request_id] = stage_id
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._active.pop(request_id, None)
+            if not finished:  # the caller went away: free the stage's work
+                client.abort([request_id])
+
+    @staticmethod
+    def _to_omni_output(
+        request_id: str, stage: StageConfig, out: OutputMessage, *, final: bool
+    ) -> OmniRequestOutput:
+        images = []
+        for image in (out.payload or {}).get("images", []) if out.finished else []:
+            images.append(
+                OmniImage(
+                    png=image["png"],
+                    width=image["width"],
+                    height=image["height"],
+                    seed=image.get("seed"),
+                )
+            )
+        return OmniRequestOutput(
+            request_id=request_id,
+            stage_id=stage.stage_id,
+            modality=MODALITY_OF_KIND[stage.kind],
+            text_delta=out.text_delta,
+            new_token_ids=list(out.new_token_ids),
+            finished=out.finished,
+            final=final,
+            finish_reason=out.finish_reason,
+            images=images,
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_output_tokens=out.num_output_tokens,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        stage_id = self._active.get(request_id)
+        if stage_id is not None:
+            self.clients[stage_id].abort([request_id])
+
+    # -- control ------------------------------------------------------------------------
+
+    def _check_stage_ids(self, stage_ids: Sequence[int] | None) -> list[int]:
+        if stage_ids is None:
+            return list(range(self.num_stages))
+        ids = list(dict.fromkeys(stage_ids))
+        bad = [sid for sid in ids if not isinstance(sid, int) or not 0 <= sid < self.num_stages]
+        if bad:
+            raise ValueError(
+                f"unknown stage ids {bad}; valid stage ids are 0..{self.num_stages - 1}"
+            )
+        return ids
+
+    def _check_sleep_mode(self, stage_ids: list[int]) -> None:
+        for sid in stage_ids:
+            if not self.config.stages[sid].enable_sleep_mode:
+                raise SleepModeDisabledError(sid)
+
+    def split_stage_ids_by_type(self, stage_ids: list[int]) -> tuple[list[int], list[int]]:
+        ar = [sid for sid in stage_ids if self.config.stages[sid].kind == "ar"]
+        return ar, [sid for sid in stage_ids if sid not in ar]
+
+    async def _call_each(self, stage_ids: list[int], method: str, **args: Any) -> dict[int, Any]:
+        """One utility call per stage, in parallel; exceptions are returned, not raised."""
+        results = await asyncio.gather(
+            *(self.clients[sid].call(method, **args) for sid in stage_ids), return_exceptions=True
+        )
+        return dict(zip(stage_ids, results, strict=True))
+
+    def reset_mm_cache(self, stage_ids: list[int]) -> None:
+        """Drop front-end caches keyed to the stages' state before they sleep.
+
+        The front end keeps no multimodal or prefix cache of its own today; engines reset
+        theirs on sleep. Kept as the ordering point the seed describes (front end first).
+        """
+
+    async def sleep(
+        self,
+        stage_ids: Sequence[int],
+        level: int = 2,
+        mode: str = "abort",
+        tags: Sequence[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        ids = self._check_stage_ids(stage_ids)
+        self._check_control_args(level=level, mode=mode, tags=tags)
+        self._check_sleep_mode(ids)
+        if not ids:
+            return []
+        previous = self.gate.begin_transition(ids, adm.SLEEPING)
+        was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
+        await self.gate.close_and_drain_admission(ids)
+        self.reset_mm_cache(ids)
+        ar_ids, diffusion_ids = self.split_stage_ids_by_type(ids)
+        args = {"level": level, "mode": mode, "tags": list(tags) if tags is not None else None}
+        # AR stages go down the engine-core path (pause scheduler, then release); diffusion
+        # stages have no scheduler and take the worker path. Both are one utility call here.
+        results = {
+            **await self._call_each(ar_ids, "sleep", **args),
+            **await self._call_each(diffusion_ids, "sleep", **args),
+        }
+        acks = []
+        for sid in ids:
+            ack = self._as_ack(sid, results[sid], level=level, mode=mode)
+            if ack["status"] == "ERROR":
+                await self.gate.set_state(sid, previous[sid], paused=was_paused[sid])
+            else:
+                await self.gate.set_state(sid, adm.ASLEEP, level=level)
+            acks.append(ack)
+        self._notify_control("sleep", acks)
+        self._raise_if_dead(results)
+        return acks
+
+    def add_control_listener(self, listener: Callable[[str, list[dict[str, Any]]], None]) -> None:
+        """``listener(operation, acks)`` after every sleep / wake_up (metrics, logs)."""
+        self._control_listeners.append(listener)
+
+    def _notify_control(self, operation: str, acks: list[dict[str, Any]]) -> None:
+        for listener in self._control_listeners:
+            listener(operation, acks)
+
+    async def wake_up(
+        self,
+        stage_ids: Sequence[int] | None = None,
+        tags: Sequence[str] | None = None,
+        reload: bool = True,
+        resume: bool | None = None,
+    ) -> list[dict[str, Any]]:
+        ids = self._check_stage_ids(stage_ids)
+        self._check_control_args(tags=tags)
+        self._check_sleep_mode(ids)
+        if not ids:
+            return []
+        previous = self.gate.begin_transition(ids, adm.WAKING)
+        results = await self._call_each(
+            ids, "wake_up", tags=list(tags) if tags is not None else None, reload=reload
+        )
+        should_resume = self.resume_after_wake if resume is None else resume
+        acks = []
+        for sid in ids:
+            ack = self._as_ack(sid, results[sid])
+            still_asleep = bool(ack["metadata"].get("sleeping_tags"))
+            if ack["status"] == "ERROR" or still_asleep:
+                await self.gate.set_state(
+                    sid, previous[sid] if ack["status"] == "ERROR" else adm.ASLEEP
+                )
+            elif self.config.stages[sid].kind == "diffusion":
+                await self.gate.set_state(
+                    sid, adm.AWAKE, paused=False, level=None
+                )  # resumes by itself
+            else:
+                # AR stages stay paused until resume_generation() (the seed's semantics).
+                await self.gate.set_state(sid, adm.AWAKE, level=None)
+                if should_resume and previous[sid] == adm.ASLEEP:
+                    await self.resume_generation([sid])
+            acks.append(ack)
+        self._notify_control("wake_up", acks)
+        self._raise_if_dead(results)
+        return acks
+
+    async def pause_generation(
+        self, stage_ids: Sequence[int] | None = None, mode: str = "abort"
+    ) -> None:
+        ids = self._check_stage_ids(stage_ids)
+        self._check_control_args(mode=mode)
+        await self.gate.close_and_drain_admission(ids)
+        awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
+        self._raise_first(await self._call_each(awake, "pause", mode=mode))
+
+    async def resume_generation(self, stage_ids: Sequence[int] | None = None) -> None:
+        ids = self._check_stage_ids(stage_ids)
+        awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
+        self._raise_first(await self._call_each(awake, "resume"))
+        for sid in awake:
+            await self.gate.set_state(sid, adm.AWAKE, paused=False)
+
+    async def update_weights(self, stage_id: int, path: str) -> dict[str, Any]:
+        (sid,) = self._check_stage_ids([stage_id])
+        result = await self.clients[sid].call("update_weights", path=str(path))
+        return dict(result)
+
+    async def stage_status(self) -> list[dict[str, Any]]:
+        statuses = []
+        for sid, client in enumerate(self.clients):
+            s = self.gate.stages[sid]
+            engine: dict[str, Any] = {}
+            if s.state != adm.DEAD:
+                try:
+                    engine = dict(await asyncio.wait_for(client.call("status"), timeout=10))
+                except Exception as exc:  # status must not fail because one stage does
+                    engine = {"error": str(exc)}
+            statuses.append(
+                {
+                    "stage_id": sid,
+                    "kind": client.kind,
+                    "name": self.config.stages[sid].display_name,
+                    "state": s.state,
+                    "level": s.level,
+                    "paused": s.paused,
+                    "in_flight": client.num_in_flight,
+                    "pid": client.pid,
+                    "enable_sleep_mode": self.config.stages[sid].enable_sleep_mode,
+                    "detail": s.detail,
+                    **{
+                        k: v
+                        for k, v in engine.items()
+                        if k not in {"stage_id", "kind", "level", "paused"}
+                    },
+                }
+            )
+        return statuses
+
+    def sleeping_stage_ids(self) -> set[int]:
+        """Stages whose memory is (at least partly) asleep: the truth the HTTP layer mirrors."""
+        return {
+            sid for sid, s in enumerate(self.gate.stages) if s.state in (adm.ASLEEP, adm.WAKING)
+        }
+
+    def is_sleeping(self, stage_id: int | None = None) -> bool:
+        sleeping = self.sleeping_stage_ids()
+        return bool(sleeping) if stage_id is None else stage_id in sleeping
+
+    def is_paused(self, stage_id: int | None = None) -> bool:
+        ids = range(self.num_stages) if stage_id is None else [stage_id]
+        return any(self.gate.stages[sid].paused for sid in ids)
+
+    def dead_stage_ids(self) -> list[int]:
+        return [sid for sid, s in enumerate(self.gate.stages) if s.state == adm.DEAD]
+
+    def _on_stage_death(self, stage_id: int) -> None:
+        self.gate.mark_dead(stage_id, self.clients[stage_id].death_reason)
+
+    def _check_control_args(
+        self,
+        *,
+        level: int | None = None,
+        mode: str | None = None,
+        tags: Sequence[str] | None = None,
+    ) -> None:
+        if level is not None and (isinstance(level, bool) or level not in SLEEP_LEVELS):
+            raise InvalidRequestError(
+                "level", f"must be one of {list(SLEEP_LEVELS)}, got {level!r}"
+            )
+        if mode is not None and mode not in SLEEP_MODES:
+            raise InvalidRequestError("mode", f"must be one of {list(SLEEP_MODES)}, got {mode!r}")
+        if tags is not None:
+            bad = [t for t in tags if t not in KNOWN_TAGS]
+            if bad:
+                raise InvalidRequestError(
+                    "tags", f"unknown tags {bad}; known tags are {list(KNOWN_TAGS)}"
+                )
+
+    def _as_ack(self, stage_id: int, result: Any, **metadata: Any) -> dict[str, Any]:
+        if not isinstance(result, BaseException):
+            return dict(result)
+        from omnistage.stage.sleep_control import make_ack
+
+        return make_ack(
+            stage_id, status="ERROR", error_msg=f"{type(result).__name__}: {result}", **metadata
+        )
+
+    @staticmethod
+    def _raise_if_dead(results: dict[int, Any]) -> None:
+        from omnistage.errors import StageDeadError
+
+        for result in results.values():
+            if isinstance(result, StageDeadError):
+                raise result
+
+    @staticmethod
+    def _raise_first(results: dict[int, Any]) -> None:
+        for result in results.values():
+            if isinstance(result, BaseException):
+                raise result
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
+
+    async def __aenter__(self) -> AsyncOmni:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,1 @@
+"""User-facing entry points: the Python APIs and the HTTP server."""

@@ -1,0 +1,167 @@
+"""``omnistage ctl``: the control plane over HTTP, with readable tables."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+import httpx
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ctl",
+        help="Control a running server: status, sleep, wakeup, pause, resume, update-weights.",
+    )
+    p.add_argument(
+        "--url",
+        default=os.environ.get("OMNISTAGE_URL", "http://127.0.0.1:8000"),
+        help="Server URL.",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("OMNISTAGE_CONTROL_API_KEY") or os.environ.get("OMNISTAGE_API_KEY"),
+        help="Key sent as 'Authorization: Bearer' (default: $OMNISTAGE_CONTROL_API_KEY or $OMNISTAGE_API_KEY).",
+    )
+    p.add_argument("--json", action="store_true", help="Print the raw JSON response.")
+    ops = p.add_subparsers(dest="op", required=True)
+    ops.add_parser("status", help="Show every stage's state and memory.")
+    s = ops.add_parser("sleep", help="Put stages to sleep.")
+    s.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
+    s.add_argument("--level", type=int, default=2, choices=[0, 1, 2], help="Sleep level.")
+    s.add_argument(
+        "--mode", choices=["abort", "wait", "keep"], help="What happens to in-flight requests."
+    )
+    s.add_argument(
+        "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
+    )
+    w = ops.add_parser("wakeup", help="Wake stages.")
+    w.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
+    w.add_argument(
+        "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
+    )
+    w.add_argument(
+        "--no-reload", action="store_true", help="After level 2, leave weights for update-weights."
+    )
+    w.add_argument("--no-resume", action="store_true", help="Keep the stages paused after waking.")
+    for name in ("pause", "resume"):
+        q = ops.add_parser(name, help=f"{name.capitalize()} admission to stages (all by default).")
+        q.add_argument("stage_ids", type=int, nargs="*", help="Stage ids (default: all).")
+        if name == "pause":
+            q.add_argument(
+                "--mode",
+                choices=["abort", "wait", "keep"],
+                default="abort",
+                help="In-flight requests.",
+            )
+    u = ops.add_parser(
+        "update-weights", help="Load a safetensors file or folder into a stage's weights."
+    )
+    u.add_argument("stage_id", type=int, help="Stage id.")
+    u.add_argument("path", help="Path on the server's machine.")
+    p.set_defaults(func=run)
+
+
+def _body(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
+    if args.op == "status":
+        return "GET", "/v1/omni/stages", None
+    if args.op == "sleep":
+        body: dict[str, Any] = {"stage_ids": args.stage_ids, "level": args.level}
+        if args.mode:
+            body["mode"] = args.mode
+        if args.tags:
+            body["tags"] = args.tags
+        return "POST", "/v1/omni/sleep", body
+    if args.op == "wakeup":
+        body = {"stage_ids": args.stage_ids}
+        if args.tags:
+            body["tags"] = args.tags
+        if args.no_reload:
+            body["reload"] = False
+        if args.no_resume:
+            body["resume"] = False
+        return "POST", "/v1/omni/wakeup", body
+    if args.op in ("pause", "resume"):
+        body = {"stage_ids": args.stage_ids or None}
+        if args.op == "pause":
+            body["mode"] = args.mode
+        return "POST", f"/v1/omni/{args.op}", body
+    return "POST", "/v1/omni/update_weights", {"stage_id": args.stage_id, "path": args.path}
+
+
+def _mib(n: Any) -> str:
+    return f"{int(n) / 2**20:.1f}" if isinstance(n, int | float) else "-"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)) for r in rows
+    )
+
+
+def format_response(op: str, data: Any) -> str:
+    if op == "status":
+        stages = data.get("stages", data) if isinstance(data, dict) else data
+        rows = [
+            ["STAGE", "KIND", "STATE", "LEVEL", "PAUSED", "IN-FLIGHT", "WEIGHTS", "RESIDENT MiB"]
+        ]
+        for s in stages:
+            memory = s.get("memory") or {}
+            rows.append(
+                [
+                    str(s.get("stage_id")),
+                    str(s.get("kind")),
+                    str(s.get("state")),
+                    str(s.get("level")),
+                    str(s.get("paused")),
+                    str(s.get("in_flight")),
+                    "ok" if s.get("weights_valid", True) else "INVALID",
+                    _mib(memory.get("resident_bytes")),
+                ]
+            )
+        return table(rows)
+    lines = [
+        f"status: {data.get('status')}" + (f" ({data['reason']})" if data.get("reason") else "")
+    ]
+    acks = data.get("acks") or []
+    if acks:
+        rows = [["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "TAGS", "ERROR"]]
+        for a in acks:
+            meta = a.get("metadata") or {}
+            rows.append(
+                [
+                    str(a.get("stage_id")),
+                    str(a.get("status")),
+                    _mib(a.get("freed_bytes")),
+                    f"{float(meta.get('latency_ms') or 0):.1f}",
+                    ",".join(meta.get("tags") or []) or "-",
+                    a.get("error_msg") or "",
+                ]
+            )
+        lines.append(table(rows))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    method, path, body = _body(args)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        response = httpx.request(
+            method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=600
+        )
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        data = response.json()
+    except json.JSONDecodeError:
+        data = {"status": "ERROR", "reason": response.text}
+    if args.json or response.status_code >= 400:
+        print(json.dumps(data, indent=2))
+        return 0 if response.status_code < 400 else 1
+    print(format_response(args.op, data))
+    return 0

@@ -1,0 +1,130 @@
+"""App assembly: ``build_app(config)`` + a lifespan that owns one ``AsyncOmni``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI
+
+from omnistage.entrypoints.openai.metrics import ServerMetrics
+from omnistage.entrypoints.openai.server_config import ServerConfig
+
+logger = logging.getLogger("omnistage.server")
+
+
+def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None:
+    """Everything the routes read from ``app.state``."""
+    from omnistage.entrypoints.serve.auth import resolve_control_api_key
+
+    state.engine_client = engine_client
+    state.sleeping_stages = set()
+    state.served_model_name = config.model_name
+    state.api_key = config.api_key
+    state.control_api_key = resolve_control_api_key(config.control_api_key)
+    state.metrics = ServerMetrics()
+    if hasattr(engine_client, "add_control_listener"):
+        engine_client.add_control_listener(state.metrics.observe_control)
+
+
+def _start_engine(config: ServerConfig, progress: Callable[[str], None]) -> Any:
+    from omnistage.engine.async_omni import AsyncOmni
+
+    def on_build(preset: str, path: Any) -> None:
+        progress(f"building tiny model preset {preset!r} into {path} (first run only)")
+
+    pipeline = config.pipeline_config(on_build=on_build)
+    for stage in pipeline.stages:
+        progress(
+            f"starting stage {stage.stage_id} ({stage.kind}, {stage.display_name}) from {stage.model}"
+        )
+    # The HTTP wakeup route resumes woken stages unless told not to (SPEC §2).
+    engine = AsyncOmni.from_config(
+        pipeline, stage_init_timeout_s=config.stage_init_timeout_s, resume_after_wake=True
+    )
+    progress(f"all {pipeline.num_stages} stage(s) ready")
+    return engine
+
+
+def build_app(
+    config: ServerConfig, engine_client: Any = None, progress: Callable[[str], None] | None = None
+) -> FastAPI:
+    """The FastAPI app. With ``engine_client`` given, the app serves it and does not own it."""
+    from omnistage.entrypoints.openai import serving_chat, serving_images
+    from omnistage.entrypoints.openai.server_routes import health_router, models_router
+    from omnistage.entrypoints.serve import vllm_compat
+    from omnistage.entrypoints.serve.auth import require_api_key
+    from omnistage.entrypoints.serve.errors import register_exception_handlers
+    from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
+
+    say = progress or logger.info
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        owned = engine_client is None
+        engine = engine_client
+        if engine is None:
+            engine = await asyncio.to_thread(_start_engine, config, say)
+        init_app_state(engine, app.state, config)
+        try:
+            yield
+        finally:
+            if owned:
+                engine.shutdown()
+
+    app = FastAPI(title="omnistage", version="0.1.0", lifespan=lifespan)
+    register_exception_handlers(app)
+    data = [Depends(require_api_key)]
+    app.include_router(serving_chat.router, dependencies=data)
+    app.include_router(serving_images.router, dependencies=data)
+    app.include_router(models_router, dependencies=data)
+    app.include_router(health_router)
+    app.include_router(omni_control_router)
+    app.include_router(vllm_compat.router)
+    return app
+
+
+def ready_banner(config: ServerConfig, port: int) -> str:
+    base = f"http://{config.host}:{port}"
+    auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    return "\n".join(
+        [
+            f"omnistage is ready at {base} (model {config.model_name!r})",
+            "try:",
+            f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+            '    -d \'{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
+            f"  curl -s {base}/v1/omni/stages{auth}",
+            f"  curl -s -X POST {base}/v1/omni/sleep{auth} -H 'Content-Type: application/json' -d '{{\"stage_ids\": [0]}}'",
+            f"  curl -s -X POST {base}/v1/omni/wakeup{auth} -H 'Content-Type: application/json' -d '{{\"stage_ids\": [0]}}'",
+        ]
+    )
+
+
+def run_server(config: ServerConfig) -> None:
+    """Serve until interrupted; stage processes are shut down on every exit path."""
+    import uvicorn
+
+    def progress(message: str) -> None:
+        print(f"[omnistage] {message}", flush=True)
+
+    app = build_app(config, progress=progress)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
+    )
+
+    original_startup = server.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets=sockets)
+        if server.started:
+            port = config.port
+            for srv in getattr(server, "servers", []):
+                for sock in srv.sockets:
+                    port = sock.getsockname()[1]
+            progress(ready_banner(config, port))
+
+    server.startup = startup  # type: ignore[method-assign]
+    server.run()

@@ -1,0 +1,73 @@
+"""Prometheus metrics of the server, in a registry of its own (one per app)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STATES = ("awake", "sleeping", "asleep", "waking", "failed", "dead")
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.stage_state = Gauge(
+            "omnistage_stage_state",
+            "1 for the state each stage is in.",
+            ["stage_id", "state"],
+            registry=self.registry,
+        )
+        self.stage_in_flight = Gauge(
+            "omnistage_stage_in_flight_requests",
+            "Requests in flight per stage.",
+            ["stage_id"],
+            registry=self.registry,
+        )
+        self.sleep_latency = Histogram(
+            "omnistage_sleep_latency_seconds",
+            "Stage sleep latency.",
+            ["stage_id", "level"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.wake_latency = Histogram(
+            "omnistage_wake_latency_seconds",
+            "Stage wake latency.",
+            ["stage_id"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.freed_bytes = Counter(
+            "omnistage_freed_bytes",
+            "Bytes really released by sleeps (measured).",
+            ["stage_id"],
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "omnistage_requests",
+            "Requests by route and outcome.",
+            ["route", "outcome"],
+            registry=self.registry,
+        )
+
+    def observe_control(self, operation: str, acks: list[dict[str, Any]]) -> None:
+        for ack in acks:
+            if ack.get("status") != "SUCCESS":
+                continue
+            sid = str(ack["stage_id"])
+            latency_s = float(ack["metadata"].get("latency_ms", 0.0)) / 1e3
+            if operation == "sleep":
+                self.sleep_latency.labels(sid, str(ack["metadata"].get("level"))).observe(latency_s)
+                self.freed_bytes.labels(sid).inc(max(0, int(ack.get("freed_bytes", 0))))
+            else:
+                self.wake_latency.labels(sid).observe(latency_s)
+
+    def render(self, engine: Any) -> bytes:
+        """Refresh the per-stage gauges from the engine client's state, then export."""
+        for sid, stage in enumerate(engine.gate.stages):
+            for state in STATES:
+                self.stage_state.labels(str(sid), state).set(1.0 if stage.state == state else 0.0)
+            self.stage_in_flight.labels(str(sid)).set(engine.clients[sid].num_in_flight)
+        return generate_latest(self.registry)

@@ -1,0 +1,137 @@
+"""Request and response bodies of the OpenAI-compatible data routes.
+
+Unknown fields are accepted and ignored, as OpenAI-compatible servers do (clients send
+provider-specific extras); known fields are validated and a bad one is named in the 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ContentPart(_Lenient):
+    type: Literal["text", "image_url", "input_text"]
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text or "" for p in self.content if p.type in ("text", "input_text"))
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Lenient):
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "max_tokens": max_tokens,
+            "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos or None,
+        }
+        return {k: v for k, v in params.items() if v is not None}
+
+
+class ImageFields(_Lenient):
+    """vLLM-Omni's image extras, accepted on chat and image requests."""
+
+    size: str | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0)
+    negative_prompt: str | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _check_size(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_size(v)
+        return v
+
+    def image_params(self, seed: int | None) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "num_inference_steps": self.num_inference_steps,
+            "guidance_scale": self.guidance_scale,
+            "seed": seed,
+            "negative_prompt": self.negative_prompt,
+        }
+        if self.size is not None:
+            params["width"], params["height"] = parse_size(self.size)
+        return {k: v for k, v in params.items() if v is not None}
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    try:
+        width, height = (int(x) for x in size.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"size must look like '64x64', got {size!r}") from None
+    if width <= 0 or height <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return width, height
+
+
+class ChatCompletionRequest(_SamplingFields, ImageFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    modalities: list[Literal["text", "image"]] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] = Field(min_length=1)
+    echo: bool = False
+
+
+class ImageGenerationRequest(ImageFields):
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=8)
+    response_format: Literal["b64_json"] = "b64_json"
+    seed: int | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())

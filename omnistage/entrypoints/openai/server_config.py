@@ -1,0 +1,88 @@
+"""The server's typed configuration; ``omnistage serve`` builds its flags from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from omnistage.config import DType, PipelineConfig, StageConfig, load_pipeline_config
+
+
+class ServerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: str | None = Field(
+        default=None, description="Built-in pipeline to serve (default tiny-omni)."
+    )
+    config: str | None = Field(default=None, description="Pipeline YAML file to serve.")
+    model: str | None = Field(
+        default=None, description="Local HF checkpoint folder, served as one AR stage."
+    )
+    served_model_name: str | None = Field(
+        default=None, description="Model id reported by /v1/models."
+    )
+    host: str = Field(default="127.0.0.1", description="Address to listen on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
+    enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of every stage.")
+    device: str | None = Field(
+        default=None, description="Device for every stage ('cpu', 'cuda', 'cuda:N')."
+    )
+    dtype: DType | None = Field(default=None, description="dtype for every stage.")
+    api_key: str | None = Field(
+        default=None, description="Key demanded by every route but /health and /metrics."
+    )
+    control_api_key: str | None = Field(
+        default=None,
+        description="Key demanded by control routes (default: $OMNISTAGE_CONTROL_API_KEY).",
+    )
+    stage_init_timeout_s: float = Field(
+        default=600.0, gt=0, description="Longest wait for a stage to start."
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ServerConfig:
+        given = [n for n in ("pipeline", "config", "model") if getattr(self, n)]
+        if len(given) > 1:
+            raise ValueError(
+                f"give only one of --pipeline, --config, --model (got {', '.join(given)})"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model:
+            return Path(self.model).name
+        if self.config:
+            return Path(self.config).stem
+        return self.pipeline or "tiny-omni"
+
+    def stage_overrides(self) -> dict[str, object]:
+        overrides: dict[str, object] = {"device": self.device, "dtype": self.dtype}
+        if self.enable_sleep_mode:
+            overrides["enable_sleep_mode"] = True
+        return {k: v for k, v in overrides.items() if v is not None}
+
+    def pipeline_config(self, on_build: object = None) -> PipelineConfig:
+        """Resolve the pipeline to serve; builds missing built-in models (telling ``on_build``)."""
+        from omnistage.pipelines import ensure_models, load_pipeline
+
+        overrides = self.stage_overrides()
+        if self.model:
+            stage = StageConfig(stage_id=0, kind="ar", model=self.model, **overrides)  # type: ignore[arg-type]
+            return PipelineConfig(name=self.model_name, stages=[stage])
+        if self.config:
+            base = load_pipeline_config(self.config)
+            stages = [s.model_copy(update=overrides) for s in base.stages]
+            config = PipelineConfig.model_validate(
+                {"name": base.name, "stages": [s.model_dump() for s in stages]}
+            )
+            ensure_models(config, on_build)  # type: ignore[arg-type]
+            return config
+        return load_pipeline(self.pipeline or "tiny-omni", on_build=on_build, **overrides)  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""``GET /v1/models``, ``GET /health`` and ``GET /metrics``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from omnistage.entrypoints.openai.protocol import now
+
+models_router = APIRouter(tags=["openai"])
+health_router = APIRouter(tags=["health"])
+
+
+@models_router.get("/v1/models")
+async def list_models(request: Request) -> Any:
+    engine = request.app.state.engine_client
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": request.app.state.served_model_name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "omnistage",
+                "modalities": engine.output_modalities(),
+                "stages": [
+                    {"stage_id": s.stage_id, "kind": s.kind, "name": s.display_name}
+                    for s in engine.config.stages
+                ],
+            }
+        ],
+    }
+
+
+@health_router.get("/health")
+async def health(request: Request) -> Any:
+    dead = request.app.state.engine_client.dead_stage_ids()
+    if dead:
+        return JSONResponse({"status": "unhealthy", "dead_stage_ids": dead}, status_code=503)
+    return {"status": "ok"}
+
+
+@health_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    body = request.app.state.metrics.render(request.app.state.engine_client)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

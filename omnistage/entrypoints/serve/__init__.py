@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the server's routers: auth, dependencies, error mapping, control routes."""

@@ -1,0 +1,177 @@
+"""Exceptions to HTTP responses, in one place.
+
+Every error reply has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}`` plus
+a top-level ``"detail"`` string (what FastAPI and vLLM-Omni clients read). ``code`` is a stable
+machine-readable name (``stage_asleep``, ``stage_busy``, ...); ``param`` names the offending
+field when there is one.
+
+Bad input is 400, never 500: request validation (body, query) and malformed JSON are 400 with
+the field named (``body.stage_ids: Input should be a valid list``) — 400 rather than FastAPI's
+422 because that is what OpenAI-compatible clients expect. ``ValueError`` is 400 too: engine
+clients raise it for unknown stage ids, naming the valid range. Anything unexpected is a JSON
+500 naming the exception (the error surfaces; it is not swallowed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage.errors import (
+    InvalidRequestError,
+    SleepModeDisabledError,
+    StageAsleepError,
+    StageBusyError,
+    StageDeadError,
+    StagePausedError,
+    WeightsInvalidError,
+)
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """How one exception class is answered."""
+
+    status_code: int
+    type: str
+    code: str
+    retry_after: bool = False
+
+
+_UNAVAILABLE = "service_unavailable_error"
+
+# Looked up along the exception's MRO, so the most specific class wins
+# (InvalidRequestError before ValueError).
+ERROR_KINDS: dict[type[Exception], ErrorKind] = {
+    InvalidRequestError: ErrorKind(400, "invalid_request_error", "invalid_request"),
+    ValueError: ErrorKind(400, "invalid_request_error", "invalid_value"),
+    StageBusyError: ErrorKind(409, "conflict_error", "stage_busy"),
+    StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep", retry_after=True),
+    StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused", retry_after=True),
+    StageDeadError: ErrorKind(503, _UNAVAILABLE, "stage_dead"),
+    WeightsInvalidError: ErrorKind(503, _UNAVAILABLE, "weights_invalid"),
+    SleepModeDisabledError: ErrorKind(501, "not_implemented_error", "sleep_mode_disabled"),
+    TimeoutError: ErrorKind(504, "timeout_error", "timeout"),
+}
+
+
+def error_response(
+    status_code: int,
+    message: str,
+    *,
+    type: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    """A JSON error reply in the server's one error shape."""
+    body = {
+        "error": {"message": message, "type": type, "code": code, "param": param},
+        "detail": message,
+    }
+    return JSONResponse(status_code=status_code, content=body, headers=headers)
+
+
+def _kind_of(exc: BaseException) -> ErrorKind | None:
+    for cls in type(exc).__mro__:
+        if cls in ERROR_KINDS:
+            return ERROR_KINDS[cls]
+    return None
+
+
+def _message_of(exc: BaseException) -> str:
+    if isinstance(exc, SleepModeDisabledError):
+        # Clients of both routes look for the operation's name in the detail.
+        return f"Engine does not support sleep / wake_up: {exc}"
+    return str(exc) or type(exc).__name__
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    return ".".join(str(part) for part in loc)
+
+
+def _validation_message(errors: list[dict[str, Any]]) -> str:
+    parts = []
+    for error in errors:
+        if error.get("type") == "json_invalid":
+            reason = (error.get("ctx") or {}).get("error", "JSON decode error")
+            parts.append(f"body: malformed JSON ({reason})")
+        else:
+            parts.append(f"{_field_path(error.get('loc', ()))}: {error.get('msg')}")
+    return "; ".join(parts)
+
+
+def _validation_param(errors: list[dict[str, Any]]) -> str | None:
+    """The first offending field without its location prefix (``body.stage_ids`` → ``stage_ids``)."""
+    for error in errors:
+        loc = [part for part in error.get("loc", ()) if not isinstance(part, int)]
+        if len(loc) > 1 and error.get("type") != "json_invalid":
+            return _field_path(loc[1:])
+    return None
+
+
+def _status_code_name(status: int) -> str:
+    """``404`` → ``not_found``; ``http_599`` for codes without a standard phrase."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
+
+
+def register_exception_handlers(app: FastAPI, *, retry_after_s: int = 1) -> None:
+    """Install the handlers on ``app``; ``retry_after_s`` is the ``Retry-After`` of asleep/paused 503s."""
+
+    async def on_known_error(request: Request, exc: Exception) -> JSONResponse:
+        kind = _kind_of(exc)
+        if kind is None:  # only reachable if ERROR_KINDS and the registration disagree
+            return await on_unexpected_error(request, exc)
+        return error_response(
+            kind.status_code,
+            _message_of(exc),
+            type=kind.type,
+            code=kind.code,
+            param=getattr(exc, "field", None),
+            headers={"Retry-After": str(retry_after_s)} if kind.retry_after else None,
+        )
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        errors = list(exc.errors()) if isinstance(exc, RequestValidationError) else []
+        return error_response(
+            400,
+            _validation_message(errors) or str(exc),
+            type="invalid_request_error",
+            code="invalid_request",
+            param=_validation_param(errors),
+        )
+
+    async def on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+        if not isinstance(exc, StarletteHTTPException):  # registration guarantees it is
+            return await on_unexpected_error(request, exc)
+        status = exc.status_code
+        error_type = {401: "authentication_error", 501: "not_implemented_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+        return error_response(
+            status,
+            str(exc.detail),
+            type=error_type,
+            code=_status_code_name(status),
+            headers=dict(exc.headers) if exc.headers else None,
+        )
+
+    async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(
+            500, f"{type(exc).__name__}: {exc}", type="server_error", code="internal_error"
+        )
+
+    for exc_class in ERROR_KINDS:
+        app.add_exception_handler(exc_class, on_known_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_exception)
+    app.add_exception_handler(Exception, on_unexpected_error)

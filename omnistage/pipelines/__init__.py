@@ -1,0 +1,86 @@
+"""Built-in pipelines: YAML configs whose tiny models are built on first use.
+
+``{cache}`` in a model path is the model cache folder: ``$OMNISTAGE_CACHE_DIR`` or
+``~/.cache/omnistage/models``. A stage with a ``preset`` gets its model built there
+(deterministically) if it is not there yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omnistage.config import ConfigError, PipelineConfig, parse_pipeline_config
+
+_STAGE_OVERRIDES = frozenset(
+    {
+        "device",
+        "dtype",
+        "enable_sleep_mode",
+        "torch_threads",
+        "drain_timeout_s",
+        "max_num_seqs",
+        "max_model_len",
+    }
+)
+
+
+def cache_dir() -> Path:
+    return Path(
+        os.environ.get("OMNISTAGE_CACHE_DIR") or Path.home() / ".cache" / "omnistage" / "models"
+    )
+
+
+def builtin_pipelines() -> list[str]:
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files(__package__).iterdir()
+        if p.name.endswith(".yaml")
+    )
+
+
+def load_pipeline(
+    name: str,
+    *,
+    build: bool = True,
+    on_build: Callable[[str, Path], None] | None = None,
+    **overrides: Any,
+) -> PipelineConfig:
+    """The built-in pipeline ``name`` with ``overrides`` applied to every stage.
+
+    ``build`` makes missing preset models now; ``on_build(preset, path)`` is told first.
+    """
+    if name not in builtin_pipelines():
+        raise ConfigError(f"unknown pipeline {name!r}; built-in pipelines: {builtin_pipelines()}")
+    unknown = set(overrides) - _STAGE_OVERRIDES
+    if unknown:
+        raise ConfigError(
+            f"unknown pipeline overrides {sorted(unknown)}; allowed: {sorted(_STAGE_OVERRIDES)}"
+        )
+    data = yaml.safe_load(resources.files(__package__).joinpath(f"{name}.yaml").read_text())
+    cache = cache_dir()
+    for stage in data["stages"]:
+        stage["model"] = stage["model"].format(cache=cache)
+        stage.update({k: v for k, v in overrides.items() if v is not None})
+    config = parse_pipeline_config(data, source=f"pipeline {name}")
+    if build:
+        ensure_models(config, on_build)
+    return config
+
+
+def ensure_models(
+    config: PipelineConfig, on_build: Callable[[str, Path], None] | None = None
+) -> None:
+    """Build every stage's preset model that is not built yet."""
+    from omnistage.models.tiny import ensure_preset, is_built
+
+    for stage in config.stages:
+        if stage.preset is not None and not is_built(stage.model):
+            if on_build is not None:
+                on_build(stage.preset, Path(stage.model))
+            ensure_preset(stage.preset, stage.model)

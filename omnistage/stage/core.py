@@ -1,0 +1,210 @@
+"""The stage busy loop, independent of transport: take inputs, step the engine, emit outputs.
+
+``StageCore`` turns incoming messages into engine calls and engine results into outgoing
+messages. Control operations are utility calls whose reply may be deferred: a sleep with
+mode ``wait`` pauses admission, keeps stepping until the in-flight requests finish, and only
+then sleeps and replies (or gives up after ``drain_timeout_s`` and resumes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stage.messages import (
+    AbortRequest,
+    AddRequest,
+    FromStage,
+    OutputBatch,
+    OutputMessage,
+    Shutdown,
+    ToStage,
+    UtilityCall,
+    UtilityResult,
+)
+from omnistage.stage.types import StageOutput
+
+logger = logging.getLogger(__name__)
+
+UTILITY_METHODS = frozenset(
+    {"sleep", "wake_up", "pause", "resume", "update_weights", "status", "is_sleeping"}
+)
+
+
+class StageEngine(Protocol):
+    """What the core needs from an engine (both kinds implement it)."""
+
+    def add_request(self, request: Any) -> None: ...
+    def abort(self, request_id: str) -> None: ...
+    def step(self) -> list[StageOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def is_drained(self) -> bool: ...
+    def pause(self, mode: str = "abort") -> None: ...
+    def resume(self) -> None: ...
+
+
+class Channel(Protocol):
+    def recv(self, timeout_s: float) -> ToStage | None: ...
+    def send(self, msg: FromStage) -> None: ...
+
+
+@dataclasses.dataclass
+class _PendingDrain:
+    call_id: int
+    args: dict[str, Any]
+    deadline: float
+    timeout_s: float
+
+
+def to_output_message(out: StageOutput) -> OutputMessage:
+    payload = out.payload
+    if payload is not None:
+        payload = {k: _plain(v) for k, v in payload.items()}
+    return OutputMessage(
+        request_id=out.request_id,
+        text_delta=out.text_delta,
+        new_token_ids=list(out.new_token_ids),
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        error=out.error,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=out.num_output_tokens,
+        payload=payload,
+    )
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses become dicts so msgpack can carry them; tensors go as extensions."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def error_result(call_id: int, exc: BaseException) -> UtilityResult:
+    return UtilityResult(
+        call_id=call_id,
+        error_type=type(exc).__name__,
+        error_message=str(exc),
+        error_field=getattr(exc, "field", None),
+    )
+
+
+class StageCore:
+    def __init__(
+        self,
+        engine: Any,
+        build_request: Callable[[str, dict[str, Any]], Any],
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine = engine
+        self._build_request = build_request
+        self._drain_timeout_s = drain_timeout_s
+        self._pending: _PendingDrain | None = None
+
+    def has_work(self) -> bool:
+        return self._pending is not None or bool(self.engine.has_unfinished_requests())
+
+    def handle(self, msg: ToStage) -> list[FromStage]:
+        if isinstance(msg, AddRequest):
+            return self._add(msg)
+        if isinstance(msg, AbortRequest):
+            for request_id in msg.request_ids:
+                self.engine.abort(request_id)
+            return self._flush()
+        if isinstance(msg, UtilityCall):
+            return self._utility(msg)
+        raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _add(self, msg: AddRequest) -> list[FromStage]:
+        try:
+            self.engine.add_request(self._build_request(msg.request_id, msg.request))
+        except Exception as exc:  # the request fails; the stage keeps serving
+            out = OutputMessage(
+                request_id=msg.request_id,
+                finished=True,
+                finish_reason="error",
+                error=str(exc),
+                error_type=type(exc).__name__,
+            )
+            return [OutputBatch([out])]
+        return []
+
+    def _utility(self, call: UtilityCall) -> list[FromStage]:
+        if call.method not in UTILITY_METHODS:
+            return [
+                error_result(
+                    call.call_id, InvalidRequestError("method", f"unknown utility {call.method!r}")
+                )
+            ]
+        if call.method == "sleep" and call.args.get("mode") == "wait" and self._pending is None:
+            try:
+                self.engine.pause("wait")
+            except Exception as exc:
+                return [error_result(call.call_id, exc)]
+            timeout = float(call.args.pop("drain_timeout_s", self._drain_timeout_s))
+            self._pending = _PendingDrain(
+                call.call_id, dict(call.args), time.monotonic() + timeout, timeout
+            )
+            return self._check_drain()
+        try:
+            result = getattr(self.engine, call.method)(**call.args)
+        except Exception as exc:
+            return [*self._flush(), error_result(call.call_id, exc)]
+        # Outputs the call produced (aborted requests) go out before its reply.
+        return [*self._flush(), UtilityResult(call_id=call.call_id, result=_plain(result))]
+
+    def _check_drain(self) -> list[FromStage]:
+        pending = self._pending
+        if pending is None:
+            return []
+        if self.engine.is_drained():
+            self._pending = None
+            try:
+                result = self.engine.sleep(**pending.args)
+            except Exception as exc:
+                return [*self._flush(), error_result(pending.call_id, exc)]
+            return [*self._flush(), UtilityResult(call_id=pending.call_id, result=_plain(result))]
+        if time.monotonic() > pending.deadline:
+            self._pending = None
+            self.engine.resume()
+            timeout = TimeoutError(
+                f"sleep(mode='wait') gave up: requests still running after {pending.timeout_s:g}s; "
+                "raise drain_timeout_s or sleep with mode 'abort' or 'keep'"
+            )
+            return [error_result(pending.call_id, timeout)]
+        return []
+
+    def step(self) -> list[FromStage]:
+        msgs = self._flush() if self.engine.has_unfinished_requests() else []
+        return [*msgs, *self._check_drain()]
+
+    def _flush(self) -> list[FromStage]:
+        outputs = self.engine.step()
+        return [OutputBatch([to_output_message(o) for o in outputs])] if outputs else []
+
+    def serve(self, channel: Channel, should_stop: Callable[[], bool] = lambda: False) -> None:
+        """Run until a ``Shutdown`` message arrives or ``should_stop()`` says so."""
+        made_progress = False
+        while not should_stop():
+            # Poll without waiting while work moves; back off a little when the engine holds
+            # requests it cannot schedule (paused with kept requests), idle otherwise.
+            timeout = 0.05 if not self.has_work() else (0.0 if made_progress else 0.005)
+            msg = channel.recv(timeout)
+            while msg is not None:
+                if isinstance(msg, Shutdown):
+                    return
+                for reply in self.handle(msg):
+                    channel.send(reply)
+                msg = channel.recv(0.0)
+            made_progress = False
+            if self.has_work():
+                replies = self.step()
+                made_progress = bool(replies)
+                for reply in replies:
+                    channel.send(reply)
