@@ -159,6 +159,7 @@ class AsyncOmni:
         request_id = request_id or uuid.uuid4().hex
         wanted = list(modalities) if modalities else self.output_modalities()
         chain = self.plan(wanted)
+        self._refresh_deaths()
         self.gate.check_available(chain)
         options = {"image_params": image_params or {}, "sampling_params": sampling_params or {}}
         request = self._first_request(chain, prompt, options)
@@ -306,6 +307,7 @@ class AsyncOmni:
         tags: Sequence[str] | None = None,
     ) -> list[dict[str, Any]]:
         ids = self._check_stage_ids(stage_ids)
+        self._refresh_deaths()
         self._check_control_args(level=level, mode=mode, tags=tags)
         self._check_sleep_mode(ids)
         if not ids:
@@ -350,6 +352,7 @@ class AsyncOmni:
         resume: bool | None = None,
     ) -> list[dict[str, Any]]:
         ids = self._check_stage_ids(stage_ids)
+        self._refresh_deaths()
         self._check_control_args(tags=tags)
         self._check_sleep_mode(ids)
         if not ids:
@@ -403,6 +406,7 @@ class AsyncOmni:
         return dict(result)
 
     async def stage_status(self) -> list[dict[str, Any]]:
+        self._refresh_deaths()
         statuses = []
         for sid, client in enumerate(self.clients):
             s = self.gate.stages[sid]
@@ -448,7 +452,16 @@ class AsyncOmni:
         return any(self.gate.stages[sid].paused for sid in ids)
 
     def dead_stage_ids(self) -> list[int]:
+        self._refresh_deaths()
         return [sid for sid, s in enumerate(self.gate.stages) if s.state == adm.DEAD]
+
+    def _refresh_deaths(self) -> None:
+        # A stage that dies before any call attached its client to the loop is only flagged
+        # on the client; mirror it into the gate.
+        for sid, client in enumerate(self.clients):
+            if client.is_dead and self.gate.stages[sid].state != adm.DEAD:
+                self.gate.stages[sid].state = adm.DEAD
+                self.gate.stages[sid].detail = client.death_reason
 
     def _on_stage_death(self, stage_id: int) -> None:
         self.gate.mark_dead(stage_id, self.clients[stage_id].death_reason)

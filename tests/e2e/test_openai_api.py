@@ -1,0 +1,127 @@
+"""The official openai client against a real server, across sleep and wake of stages."""
+
+import base64
+
+import httpx
+import openai
+import pytest
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+IMAGE_EXTRA = {"seed": 3, "num_inference_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def client(omni_server):
+    return openai.OpenAI(
+        base_url=omni_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def chat(client, text="Hello there", **kwargs):
+    return client.chat.completions.create(
+        model="tiny-omni", messages=[{"role": "user", "content": text}], **{**GREEDY, **kwargs}
+    )
+
+
+def image(client):
+    result = client.images.generate(
+        model="tiny-omni", prompt="a blue circle", size="64x64", extra_body=IMAGE_EXTRA
+    )
+    return base64.b64decode(result.data[0].b64_json)
+
+
+def test_chat_non_streaming_and_streaming_agree(client):
+    full = chat(client)
+    assert full.choices[0].message.content
+    assert full.usage.completion_tokens > 0 and full.usage.prompt_tokens > 0
+    chunks = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "Hello there"}],
+        stream=True,
+        **GREEDY,
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+
+
+def test_chat_with_image_modality_returns_png_part(omni_server):
+    r = httpx.post(
+        omni_server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "draw"}],
+            "modalities": ["text", "image"],
+            **GREEDY,
+            **IMAGE_EXTRA,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    parts = r.json()["choices"][0]["message"]["content"]
+    assert parts[0]["type"] == "text"
+    url = parts[1]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    assert base64.b64decode(url.split(",", 1)[1]).startswith(b"\x89PNG")
+
+
+def test_image_stage_sleep_keeps_text_working_and_wake_restores_exact_outputs(client, omni_server):
+    text_before = chat(client).choices[0].message.content
+    png_before = image(client)
+    r = httpx.post(
+        omni_server.url + "/v1/omni/sleep",
+        json={"stage_ids": [1], "level": 1},
+        headers=omni_server.control_headers(),
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    try:
+        assert chat(client).choices[0].message.content == text_before
+        raw = httpx.post(
+            omni_server.url + "/v1/images/generations",
+            json={"prompt": "x", **IMAGE_EXTRA},
+            timeout=60,
+        )
+        assert raw.status_code == 503 and "Retry-After" in raw.headers and "stage 1" in raw.text
+        with pytest.raises(openai.APIStatusError) as info:
+            image(client)
+        assert info.value.status_code == 503
+    finally:
+        r = httpx.post(
+            omni_server.url + "/v1/omni/wakeup",
+            json={"stage_ids": [1]},
+            headers=omni_server.control_headers(),
+            timeout=60,
+        )
+    assert r.json()["status"] == "SUCCESS"
+    assert chat(client).choices[0].message.content == text_before
+    assert image(client) == png_before
+
+
+def test_models_and_metrics(omni_server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny-omni"]
+    metrics = httpx.get(omni_server.url + "/metrics").text
+    assert "omnistage_stage_state" in metrics and "omnistage_sleep_latency_seconds" in metrics
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, "modalities"),
+    ],
+)
+def test_bad_chat_bodies_name_the_field(omni_server, body, field):
+    r = httpx.post(omni_server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert field in r.text
+
+
+def test_malformed_json_is_400(omni_server):
+    r = httpx.post(
+        omni_server.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400

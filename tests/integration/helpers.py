@@ -1,0 +1,44 @@
+"""Small helpers for driving AsyncOmni in tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.engine.async_omni import AsyncOmni
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+IMAGE = {"seed": 7, "num_inference_steps": 4}
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    pngs: list[bytes] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect(
+    engine: AsyncOmni,
+    prompt: str | dict[str, Any],
+    modalities: list[str] | None = None,
+    sampling: dict[str, Any] | None = None,
+    image: dict[str, Any] | None = None,
+    request_id: str | None = None,
+) -> Result:
+    result = Result()
+    async for out in engine.generate(
+        prompt,
+        sampling if sampling is not None else GREEDY,
+        modalities,
+        image_params=image or IMAGE,
+        request_id=request_id,
+    ):
+        if out.modality == "text":
+            result.text += out.text_delta
+            result.token_ids.extend(out.new_token_ids)
+        result.pngs.extend(img.png for img in out.images)
+        if out.final:
+            result.finish_reason = out.finish_reason
+    return result

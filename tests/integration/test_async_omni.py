@@ -1,0 +1,126 @@
+"""AsyncOmni over real stage processes running the tiny-omni pipeline."""
+
+import asyncio
+
+import pytest
+
+from omnistage.errors import StageAsleepError, StageBusyError
+from tests.integration.helpers import collect
+
+
+async def test_text_and_image_for_one_prompt(tiny_omni):
+    result = await collect(tiny_omni, "a red square", ["text", "image"])
+    assert result.text and result.token_ids
+    assert len(result.pngs) == 1 and result.pngs[0].startswith(b"\x89PNG")
+    assert result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("level", [1, 2])
+async def test_same_outputs_after_sleep_and_wake_of_both_stages(tiny_omni, level):
+    before = await collect(tiny_omni, "hello thinker", ["text", "image"])
+    acks = await tiny_omni.sleep([0, 1], level=level)
+    assert [a["stage_id"] for a in acks] == [0, 1]
+    assert all(a["status"] == "SUCCESS" for a in acks)
+    assert all(a["freed_bytes"] > 0 for a in acks) or level == 1
+    assert tiny_omni.sleeping_stage_ids() == {0, 1}
+    wake = await tiny_omni.wake_up([0, 1])
+    assert all(a["status"] == "SUCCESS" for a in wake)
+    await tiny_omni.resume_generation([0])
+    after = await collect(tiny_omni, "hello thinker", ["text", "image"])
+    assert after.token_ids == before.token_ids
+    assert after.pngs == before.pngs
+
+
+async def test_text_keeps_working_while_image_stage_sleeps(tiny_omni):
+    await tiny_omni.sleep([1], level=1)
+    try:
+        text = await collect(tiny_omni, "still here?", ["text"])
+        assert text.token_ids
+        with pytest.raises(StageAsleepError, match="stage 1"):
+            await collect(tiny_omni, "draw", ["text", "image"])
+    finally:
+        await tiny_omni.wake_up([1])
+    assert len((await collect(tiny_omni, "draw", ["text", "image"])).pngs) == 1
+
+
+async def test_ar_stage_waits_for_resume_after_wake(tiny_omni):
+    await tiny_omni.sleep([0], level=2)
+    await tiny_omni.wake_up([0])
+    assert tiny_omni.is_paused(0)
+    pending = asyncio.ensure_future(collect(tiny_omni, "wait for me", ["text"]))
+    await asyncio.sleep(0.5)
+    assert not pending.done()
+    await tiny_omni.resume_generation([0])
+    result = await asyncio.wait_for(pending, 30)
+    assert result.token_ids
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_sleep_with_requests_in_flight_ends_each_as_its_mode_promises(tiny_omni, mode):
+    sampling = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    prompts = [f"request number {i}" for i in range(16)]
+    reference = await asyncio.gather(*(collect(tiny_omni, p, ["text"], sampling) for p in prompts))
+    tasks = [asyncio.ensure_future(collect(tiny_omni, p, ["text"], sampling)) for p in prompts]
+    await asyncio.sleep(0.3)  # let them start decoding
+    acks = await tiny_omni.sleep([0], level=1, mode=mode)
+    assert acks[0]["status"] == "SUCCESS" and acks[0]["metadata"]["mode"] == mode
+    if mode == "keep":
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks)  # preempted, not ended
+    await tiny_omni.wake_up([0])
+    await tiny_omni.resume_generation([0])
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    reasons = [r.finish_reason for r in results]
+    if mode == "abort":
+        assert "abort" in reasons and acks[0]["metadata"]["aborted"] > 0
+    else:
+        assert reasons == ["length"] * 16
+        assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    if mode == "keep":
+        assert acks[0]["metadata"]["preempted"] > 0
+
+
+async def test_admission_race_loses_no_request(tiny_omni):
+    sampling = {"temperature": 0.0, "max_tokens": 8}
+
+    async def submit(i: int) -> str:
+        try:
+            result = await collect(tiny_omni, f"race {i}", ["text"], sampling)
+        except StageAsleepError:
+            return "rejected"
+        return result.finish_reason or "none"
+
+    tasks = [asyncio.ensure_future(submit(i)) for i in range(50)]
+    await asyncio.sleep(0)  # some are mid-submit
+    await tiny_omni.sleep([0], level=1, mode="abort")
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    await tiny_omni.wake_up([0])
+    await tiny_omni.resume_generation([0])
+    assert len(outcomes) == 50
+    assert set(outcomes) <= {"rejected", "abort", "stop", "length"}
+    assert "none" not in outcomes
+
+
+async def test_concurrent_sleeps_of_one_stage_conflict(tiny_omni):
+    first = asyncio.ensure_future(tiny_omni.sleep([1], level=1))
+    await asyncio.sleep(0)
+    with pytest.raises(StageBusyError):
+        await tiny_omni.sleep([1], level=1)
+    assert (await first)[0]["status"] == "SUCCESS"
+    repeat = await tiny_omni.sleep([1], level=1)
+    assert repeat[0]["status"] == "SKIPPED"
+    await tiny_omni.wake_up([1])
+    again = await tiny_omni.wake_up([1])
+    assert again[0]["status"] == "SKIPPED"
+
+
+async def test_unknown_stage_id_names_the_range(tiny_omni):
+    with pytest.raises(ValueError, match=r"0\.\.1"):
+        await tiny_omni.sleep([5])
+
+
+async def test_stage_status_reports_state_and_memory(tiny_omni):
+    statuses = await tiny_omni.stage_status()
+    assert [s["stage_id"] for s in statuses] == [0, 1]
+    assert statuses[0]["kind"] == "ar" and statuses[1]["kind"] == "diffusion"
+    assert all(s["state"] == "awake" for s in statuses)
