@@ -168,6 +168,7 @@ class SleepController:
         """Map memory back; a discarded ``weights`` tag is reloaded from disk unless
         ``reload`` is False, in which case the weights stay invalid until ``update_weights``."""
         chosen = self._resolve_tags(tags, "tags")
+        woken_from = self.level
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()
         try:
@@ -202,7 +203,7 @@ class SleepController:
             status="SKIPPED" if report.is_noop else "SUCCESS",
             rank=self.rank,
             error_msg="not asleep" if report.is_noop else None,
-            level=self.level,
+            level=woken_from,
             tags=[*report.restored_tags, *report.invalid_tags],
             latency_ms=(time.perf_counter() - start) * 1e3,
             restored_bytes=restored,
