@@ -1,0 +1,132 @@
+"""The offline Python API for one diffusion pipeline.
+
+    pipe = Diffusion(model="path/to/diffusers-folder", enable_sleep_mode=True)
+    images = pipe.generate(["a red cat"], DiffusionParams(seed=0))
+    open("cat.png", "wb").write(images[0].png)
+    pipe.sleep(level=2); pipe.wake_up()   # same seed -> same PNG bytes
+
+Inputs are prompts (strings) or conditioning embeddings (float tensors ``[seq, dim]``, e.g. a
+thinker's final hidden states). As for every diffusion stage, ``wake_up`` resumes by itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.config import StageConfig
+from omnistage.stage.diffusion.engine import DiffusionStageEngine
+from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest, ImageOutput
+
+__all__ = ["Diffusion", "DiffusionParams", "ImageOutput"]
+
+DiffusionInput = str | torch.Tensor
+_FIXED_FIELDS = {"stage_id", "kind", "model", "device", "dtype", "enable_sleep_mode"}
+
+
+class Diffusion:
+    """One diffusers-format pipeline in this process. Extra keywords are ``StageConfig``
+    fields (``max_batch_size``, ``preset``, ...); others raise ``TypeError``."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        enable_sleep_mode: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        allowed = set(StageConfig.model_fields) - _FIXED_FIELDS
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise TypeError(
+                f"Diffusion() got unexpected keyword arguments {unknown}; other StageConfig "
+                f"fields are allowed: {sorted(allowed)}"
+            )
+        config = StageConfig(
+            stage_id=0,
+            kind="diffusion",
+            model=str(model),
+            device=device,
+            dtype=dtype,  # type: ignore[arg-type]  # validated by pydantic
+            enable_sleep_mode=enable_sleep_mode,
+            **kwargs,
+        )
+        self.engine = DiffusionStageEngine(config)
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        inputs: DiffusionInput | Sequence[DiffusionInput],
+        params: DiffusionParams | Sequence[DiffusionParams] | None = None,
+    ) -> list[ImageOutput]:
+        """One image per input, in input order. Raises ``InvalidRequestError`` (naming the
+        field) before anything runs, and ``RuntimeError`` if a request fails or is aborted."""
+        items = [inputs] if isinstance(inputs, str | torch.Tensor) else list(inputs)
+        if params is None or isinstance(params, DiffusionParams):
+            per_item = [params or DiffusionParams()] * len(items)
+        else:
+            per_item = list(params)
+            if len(per_item) != len(items):
+                raise ValueError(f"{len(per_item)} params for {len(items)} inputs")
+        if self.engine.is_paused and not self.engine.is_sleeping():
+            # Queued requests would never run; asleep stages raise StageAsleepError below.
+            raise RuntimeError("the pipeline is paused; call engine.resume() first")
+        requests = [self._request(item, p) for item, p in zip(items, per_item, strict=True)]
+        added: list[str] = []
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+                added.append(request.request_id)
+        except Exception:
+            for request_id in added:
+                self.engine.abort(request_id)
+            self.engine.step()  # collect the aborts so they do not leak into a later call
+            raise
+        results: dict[str, ImageOutput] = {}
+        while len(results) < len(requests):
+            for output in self.engine.step():
+                if output.finish_reason != "stop" or output.payload is None:
+                    raise RuntimeError(
+                        f"request {output.request_id} ended with {output.finish_reason}: "
+                        f"{output.error or 'no image'}"
+                    )
+                results[output.request_id] = output.payload["images"][0]
+        return [results[r.request_id] for r in requests]
+
+    def _request(self, item: DiffusionInput, params: DiffusionParams) -> DiffusionRequest:
+        request_id = f"image-{next(self._request_counter)}"
+        if isinstance(item, torch.Tensor):
+            return DiffusionRequest(request_id, prompt_embeds=item, params=params)
+        return DiffusionRequest(request_id, prompt=item, params=params)
+
+    # -- control ----------------------------------------------------------------------------
+
+    def sleep(self, level: int = 2, mode: str = "abort") -> dict[str, Any]:
+        return self.engine.sleep(level=level, mode=mode)
+
+    def wake_up(self, tags: list[str] | None = None, reload: bool = True) -> dict[str, Any]:
+        return self.engine.wake_up(tags=tags, reload=reload)
+
+    def update_weights(self, path: str | Path) -> dict[str, Any]:
+        return self.engine.update_weights(path)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def memory_stats(self) -> dict[str, Any]:
+        return self.engine.sleep_control.memory_stats()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> Diffusion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

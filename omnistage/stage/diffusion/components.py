@@ -1,0 +1,142 @@
+"""Reading a diffusers-format pipeline folder: which component is which, built without weights.
+
+A diffusers folder has ``model_index.json`` mapping each component name to
+``[library, class_name]`` (``[null, null]`` when absent) and one sub-folder per component.
+Torch components are built from their ``config.json`` with parameters on the ``meta`` device
+(nothing allocated, nothing initialised); the engine then adopts them into its arena and the
+loader fills them from the component's safetensors. Buffers are created for real because
+non-persistent ones (positional tables) are derived data that no checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.models.loader import CheckpointError
+
+MODEL_INDEX = "model_index.json"
+# Weight file stems, in the order diffusers and transformers name them.
+WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
+TORCH_LIBRARIES = ("diffusers", "transformers")
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    name: str
+    library: str
+    class_name: str
+
+    @property
+    def is_torch_module(self) -> bool:
+        return self.name not in ("scheduler", "tokenizer") and self.library in TORCH_LIBRARIES
+
+
+def read_model_index(folder: str | Path) -> dict[str, ComponentSpec]:
+    """The present components of a pipeline folder, by name; raises ``CheckpointError``."""
+    path = Path(folder) / MODEL_INDEX
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a diffusers pipeline folder: no {MODEL_INDEX}")
+    try:
+        index = json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    specs = {}
+    for name, value in index.items():
+        if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
+            continue
+        library, class_name = value
+        if library is None or class_name is None:
+            continue  # an optional component the pipeline was saved without
+        specs[name] = ComponentSpec(name, str(library), str(class_name))
+    return specs
+
+
+def component_weight_files(folder: str | Path) -> list[Path]:
+    """The safetensors files holding a component's weights, ignoring variants (``.fp16``)."""
+    folder = Path(folder)
+    for stem in WEIGHT_STEMS:
+        index = folder / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / name for name in dict.fromkeys(weight_map.values())]
+        single = folder / f"{stem}.safetensors"
+        if single.is_file():
+            return [single]
+    raise CheckpointError(
+        f"no weights in {folder}: expected diffusion_pytorch_model.safetensors or "
+        "model.safetensors (or their .index.json); .bin checkpoints are not supported"
+    )
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Within the block, newly registered parameters move to ``meta``; buffers stay real.
+
+    Patches ``nn.Module.register_parameter`` process-wide, so build one model at a time.
+    Each parameter is first made by its module as an uninitialised CPU tensor (no pages are
+    touched), then replaced before its initialiser runs.
+    """
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = nn.Parameter(
+                param.to("meta"), requires_grad=param.requires_grad
+            )
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _library_class(spec: ComponentSpec) -> Any:
+    try:
+        module = importlib.import_module(spec.library)
+        return getattr(module, spec.class_name)
+    except (ImportError, AttributeError) as exc:
+        raise CheckpointError(
+            f"component {spec.name!r}: cannot find {spec.library}.{spec.class_name}: {exc}"
+        ) from exc
+
+
+def build_empty_module(folder: str | Path, spec: ComponentSpec, dtype: torch.dtype) -> nn.Module:
+    """The component's module from its ``config.json``, parameters on ``meta``, in eval mode."""
+    cls = _library_class(spec)
+    component_dir = Path(folder) / spec.name
+    if not (component_dir / "config.json").is_file():
+        raise CheckpointError(f"component {spec.name!r}: no config.json in {component_dir}")
+    with parameters_on_meta():
+        if spec.library == "diffusers":
+            module = cls.from_config(cls.load_config(component_dir))
+        else:
+            config = cls.config_class.from_pretrained(component_dir)
+            module = cls(config)
+    if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
+        module.to(dtype)
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def load_tokenizer(folder: str | Path, spec: ComponentSpec) -> Any:
+    """The tokenizer component, through its ``transformers`` class (local files only)."""
+    cls = _library_class(spec)
+    return cls.from_pretrained(Path(folder) / spec.name, local_files_only=True)
+
+
+def load_scheduler_config(folder: str | Path, spec: ComponentSpec) -> dict[str, Any]:
+    """The scheduler's saved config (``scheduler_config.json``) as a dict."""
+    cls = _library_class(spec)
+    return dict(cls.load_config(Path(folder) / spec.name))

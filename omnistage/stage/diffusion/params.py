@@ -1,0 +1,184 @@
+"""What a diffusion request asks for, what it gets back, and how its fields are checked.
+
+``DiffusionParams`` holds the per-request knobs; ``DiffusionRequest`` adds the input (a text
+prompt, or conditioning embeddings such as a thinker stage's final hidden states);
+``ImageOutput`` is one finished image. ``validate_request`` checks a request against what the
+loaded pipeline can do and raises ``InvalidRequestError`` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.errors import InvalidRequestError
+
+# Short names accepted for ``DiffusionParams.scheduler`` -> diffusers scheduler class names.
+SCHEDULER_NAMES: dict[str, str] = {
+    "flow_match_euler": "FlowMatchEulerDiscreteScheduler",
+    "ddim": "DDIMScheduler",
+}
+MAX_INFERENCE_STEPS = 1000
+MAX_IMAGE_SIDE = 4096
+MAX_EMBEDDING_TOKENS = 4096
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class DiffusionParams:
+    """Per-request generation settings.
+
+    ``None`` for ``height``/``width`` means the pipeline's native size (transformer
+    ``sample_size`` × VAE scale factor); ``seed`` None draws one (reported back in
+    ``ImageOutput.seed``). Classifier-free guidance runs when ``guidance_scale > 1``, with
+    ``negative_prompt`` (text pipelines) or the request's ``negative_prompt_embeds`` (a zero
+    embedding when neither exists) as the unconditional input. ``scheduler`` None uses the
+    pipeline's own scheduler folder; "flow_match_euler" or "ddim" override it.
+    ``max_sequence_length`` None uses the pipeline default (tokenizer limit, at most 300).
+    ``return_pixels`` also returns the decoded float image (H, W, 3) in [0, 1].
+    """
+
+    num_inference_steps: int = 10
+    height: int | None = None
+    width: int | None = None
+    guidance_scale: float = 1.0
+    negative_prompt: str = ""
+    seed: int | None = None
+    scheduler: str | None = None
+    max_sequence_length: int | None = None
+    return_pixels: bool = False
+
+    @property
+    def uses_guidance(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+@dataclass
+class DiffusionRequest:
+    """One image to generate: either ``prompt`` (text) or ``prompt_embeds`` ([seq, dim])."""
+
+    request_id: str
+    prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    params: DiffusionParams = field(default_factory=DiffusionParams)
+
+
+@dataclass
+class ImageOutput:
+    """A finished image: PNG bytes plus its size and the seed that produced it.
+
+    ``pixels`` (float32, [height, width, 3], values in [0, 1], before PNG quantisation) is set
+    only when the request asked for ``return_pixels``.
+    """
+
+    png: bytes
+    width: int
+    height: int
+    seed: int
+    pixels: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class PipelineLimits:
+    """What the loaded pipeline accepts; validation checks requests against it."""
+
+    size_multiple: int  # VAE scale factor × transformer patch size
+    embedding_dim: int  # transformer caption_channels
+    has_text_encoder: bool
+    max_inference_steps: int = MAX_INFERENCE_STEPS
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
+
+
+def _check_size(name: str, value: int | None, multiple: int) -> None:
+    if value is None:
+        return
+    _check_int(name, value, multiple, MAX_IMAGE_SIDE)
+    if value % multiple:
+        raise InvalidRequestError(name, f"must be a multiple of {multiple}, got {value}")
+
+
+def _check_embeddings(name: str, embeds: object, dim: int) -> None:
+    if not isinstance(embeds, torch.Tensor):
+        raise InvalidRequestError(
+            name, f"must be a tensor [seq, {dim}], got {type(embeds).__name__}"
+        )
+    if not embeds.is_floating_point():
+        raise InvalidRequestError(name, f"must be a float tensor, got {embeds.dtype}")
+    if embeds.ndim != 2:
+        raise InvalidRequestError(name, f"must have shape [seq, {dim}], got {list(embeds.shape)}")
+    if embeds.shape[1] != dim:
+        raise InvalidRequestError(
+            name, f"dimension {embeds.shape[1]} does not match the transformer's {dim}"
+        )
+    if not 1 <= embeds.shape[0] <= MAX_EMBEDDING_TOKENS:
+        raise InvalidRequestError(
+            name, f"must have 1..{MAX_EMBEDDING_TOKENS} tokens, got {embeds.shape[0]}"
+        )
+    if not bool(torch.isfinite(embeds).all()):
+        raise InvalidRequestError(name, "contains NaN or infinite values")
+
+
+def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
+    """Raise ``InvalidRequestError`` naming the first invalid field of ``params``."""
+    if not isinstance(params, DiffusionParams):
+        raise InvalidRequestError("params", f"must be DiffusionParams, got {type(params).__name__}")
+    _check_int("num_inference_steps", params.num_inference_steps, 1, limits.max_inference_steps)
+    _check_size("height", params.height, limits.size_multiple)
+    _check_size("width", params.width, limits.size_multiple)
+    scale = params.guidance_scale
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise InvalidRequestError("guidance_scale", f"must be a finite number, got {scale!r}")
+    if scale < 0:
+        raise InvalidRequestError("guidance_scale", f"must be >= 0, got {scale}")
+    if not isinstance(params.negative_prompt, str):
+        raise InvalidRequestError("negative_prompt", "must be a string")
+    if params.negative_prompt and params.uses_guidance and not limits.has_text_encoder:
+        raise InvalidRequestError(
+            "negative_prompt",
+            "this pipeline has no text encoder; pass negative_prompt_embeds instead",
+        )
+    if params.seed is not None:
+        _check_int("seed", params.seed, 0, MAX_SEED)
+    if params.scheduler is not None and params.scheduler not in SCHEDULER_NAMES:
+        raise InvalidRequestError(
+            "scheduler",
+            f"must be one of {sorted(SCHEDULER_NAMES)} or None, got {params.scheduler!r}",
+        )
+    if params.max_sequence_length is not None:
+        _check_int("max_sequence_length", params.max_sequence_length, 1, MAX_EMBEDDING_TOKENS)
+
+
+def validate_request(request: DiffusionRequest, limits: PipelineLimits) -> None:
+    """Raise ``InvalidRequestError`` naming the first invalid field of ``request``."""
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise InvalidRequestError("request_id", "must be a non-empty string")
+    validate_params(request.params, limits)
+    has_prompt = request.prompt is not None
+    if has_prompt == (request.prompt_embeds is not None):
+        raise InvalidRequestError("prompt", "give exactly one of prompt or prompt_embeds")
+    if has_prompt:
+        if not isinstance(request.prompt, str):
+            raise InvalidRequestError(
+                "prompt", f"must be a string, got {type(request.prompt).__name__}"
+            )
+        if not limits.has_text_encoder:
+            raise InvalidRequestError(
+                "prompt",
+                "this pipeline has no text encoder; pass prompt_embeds "
+                f"[seq, {limits.embedding_dim}] instead",
+            )
+    else:
+        _check_embeddings("prompt_embeds", request.prompt_embeds, limits.embedding_dim)
+    if request.negative_prompt_embeds is not None:
+        _check_embeddings(
+            "negative_prompt_embeds", request.negative_prompt_embeds, limits.embedding_dim
+        )
