@@ -1,0 +1,238 @@
+"""The offline Python API for one AR model, shaped like vLLM's ``LLM``.
+
+    llm = LLM(model="path/to/checkpoint", enable_sleep_mode=True)
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    llm.sleep(level=1); llm.wake_up()
+
+Unlike the engine, ``wake_up`` resumes generation once nothing is asleep any more (the
+offline API has no separate resume step to forget).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.config import StageConfig
+from omnistage.errors import StageAsleepError
+from omnistage.models.tokenizer import Tokenizer
+from omnistage.stage.ar.engine import ARStageEngine
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+
+PromptInput = str | dict[str, Any]
+_FIXED_FIELDS = {"stage_id", "kind", "model", "device", "dtype", "enable_sleep_mode"}
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    hidden_states: torch.Tensor | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+
+
+class LLM:
+    """One AR model in this process. Extra keywords are ``StageConfig`` fields
+    (``max_num_seqs``, ``kv_cache_bytes``, ``max_model_len``, ...); others raise ``TypeError``."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        enable_sleep_mode: bool = True,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        unknown = sorted(set(kwargs) - (set(StageConfig.model_fields) - _FIXED_FIELDS))
+        if unknown:
+            raise TypeError(
+                f"LLM() got unexpected keyword arguments {unknown}; other StageConfig fields "
+                f"are allowed: {sorted(set(StageConfig.model_fields) - _FIXED_FIELDS)}"
+            )
+        config = StageConfig(
+            stage_id=0,
+            kind="ar",
+            model=str(model),
+            device=device,
+            dtype=dtype,  # type: ignore[arg-type]  # validated by pydantic
+            enable_sleep_mode=enable_sleep_mode,
+            **kwargs,
+        )
+        self.engine = ARStageEngine(config, seed=seed)
+        self.tokenizer: Tokenizer = self.engine.tokenizer
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    # -- generation ---------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        return_hidden_states: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of them;
+        outputs come back in input order."""
+        items = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        inputs = [self._encode(p) for p in items]
+        return self._run(inputs, sampling_params, return_hidden_states)
+
+    def chat(
+        self,
+        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them."""
+        is_single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if is_single else list(messages)
+        inputs: list[tuple[str | None, list[int]]] = []
+        for conversation in conversations:
+            text = self.tokenizer.render_chat(
+                conversation,  # type: ignore[arg-type]
+                add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            inputs.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(inputs, sampling_params, False)
+
+    def _encode(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError(
+            f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}"
+        )
+
+    def _run(
+        self,
+        inputs: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None,
+        return_hidden_states: bool,
+    ) -> list[RequestOutput]:
+        if self.engine.is_sleeping():
+            raise StageAsleepError(0, "the LLM is asleep; call wake_up() first")
+        if self.engine.is_paused:
+            raise RuntimeError("the LLM is paused; call resume() (or wake_up()) first")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(inputs)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(inputs):
+                raise ValueError(f"{len(params)} sampling_params for {len(inputs)} prompts")
+        results: dict[str, RequestOutput] = {}
+        try:
+            for (text, ids), p in zip(inputs, params, strict=True):
+                request_id = str(next(self._request_counter))
+                self.engine.add_request(ARRequest(request_id, ids, p, return_hidden_states, text))
+                results[request_id] = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
+            self._drive(results)
+        except BaseException:
+            for request_id, result in results.items():
+                if not result.finished:
+                    self.engine.abort(request_id)
+            self.engine.step()  # deliver the aborts so nothing is left behind
+            raise
+        return list(results.values())
+
+    def _drive(self, results: dict[str, RequestOutput]) -> None:
+        num_pending = sum(not r.finished for r in results.values())
+        while num_pending:
+            outputs = self.engine.step()
+            if not outputs:
+                raise RuntimeError(f"generation cannot progress: {self.engine.status()}")
+            for out in outputs:
+                result = results.get(out.request_id)
+                if result is None:
+                    continue
+                completion = result.outputs[0]
+                completion.text += out.text_delta
+                completion.token_ids += out.new_token_ids
+                if out.finished:
+                    completion.finish_reason = out.finish_reason
+                    if out.payload is not None:
+                        completion.hidden_states = out.payload.get("hidden_states")
+                    result.finished = True
+                    num_pending -= 1
+
+    # -- control ------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
+        """Release memory (level 1: weights to host, level 2: discard all); returns the ACK.
+
+        Mode ``wait`` first runs the requests in flight to completion (within the config's
+        ``drain_timeout_s``)."""
+        if mode == "wait" and not self.engine.is_paused:
+            self.engine.pause("wait")
+            deadline = time.monotonic() + self.engine.config.drain_timeout_s
+            while not self.engine.is_drained():
+                if time.monotonic() > deadline:
+                    self.engine.resume()
+                    raise TimeoutError(
+                        "sleep(mode='wait'): requests still running after "
+                        f"{self.engine.config.drain_timeout_s:g}s; raise drain_timeout_s"
+                    )
+                self.engine.step()
+        return self.engine.sleep(level=level, mode=mode)
+
+    def wake_up(self, tags: Seq[str] | None = None, reload: bool = True) -> dict[str, Any]:
+        """Bring memory back; generation resumes once nothing is asleep."""
+        ack = self.engine.wake_up(tags=tags, reload=reload)
+        if not self.engine.is_sleeping():
+            self.engine.resume()
+        return ack
+
+    def update_weights(self, path: str) -> dict[str, Any]:
+        return self.engine.update_weights(path)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def memory_stats(self) -> dict[str, Any]:
+        return self.engine.memory_stats()
+
+    def pause(self, mode: str = "abort") -> None:
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def status(self) -> dict[str, Any]:
+        return self.engine.status()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

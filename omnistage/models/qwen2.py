@@ -1,0 +1,221 @@
+"""The qwen2-family decoder (Qwen2/Qwen2.5, Qwen3, Llama) over a paged KV cache.
+
+Parameter names follow the HF checkpoints (``model.layers.0.self_attn.q_proj.weight``...), so
+the loader fills the model without renaming. The forward pass takes a flat batch of tokens
+(``input_ids`` and ``positions`` of shape ``[T]``) and returns the final hidden states (after
+the last norm); ``compute_logits`` turns the rows it is given into vocabulary logits. Numerics
+follow transformers (RMSNorm in fp32, rotary tables computed per call in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.ar_attention import (
+    AttentionContext,
+    KVCacheLayer,
+    causal_attention,
+    paged_decode_attention,
+    store_kv,
+)
+from omnistage.models.ar_config import ARModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    """fp32 inverse frequencies on the CPU (explicitly: models are built under ``meta``)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (rope.theta ** (steps / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary cos/sin tables for given positions; derived data, not part of the checkpoint."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (``[T, heads, head_dim]``) by per-token tables ``[T, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        hidden, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: AttentionContext | None,
+        kv_cache: KVCacheLayer | None,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if context is None:
+            out = causal_attention(q, k, v, [0, num_tokens], self.scale)
+        else:
+            if kv_cache is not None:
+                store_kv(kv_cache, k, v, context.slot_mapping)
+            if context.is_prefill:
+                if context.cu_seqlens is None:
+                    raise ValueError("a prefill AttentionContext needs cu_seqlens")
+                out = causal_attention(q, k, v, context.cu_seqlens, self.scale)
+            else:
+                if kv_cache is None or context.block_tables is None or context.context_lens is None:
+                    raise ValueError("decode needs a KV cache, block_tables and context_lens")
+                out = paged_decode_attention(
+                    q, kv_cache, context.block_tables, context.context_lens, self.scale
+                )
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context: AttentionContext | None,
+        kv_cache: KVCacheLayer | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2Model(nn.Module):
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
+
+
+class Qwen2ForCausalLM(nn.Module):
+    """A qwen2-family causal LM; ``forward`` returns final hidden states, not logits."""
+
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen2Model(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def on_meta(cls, config: ARModelConfig, dtype: torch.dtype) -> Qwen2ForCausalLM:
+        """Build without memory for the weights (adopt into an arena, then load)."""
+        with torch.device("meta"):
+            return cls(config, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: AttentionContext | None = None,
+        kv_caches: list[KVCacheLayer] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm.
+
+        Without ``context`` the tokens form one sequence and no cache is used.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, context, kv_caches[i] if kv_caches is not None else None)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+
+def checkpoint_rename(name: str) -> str | None:
+    """Map an HF checkpoint name to ours; rotary tables some checkpoints carry are skipped."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    return name

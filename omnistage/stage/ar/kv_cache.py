@@ -1,0 +1,98 @@
+"""The paged KV cache: one arena allocation under tag ``kv_cache``, sized once at start-up.
+
+Layout ``[2 (k, v), num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim]``. The
+extra last block is a scratch block no sequence ever owns: padded rows of a captured decode
+graph write their k/v there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from omnistage.config import ConfigError, StageConfig
+from omnistage.memory import Arena
+from omnistage.models.ar_attention import KVCacheLayer
+from omnistage.models.ar_config import ARModelConfig
+
+KV_CACHE_TAG = "kv_cache"
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def plan_kv_cache(
+    config: StageConfig, model: ARModelConfig, dtype: torch.dtype, device: torch.device
+) -> KVCachePlan:
+    """How many blocks to allocate: ``kv_cache_bytes``, else ``kv_cache_memory_fraction`` of
+    the free memory, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens
+    can use (more could never be touched). Raises ``ConfigError`` if one full-length
+    sequence does not fit, since it could then never finish."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bytes_per_block = (
+        (2 * model.num_hidden_layers * config.block_size * model.num_key_value_heads)
+        * model.head_dim
+        * itemsize
+    )
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    else:
+        budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
+    num_blocks = min(budget // bytes_per_block - 1, blocks_per_seq * config.max_num_seqs)
+    if num_blocks < blocks_per_seq:
+        setting = (
+            "kv_cache_bytes" if config.kv_cache_bytes is not None else "kv_cache_memory_fraction"
+        )
+        raise ConfigError(
+            f"the KV cache ({budget} bytes) holds {max(num_blocks, 0) * config.block_size} tokens, "
+            f"fewer than max_model_len={config.max_model_len}; raise {setting} "
+            f"(at least {(blocks_per_seq + 1) * bytes_per_block} bytes) or lower max_model_len"
+        )
+    return KVCachePlan(num_blocks, config.block_size, bytes_per_block)
+
+
+class KVCache:
+    def __init__(
+        self, arena: Arena, model: ARModelConfig, plan: KVCachePlan, dtype: torch.dtype
+    ) -> None:
+        self.plan = plan
+        shape = (
+            2,
+            model.num_hidden_layers,
+            plan.num_blocks + 1,
+            plan.block_size,
+            model.num_key_value_heads,
+            model.head_dim,
+        )
+        self.tensor = arena.empty(shape, dtype, KV_CACHE_TAG)
+        self.clear()  # also faults the pages in: resident figures then match reserved ones
+        self.layers: list[KVCacheLayer] = [
+            (self.tensor[0, i], self.tensor[1, i]) for i in range(model.num_hidden_layers)
+        ]
+        self.scratch_slot = plan.num_blocks * plan.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def clear(self) -> None:
+        """Zero the cache: masked slots then never hold NaN bit patterns (0 * NaN = NaN)."""
+        self.tensor.zero_()

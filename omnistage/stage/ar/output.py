@@ -1,0 +1,82 @@
+"""Turns a sampled token into a ``StageOutput``: stop checks and the streamed text delta.
+
+With stop strings the last ``len(longest stop) - 1`` characters are held back until the
+generation ends, so text that a stop string later cuts away is never streamed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.types import FinishReason, StageOutput
+
+
+def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    """Index of the earliest stop string in ``text`` at or after ``start``."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def append_token(
+    seq: Sequence, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+) -> StageOutput:
+    """Add ``token_id`` to ``seq``; set ``seq.finish_reason`` when it ends; return the delta."""
+    params = seq.params
+    seq.token_ids.append(token_id)
+    reason: FinishReason | None = None
+    if token_id in params.stop_token_id_set or (
+        not params.ignore_eos and token_id in eos_token_ids
+    ):
+        reason = "stop"
+    elif seq.num_tokens >= max_model_len or (
+        params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
+    ):
+        reason = "length"
+    text = seq.detokenizer.push([token_id])
+    if reason is not None:
+        text += seq.detokenizer.flush()
+    previous_len = len(seq.output_text)
+    seq.output_text += text
+    holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+    if params.stop_strings and seq.num_output_tokens >= params.min_tokens:
+        cut = find_stop(seq.output_text, params.stop_strings, max(0, previous_len - holdback))
+        if cut is not None:
+            seq.output_text = seq.output_text[:cut]
+            reason = "stop"
+    emit_end = len(seq.output_text) - (holdback if reason is None else 0)
+    delta = seq.output_text[seq.num_emitted_chars : max(emit_end, seq.num_emitted_chars)]
+    seq.num_emitted_chars += len(delta)
+    seq.finish_reason = reason
+    return StageOutput(
+        request_id=seq.request_id,
+        text_delta=delta,
+        new_token_ids=[token_id],
+        finished=reason is not None,
+        finish_reason=reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        payload=final_payload(seq) if reason is not None else None,
+    )
+
+
+def final_payload(seq: Sequence) -> dict[str, torch.Tensor] | None:
+    if not seq.return_hidden_states or not seq.hidden_states:
+        return None
+    return {"hidden_states": torch.cat(seq.hidden_states).cpu()}
+
+
+def abort_output(
+    seq: Sequence, reason: FinishReason = "abort", error: str | None = None
+) -> StageOutput:
+    """The final output of a sequence ended from outside (abort, error)."""
+    return StageOutput(
+        request_id=seq.request_id,
+        finished=True,
+        finish_reason=reason,
+        error=error,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+    )

@@ -1,0 +1,98 @@
+"""Continuous batching: each step is either a prefill of waiting sequences or one decode
+token for every running sequence; when the KV cache runs out, the newest running sequences
+are preempted (their blocks freed, their tokens kept) and later recomputed."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from omnistage.stage.ar.block_manager import BlockManager
+from omnistage.stage.ar.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences to run now and whether this is a prefill step."""
+        scheduled: list[Sequence] = []
+        num_batched_tokens = 0
+        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # The first sequence always goes, so prompts longer than the budget still run.
+            too_many = num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
+            if (scheduled and too_many) or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            num_batched_tokens += seq.num_tokens
+            scheduled.append(self.waiting.popleft())
+        if scheduled:
+            self.running.extend(scheduled)
+            return scheduled, True
+        while self.running:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it first in line; its next prefill recomputes them."""
+        seq.status = SequenceStatus.WAITING
+        self.block_manager.free(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def preempt_all(self) -> int:
+        """Preempt every running sequence, keeping their order; returns how many."""
+        count = len(self.running)
+        while self.running:
+            self.preempt(self.running.pop())
+        return count
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def remove(self, request_id: str) -> Sequence | None:
+        """Take a sequence out of the queues (abort), freeing its blocks."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self.block_manager.free(seq)
+                    seq.status = SequenceStatus.FINISHED
+                    return seq
+        return None
+
+    def remove_all(self) -> list[Sequence]:
+        seqs = [*self.running, *self.waiting]
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+        return seqs

@@ -1,0 +1,88 @@
+"""A request (``ARRequest``) and its life in the engine (``Sequence``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from omnistage.models.tokenizer import IncrementalDetokenizer
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.types import FinishReason
+
+
+@dataclass
+class ARRequest:
+    """What a client asks of an AR stage.
+
+    With ``return_hidden_states`` the finished output carries ``payload["hidden_states"]``:
+    the final hidden states (after the last norm, on the CPU) of every token the model
+    processed — the prompt and each generated token except the last, which is never fed back.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    return_hidden_states: bool = False
+    prompt: str | None = None
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request's tokens, KV blocks, decoding state and streamed text."""
+
+    def __init__(
+        self,
+        request: ARRequest,
+        detokenizer: IncrementalDetokenizer,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.request_id = request.request_id
+        self.params = request.sampling_params
+        self.token_ids = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.return_hidden_states = request.return_hidden_states
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.detokenizer = detokenizer
+        self.generator = generator  # None: the engine's shared generator
+        self.hidden_states: list[torch.Tensor] = []
+        self.output_text = ""
+        self.num_emitted_chars = 0
+        self.finish_reason: FinishReason | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def record_hidden_states(self, rows: torch.Tensor, is_prefill: bool) -> None:
+        # A prefill covers every token so far (recomputed after a preemption): it replaces.
+        if is_prefill:
+            self.hidden_states = [rows]
+        else:
+            self.hidden_states.append(rows)
