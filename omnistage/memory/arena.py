@@ -198,6 +198,7 @@ class Arena:
                 for region in state.regions:
                     if region.host_backup is None:
                         region.host_backup = self.backend.new_host_backup(region.nbytes)
+                    self.backend.prepare_host_backup(region.host_backup)
                     region.host_backup.copy_(self.backend.as_tensor(region))
                     report.backup_bytes += region.nbytes
                 self.backend.synchronize()
