@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,9 @@ async def collect(
     sampling: dict[str, Any] | None = None,
     image: dict[str, Any] | None = None,
     request_id: str | None = None,
+    started: asyncio.Event | None = None,
 ) -> Result:
+    """Run one request to the end; ``started`` is set when its first output arrives."""
     result = Result()
     async for out in engine.generate(
         prompt,
@@ -35,6 +38,8 @@ async def collect(
         image_params=image or IMAGE,
         request_id=request_id,
     ):
+        if started is not None:
+            started.set()
         if out.modality == "text":
             result.text += out.text_delta
             result.token_ids.extend(out.new_token_ids)

@@ -57,11 +57,16 @@ async def test_ar_stage_waits_for_resume_after_wake(tiny_omni):
 
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 async def test_sleep_with_requests_in_flight_ends_each_as_its_mode_promises(tiny_omni, mode):
-    sampling = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    # long enough that all 16 are still decoding when the sleep lands
+    sampling = {"temperature": 0.0, "max_tokens": 320, "ignore_eos": True}
     prompts = [f"request number {i}" for i in range(16)]
     reference = await asyncio.gather(*(collect(tiny_omni, p, ["text"], sampling) for p in prompts))
-    tasks = [asyncio.ensure_future(collect(tiny_omni, p, ["text"], sampling)) for p in prompts]
-    await asyncio.sleep(0.3)  # let them start decoding
+    started = [asyncio.Event() for _ in prompts]
+    tasks = [
+        asyncio.ensure_future(collect(tiny_omni, p, ["text"], sampling, started=e))
+        for p, e in zip(prompts, started, strict=True)
+    ]
+    await asyncio.gather(*(e.wait() for e in started))
     acks = await tiny_omni.sleep([0], level=1, mode=mode)
     assert acks[0]["status"] == "SUCCESS" and acks[0]["metadata"]["mode"] == mode
     if mode == "keep":
