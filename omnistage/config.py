@@ -133,3 +133,32 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read config {p}: {exc}") from exc
     return parse_pipeline_config(data, source=str(p))
+
+
+_OFFLINE_FIXED_FIELDS = frozenset(
+    {"stage_id", "kind", "model", "device", "dtype", "enable_sleep_mode"}
+)
+
+
+def offline_stage_config(caller: str, kind: StageKind, model: str, **fields: Any) -> StageConfig:
+    """The one-stage config of an offline API object (``LLM``, ``Diffusion``).
+
+    ``fields`` are ``device``, ``dtype``, ``enable_sleep_mode`` and any other ``StageConfig``
+    field; an unknown keyword raises ``TypeError`` naming it (as a Python call would), a bad
+    value ``ConfigError`` naming the key.
+    """
+    allowed = (set(StageConfig.model_fields) - _OFFLINE_FIXED_FIELDS) | {
+        "device",
+        "dtype",
+        "enable_sleep_mode",
+    }
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise TypeError(
+            f"{caller}() got unexpected keyword arguments {unknown}; other StageConfig fields "
+            f"are allowed: {sorted(allowed)}"
+        )
+    try:
+        return StageConfig(stage_id=0, kind=kind, model=str(model), **fields)
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, f"{caller}()")) from None

@@ -18,14 +18,13 @@ from typing import Any
 
 import torch
 
-from omnistage.config import StageConfig
+from omnistage.config import offline_stage_config
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
 from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest, ImageOutput
 
 __all__ = ["Diffusion", "DiffusionParams", "ImageOutput"]
 
 DiffusionInput = str | torch.Tensor
-_FIXED_FIELDS = {"stage_id", "kind", "model", "device", "dtype", "enable_sleep_mode"}
 
 
 class Diffusion:
@@ -41,19 +40,12 @@ class Diffusion:
         enable_sleep_mode: bool = True,
         **kwargs: Any,
     ) -> None:
-        allowed = set(StageConfig.model_fields) - _FIXED_FIELDS
-        unknown = sorted(set(kwargs) - allowed)
-        if unknown:
-            raise TypeError(
-                f"Diffusion() got unexpected keyword arguments {unknown}; other StageConfig "
-                f"fields are allowed: {sorted(allowed)}"
-            )
-        config = StageConfig(
-            stage_id=0,
-            kind="diffusion",
-            model=str(model),
+        config = offline_stage_config(
+            "Diffusion",
+            "diffusion",
+            str(model),
             device=device,
-            dtype=dtype,  # type: ignore[arg-type]  # validated by pydantic
+            dtype=dtype,
             enable_sleep_mode=enable_sleep_mode,
             **kwargs,
         )

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from omnistage.config import StageConfig
+from omnistage.config import offline_stage_config
 from omnistage.errors import StageAsleepError
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.engine import ARStageEngine
@@ -28,7 +28,6 @@ from omnistage.stage.ar.sequence import ARRequest
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 PromptInput = str | dict[str, Any]
-_FIXED_FIELDS = {"stage_id", "kind", "model", "device", "dtype", "enable_sleep_mode"}
 
 
 @dataclass
@@ -63,18 +62,12 @@ class LLM:
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
-        unknown = sorted(set(kwargs) - (set(StageConfig.model_fields) - _FIXED_FIELDS))
-        if unknown:
-            raise TypeError(
-                f"LLM() got unexpected keyword arguments {unknown}; other StageConfig fields "
-                f"are allowed: {sorted(set(StageConfig.model_fields) - _FIXED_FIELDS)}"
-            )
-        config = StageConfig(
-            stage_id=0,
-            kind="ar",
-            model=str(model),
+        config = offline_stage_config(
+            "LLM",
+            "ar",
+            model,
             device=device,
-            dtype=dtype,  # type: ignore[arg-type]  # validated by pydantic
+            dtype=dtype,
             enable_sleep_mode=enable_sleep_mode,
             **kwargs,
         )
