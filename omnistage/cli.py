@@ -29,7 +29,9 @@ def _run_build_tiny(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
     p.add_argument(
-        "name", choices=["arena", "ar", "diffusion", "all"], help="Which benchmark to run."
+        "name",
+        choices=["arena", "ar", "diffusion", "control", "all"],
+        help="Which benchmark to run.",
     )
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
     p.add_argument("--device", default="cpu", help="'cpu' or 'cuda:N'.")
@@ -43,7 +45,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ["arena", "ar", "diffusion"] if args.name == "all" else [args.name]
+    names = ["arena", "ar", "diffusion", "control"] if args.name == "all" else [args.name]
     for name in names:
         module = importlib.import_module(f"omnistage.bench.{name}")
         if name == "arena":
