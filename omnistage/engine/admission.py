@@ -72,9 +72,10 @@ class AdmissionGate:
         try:
             yield
         finally:
-            async with self.cond:
-                s.admitting -= 1
-                self.cond.notify_all()
+            # Counted down before any await: a submitter cancelled while waiting for the lock
+            # must not leave ``admitting`` above zero (a sleep would wait for it forever).
+            s.admitting -= 1
+            await asyncio.shield(self._notify())
 
     def begin_transition(self, stage_ids: list[int], target: str) -> dict[int, str]:
         """Mark stages as transitioning (no await in between: atomic on the loop).
@@ -113,6 +114,15 @@ class AdmissionGate:
                 s.paused = paused
             if level != -1:
                 s.level = level
+            self.cond.notify_all()
+
+    async def reopen(self, stage_ids: Iterable[int]) -> None:
+        """Unpause the stages that are still awake; one that began a transition meanwhile
+        keeps the state its sleep or wake gives it."""
+        async with self.cond:
+            for sid in stage_ids:
+                if self.stages[sid].state == AWAKE:
+                    self.stages[sid].paused = False
             self.cond.notify_all()
 
     def mark_dead(self, stage_id: int, detail: str) -> None:

@@ -170,7 +170,7 @@ class AsyncOmni:
             result = StageResult()
             async for out in self._run_stage(stage_id, request_id, request):
                 if out.error is not None:
-                    raise rebuild_error(stage_id, out.error_type, out.error, None)
+                    raise rebuild_error(stage_id, out.error_type, out.error, out.error_field)
                 result.text += out.text_delta
                 result.token_ids.extend(out.new_token_ids)
                 ends_request = out.finished and (is_last or out.finish_reason == "abort")
@@ -214,11 +214,14 @@ class AsyncOmni:
         self, stage_id: int, request_id: str, request: dict[str, Any]
     ) -> AsyncIterator[OutputMessage]:
         client = self.clients[stage_id]
-        async with self.gate.admit(stage_id):
-            queue = client.add_request(request_id, request)
-        self._active[request_id] = stage_id
+        queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
         try:
+            # The request counts as submitted inside the ``try``: a caller cancelled while
+            # admission closes behind it still aborts the stage's work.
+            async with self.gate.admit(stage_id):
+                queue = client.add_request(request_id, request)
+                self._active[request_id] = stage_id
             while True:
                 out = await queue.get()
                 finished = out.finished
@@ -226,9 +229,10 @@ class AsyncOmni:
                 if finished:
                     return
         finally:
-            self._active.pop(request_id, None)
-            if not finished:  # the caller went away: free the stage's work
-                client.abort([request_id])
+            if queue is not None:
+                self._active.pop(request_id, None)
+                if not finished:  # the caller went away: free the stage's work
+                    client.abort([request_id])
 
     @staticmethod
     def _to_omni_output(
@@ -314,6 +318,22 @@ class AsyncOmni:
             return []
         previous = self.gate.begin_transition(ids, adm.SLEEPING)
         was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
+        # Shielded: a caller that gives up (timeout, cancelled task) must not leave the stages
+        # marked mid-transition; the sleep runs to its end and records what really happened.
+        return await asyncio.shield(
+            self._sleep(ids, previous, was_paused, level=level, mode=mode, tags=tags)
+        )
+
+    async def _sleep(
+        self,
+        ids: list[int],
+        previous: dict[int, str],
+        was_paused: dict[int, bool],
+        *,
+        level: int,
+        mode: str,
+        tags: Sequence[str] | None,
+    ) -> list[dict[str, Any]]:
         await self.gate.close_and_drain_admission(ids)
         self.reset_mm_cache(ids)
         ar_ids, diffusion_ids = self.split_stage_ids_by_type(ids)
@@ -325,13 +345,19 @@ class AsyncOmni:
             **await self._call_each(diffusion_ids, "sleep", **args),
         }
         acks = []
+        reopen = []
         for sid in ids:
             ack = self._as_ack(sid, results[sid], level=level, mode=mode)
             if ack["status"] == "ERROR":
                 await self.gate.set_state(sid, previous[sid], paused=was_paused[sid])
+                if previous[sid] == adm.AWAKE and not was_paused[sid]:
+                    reopen.append(sid)
             else:
                 await self.gate.set_state(sid, adm.ASLEEP, level=level)
             acks.append(ack)
+        # A sleep that failed after its engine paused must not leave the engine paused behind
+        # an open gate: admitted requests would wait there for a resume nobody sends.
+        await self._call_each(reopen, "resume")
         self._notify_control("sleep", acks)
         self._raise_if_dead(results)
         return acks
@@ -358,29 +384,50 @@ class AsyncOmni:
         if not ids:
             return []
         previous = self.gate.begin_transition(ids, adm.WAKING)
+        should_resume = self.resume_after_wake if resume is None else resume
+        # Shielded for the same reason as ``sleep``.
+        return await asyncio.shield(
+            self._wake_up(ids, previous, tags=tags, reload=reload, resume=should_resume)
+        )
+
+    async def _wake_up(
+        self,
+        ids: list[int],
+        previous: dict[int, str],
+        *,
+        tags: Sequence[str] | None,
+        reload: bool,
+        resume: bool,
+    ) -> list[dict[str, Any]]:
         results = await self._call_each(
             ids, "wake_up", tags=list(tags) if tags is not None else None, reload=reload
         )
-        should_resume = self.resume_after_wake if resume is None else resume
         acks = []
+        to_resume = []
         for sid in ids:
             ack = self._as_ack(sid, results[sid])
             still_asleep = bool(ack["metadata"].get("sleeping_tags"))
+            was_asleep = previous[sid] == adm.ASLEEP
             if ack["status"] == "ERROR" or still_asleep:
                 await self.gate.set_state(
                     sid, previous[sid] if ack["status"] == "ERROR" else adm.ASLEEP
                 )
             elif self.config.stages[sid].kind == "diffusion":
+                # Resumes by itself once really woken; a stage that was only paused stays so.
                 await self.gate.set_state(
-                    sid, adm.AWAKE, paused=False, level=None
-                )  # resumes by itself
+                    sid, adm.AWAKE, paused=False if was_asleep else None, level=None
+                )
             else:
                 # AR stages stay paused until resume_generation() (the seed's semantics).
                 await self.gate.set_state(sid, adm.AWAKE, level=None)
-                if should_resume and previous[sid] == adm.ASLEEP:
-                    await self.resume_generation([sid])
+                if resume and was_asleep:
+                    to_resume.append(sid)
             acks.append(ack)
         self._notify_control("wake_up", acks)
+        # Every stage is settled before resuming: a resume that fails must not leave the
+        # other stages marked as waking.
+        if to_resume:
+            await self.resume_generation(to_resume)
         self._raise_if_dead(results)
         return acks
 
@@ -397,8 +444,7 @@ class AsyncOmni:
         ids = self._check_stage_ids(stage_ids)
         awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
         self._raise_first(await self._call_each(awake, "resume"))
-        for sid in awake:
-            await self.gate.set_state(sid, adm.AWAKE, paused=False)
+        await self.gate.reopen(awake)
 
     async def update_weights(self, stage_id: int, path: str) -> dict[str, Any]:
         (sid,) = self._check_stage_ids([stage_id])
@@ -438,10 +484,10 @@ class AsyncOmni:
         return statuses
 
     def sleeping_stage_ids(self) -> set[int]:
-        """Stages whose memory is (at least partly) asleep: the truth the HTTP layer mirrors."""
-        return {
-            sid for sid, s in enumerate(self.gate.stages) if s.state in (adm.ASLEEP, adm.WAKING)
-        }
+        """Stages whose memory is (at least partly) asleep, or going there: the truth the HTTP
+        layer mirrors (a wakeup racing a sleep then meets the transition, 409, not SKIPPED)."""
+        sleeping = (adm.SLEEPING, adm.ASLEEP, adm.WAKING)
+        return {sid for sid, s in enumerate(self.gate.stages) if s.state in sleeping}
 
     def is_sleeping(self, stage_id: int | None = None) -> bool:
         sleeping = self.sleeping_stage_ids()

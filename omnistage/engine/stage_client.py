@@ -57,6 +57,8 @@ def rebuild_error(
         exc = errors.WeightsInvalidError(stage_id)
     elif error_type == "StageAsleepError":
         exc = errors.StageAsleepError(stage_id, message)
+    elif error_type == "StageDeadError":
+        exc = errors.StageDeadError(stage_id, message)
     elif error_type == "SleepModeDisabledError":
         exc = errors.SleepModeDisabledError(stage_id)
     elif error_type in ("ValueError", "TypeError"):
@@ -66,6 +68,20 @@ def rebuild_error(
     else:
         exc = errors.OmnistageError(f"stage {stage_id}: {error_type}: {message}")
     return exc
+
+
+def oversized_int_field(value: Any, path: str = "") -> str | None:
+    """The path of the first integer msgpack cannot carry (outside ``[-2**63, 2**64)``), if any."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return None if -(2**63) <= value < 2**64 else path or "request"
+    items: Any = value.items() if isinstance(value, dict) else ()
+    if isinstance(value, list | tuple):
+        items = ((None, v) for v in value)
+    for key, item in items:
+        found = oversized_int_field(item, path if key is None else f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 class _StageClientBase:
@@ -138,7 +154,7 @@ class _StageClientBase:
                     request_id=request_id,
                     finished=True,
                     finish_reason="error",
-                    error=str(errors.StageDeadError(self.stage_id, reason)),
+                    error=reason,
                     error_type="StageDeadError",
                 )
             )
@@ -165,23 +181,28 @@ class _StageClientBase:
             raise errors.StageDeadError(self.stage_id, self.death_reason)
         if request_id in self._queues:
             raise errors.InvalidRequestError("request_id", f"{request_id!r} is already in flight")
+        field = oversized_int_field(request)
+        if field is not None:  # refused here by both transports, not as a failed encode
+            raise errors.InvalidRequestError(field, "integer out of range (64 bits at most)")
+        self._send(AddRequest(request_id=request_id, request=request))
         q: asyncio.Queue[OutputMessage] = asyncio.Queue()
         self._queues[request_id] = q
-        self._send(AddRequest(request_id=request_id, request=request))
         return q
 
     def abort(self, request_ids: list[str]) -> None:
+        """Best effort (callers abort from ``finally`` blocks): a gone stage has nothing to free."""
         if not self.is_dead and request_ids:
-            self._send(AbortRequest(request_ids=request_ids))
+            with contextlib.suppress(errors.StageDeadError):
+                self._send(AbortRequest(request_ids=request_ids))
 
     async def call(self, method: str, **args: Any) -> Any:
         loop = self._attach()
         if self.is_dead:
             raise errors.StageDeadError(self.stage_id, self.death_reason)
         call_id = next(self._call_ids)
+        self._send(UtilityCall(call_id=call_id, method=method, args=args))
         fut: asyncio.Future[Any] = loop.create_future()
         self._calls[call_id] = fut
-        self._send(UtilityCall(call_id=call_id, method=method, args=args))
         return await fut
 
 
@@ -199,6 +220,7 @@ class StageProcClient(_StageClientBase):
         self._from_stage: zmq.Socket[Any] | None = None
         self._send_lock = threading.Lock()
         self._closing = False
+        self._receiver: threading.Thread | None = None
 
     def start(self) -> None:
         """Spawn the stage process (returns at once); ``wait_ready`` blocks for its handshake."""
@@ -210,6 +232,9 @@ class StageProcClient(_StageClientBase):
         self._ctx = zmq.Context()
         self._to_stage = self._ctx.socket(zmq.PUSH)
         self._to_stage.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: sends never block the event loop on a busy stage, and a send
+        # that would block can only mean the stage is gone (see ``_send``).
+        self._to_stage.setsockopt(zmq.SNDHWM, 0)
         self._to_stage.bind(in_addr)
         self._from_stage = self._ctx.socket(zmq.PULL)
         self._from_stage.setsockopt(zmq.LINGER, 0)
@@ -248,9 +273,10 @@ class StageProcClient(_StageClientBase):
                     f"stage {self.stage_id} not ready after {self.ready_timeout_s:g}s; "
                     "raise stage_init_timeout_s (--stage-init-timeout)"
                 )
-        threading.Thread(
+        self._receiver = threading.Thread(
             target=self._receive_loop, name=f"stage{self.stage_id}-recv", daemon=True
-        ).start()
+        )
+        self._receiver.start()
         threading.Thread(
             target=self._watch_process, name=f"stage{self.stage_id}-watch", daemon=True
         ).start()
@@ -283,8 +309,19 @@ class StageProcClient(_StageClientBase):
     def _send(self, msg: ToStage) -> None:
         if self._to_stage is None:
             raise errors.StageDeadError(self.stage_id, "not started")
+        data = encode(msg)
         with self._send_lock:
-            self._to_stage.send(encode(msg))
+            # A PUSH socket without a connected peer blocks a plain send forever, and the peer
+            # is gone the moment the stage process dies, before the watcher says so.
+            try:
+                self._to_stage.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            alive = self.process is not None and self.process.is_alive()
+            if not alive or not self._to_stage.poll(1000, zmq.POLLOUT):  # or still connecting
+                raise errors.StageDeadError(self.stage_id, "stage process not connected")
+            self._to_stage.send(data, zmq.NOBLOCK)
 
     @property
     def pid(self) -> int | None:
@@ -306,6 +343,10 @@ class StageProcClient(_StageClientBase):
             if process.is_alive():
                 process.kill()
                 process.join(2.0)
+        # ZMQ sockets are not thread-safe: the receiver (it sees ``_closing`` within a poll
+        # period) must be done with its socket before the socket is closed.
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join(2.0)
         for sock in (self._to_stage, self._from_stage):
             if sock is not None:
                 sock.close(linger=0)
@@ -364,11 +405,20 @@ class InProcStageClient(_StageClientBase):
         try:
             core.serve(self._channel)
         except Exception as exc:  # an engine crash is a dead stage, as with a process
+            reason = f"{type(exc).__name__}: {exc}"
             loop = self._loop
             if loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._mark_dead, f"{type(exc).__name__}: {exc}")
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(self._mark_dead, reason)
+                    return
+            self.is_dead, self.death_reason = True, reason
+        finally:
+            # On this thread, as the stage process does: never under a step still running.
+            self._engine.shutdown()
 
     def _send(self, msg: ToStage) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            raise errors.StageDeadError(self.stage_id, "stage thread is not running")
         self._channel.inbox.put(msg)
 
     @property
@@ -376,8 +426,12 @@ class InProcStageClient(_StageClientBase):
         return os.getpid()
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._send(Shutdown())
+        """Stop the stage thread; it shuts the engine down when its current step ends."""
+        if self._thread is None:
+            if self._engine is not None:
+                self._engine.shutdown()
+            return
+        if self._thread.is_alive():
+            with contextlib.suppress(errors.StageDeadError):  # it ended meanwhile
+                self._send(Shutdown())
             self._thread.join(timeout_s)
-        if self._engine is not None:
-            self._engine.shutdown()

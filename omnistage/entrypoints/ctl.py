@@ -160,8 +160,13 @@ def run(args: argparse.Namespace) -> int:
         data = response.json()
     except json.JSONDecodeError:
         data = {"status": "ERROR", "reason": response.text}
+    # 200 with status ERROR: some stage failed the operation (its ACK says why); scripts
+    # chaining ``ctl sleep 0 && train`` must not go on.
+    failed = response.status_code >= 400 or (
+        isinstance(data, dict) and data.get("status") == "ERROR"
+    )
     if args.json or response.status_code >= 400:
         print(json.dumps(data, indent=2))
-        return 0 if response.status_code < 400 else 1
-    print(format_response(args.op, data))
-    return 0
+    else:
+        print(format_response(args.op, data))
+    return 1 if failed else 0

@@ -109,8 +109,12 @@ class Omni:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        if self._loop.is_closed():
+            return
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()  # its selector and self-pipe are file descriptors
 
     def __enter__(self) -> Omni:
         return self

@@ -131,6 +131,7 @@ class StageCore:
                 finish_reason="error",
                 error=str(exc),
                 error_type=type(exc).__name__,
+                error_field=getattr(exc, "field", None),
             )
             return [OutputBatch([out])]
         return []

@@ -55,6 +55,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     finish_reason: str | None = None
     error: str | None = None
     error_type: str | None = None
+    error_field: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     payload: dict[str, Any] | None = None

@@ -1,6 +1,9 @@
 """The official openai client against a real server, across sleep and wake of stages."""
 
 import base64
+import json
+import socket
+import time
 
 import httpx
 import openai
@@ -125,3 +128,45 @@ def test_malformed_json_is_400(omni_server):
         headers={"Content-Type": "application/json"},
     )
     assert r.status_code == 400
+
+
+def stage0_in_flight(server) -> int:
+    r = httpx.get(server.url + "/v1/omni/stages", headers=server.control_headers(), timeout=30)
+    return int(r.json()["stages"][0]["in_flight"])
+
+
+def wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_client_hanging_up_on_a_non_streaming_chat_aborts_its_request(omni_server):
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "go"}],
+            "temperature": 0.0,
+            "max_tokens": 480,
+            "ignore_eos": True,
+        }
+    ).encode()
+    port = int(omni_server.url.rsplit(":", 1)[1])
+    control = {"json": {"stage_ids": [0]}, "headers": omni_server.control_headers()}
+    conn = socket.create_connection(("127.0.0.1", port))
+    try:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert wait_for(lambda: stage0_in_flight(omni_server) == 1, 10)
+        # Preempted and kept: without an abort it would stay in flight until resumed.
+        pause = {**control, "json": {"stage_ids": [0], "mode": "keep"}}
+        assert httpx.post(omni_server.url + "/v1/omni/pause", **pause).status_code == 200
+        conn.close()
+        assert wait_for(lambda: stage0_in_flight(omni_server) == 0, 5)
+    finally:
+        conn.close()
+        httpx.post(omni_server.url + "/v1/omni/resume", **control)

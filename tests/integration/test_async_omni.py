@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from omnistage.errors import StageAsleepError, StageBusyError
+from omnistage.errors import InvalidRequestError, StageAsleepError, StageBusyError
 from tests.integration.helpers import collect
 
 
@@ -129,3 +129,15 @@ async def test_stage_status_reports_state_and_memory(tiny_omni):
     assert [s["stage_id"] for s in statuses] == [0, 1]
     assert statuses[0]["kind"] == "ar" and statuses[1]["kind"] == "diffusion"
     assert all(s["state"] == "awake" for s in statuses)
+
+
+async def test_a_request_the_stage_refuses_names_the_field(tiny_omni):
+    with pytest.raises(InvalidRequestError) as info:
+        await collect(tiny_omni, {"prompt_token_ids": [10**9]}, ["text"])
+    assert info.value.field == "prompt"
+
+
+async def test_an_integer_too_big_for_the_wire_is_refused_naming_the_field(tiny_omni):
+    with pytest.raises(InvalidRequestError) as info:
+        await collect(tiny_omni, "hi", ["text"], {"max_tokens": 10**20})
+    assert info.value.field == "sampling_params.max_tokens"

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import psutil
@@ -44,5 +45,37 @@ async def test_diffusion_only_pipeline_serves_right_after_wake():
         assert not engine.is_paused(0)
         after = await collect(engine, "a cat", ["image"])
         assert after.pngs == before.pngs
+    finally:
+        engine.shutdown()
+
+
+async def test_request_in_flight_on_a_dying_stage_fails_with_stage_dead():
+    engine = AsyncOmni.from_pipeline("tiny-chat")
+    try:
+        started = asyncio.Event()
+        sampling = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+        task = asyncio.ensure_future(collect(engine, "go", ["text"], sampling, started=started))
+        await asyncio.wait_for(started.wait(), 30)
+        os.kill(engine.clients[0].pid, signal.SIGKILL)
+        with pytest.raises(StageDeadError, match="stage 0 process is dead"):
+            await asyncio.wait_for(task, 10)
+    finally:
+        engine.shutdown()
+
+
+async def test_sending_to_a_stage_that_just_died_does_not_block():
+    engine = AsyncOmni.from_pipeline("tiny-chat")
+    client = engine.clients[0]
+    try:
+        await client.call("status")  # bound to this loop
+        os.kill(client.pid, signal.SIGKILL)
+        client.process.join(5)
+        time.sleep(0.3)  # blocking on purpose: the loop has not been told of the death yet
+        sender = threading.Thread(target=client.abort, args=(["ghost"],), daemon=True)
+        sender.start()
+        sender.join(2)
+        assert not sender.is_alive(), "a send to a dead stage blocked its caller"
+        with pytest.raises(StageDeadError):
+            client.add_request("late", {"prompt": "x"})
     finally:
         engine.shutdown()

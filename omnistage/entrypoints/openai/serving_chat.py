@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,6 +63,19 @@ async def _primed(stream: AsyncIterator[OmniRequestOutput]) -> AsyncIterator[Omn
     return rest()
 
 
+async def _collect(stream: AsyncIterator[OmniRequestOutput]) -> _Collected:
+    collected = _Collected()
+    async for out in stream:
+        collected.add(out)
+    return collected
+
+
+def _client_gone(metrics: Any, route: str) -> Response:
+    """The reply to a client that hung up: nobody reads it; 499 shows in the access log."""
+    metrics.requests.labels(route, "disconnect").inc()
+    return Response(status_code=499)
+
+
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
@@ -91,9 +105,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     model = _model_name(request, body.model)
     metrics = request.app.state.metrics
     if not body.stream:
-        collected = _Collected()
-        async for out in stream:
-            collected.add(out)
+        collected = await unless_disconnected(request, _collect(stream))
+        if collected is None:
+            return _client_gone(metrics, "chat")
         content: Any = collected.text
         if collected.images:
             content = [{"type": "text", "text": collected.text}] if "text" in modalities else []
@@ -115,7 +129,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 "usage": collected.usage.model_dump(),
             }
         )
-    primed = await _primed(stream)
+    primed = await unless_disconnected(request, _primed(stream))
+    if primed is None:
+        return _client_gone(metrics, "chat")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -188,9 +204,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     metrics = request.app.state.metrics
     echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
     if not body.stream:
-        collected = _Collected()
-        async for out in stream:
-            collected.add(out)
+        collected = await unless_disconnected(request, _collect(stream))
+        if collected is None:
+            return _client_gone(metrics, "completions")
         metrics.requests.labels("completions", collected.finish_reason or "unknown").inc()
         return JSONResponse(
             {
@@ -209,7 +225,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
                 "usage": collected.usage.model_dump(),
             }
         )
-    primed = await _primed(stream)
+    primed = await unless_disconnected(request, _primed(stream))
+    if primed is None:
+        return _client_gone(metrics, "completions")
 
     async def events() -> AsyncIterator[str]:
         base = {"id": request_id, "object": "text_completion", "created": now(), "model": model}

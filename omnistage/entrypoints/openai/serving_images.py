@@ -7,9 +7,10 @@ import base64
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from omnistage.engine.outputs import OmniImage
+from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import ImageGenerationRequest, new_id, now
 
 router = APIRouter(tags=["openai"])
@@ -32,9 +33,21 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Any:
             images.extend(out.images)
         return images
 
-    results = await asyncio.gather(*(one(i) for i in range(body.n)))
+    async def all_images() -> list[list[OmniImage]]:
+        tasks = [asyncio.ensure_future(one(i)) for i in range(body.n)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:  # one failed: the others' images would go to nobody
+                task.cancel()
+
+    metrics = request.app.state.metrics
+    results = await unless_disconnected(request, all_images())
+    if results is None:
+        metrics.requests.labels("images", "disconnect").inc()
+        return Response(status_code=499)
     images = [img for batch in results for img in batch]
-    request.app.state.metrics.requests.labels("images", "stop" if images else "abort").inc()
+    metrics.requests.labels("images", "stop" if images else "abort").inc()
     return JSONResponse(
         {
             "created": now(),

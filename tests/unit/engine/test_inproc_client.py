@@ -1,14 +1,17 @@
 """The stage client's in-process variant: the same StageCore loop on a thread, no sockets."""
 
 import asyncio
+import time
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from omnistage.config import StageConfig
 from omnistage.engine.stage_client import InProcStageClient
-from omnistage.errors import InvalidRequestError
+from omnistage.errors import InvalidRequestError, StageDeadError
 from omnistage.pipelines import cache_dir, ensure_models, load_pipeline
+from omnistage.stage.types import StageOutput
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -92,3 +95,84 @@ async def test_wait_drain_gives_up_after_the_timeout_and_resumes(client):
 
 def test_cache_dir_is_the_test_cache():
     assert ".omnistage-cache" in str(cache_dir())
+
+
+async def _finish_reasons(outputs):
+    return [out.finish_reason async for out in outputs]
+
+
+async def test_a_sleep_failing_after_the_pause_does_not_strand_later_requests(monkeypatch):
+    from omnistage.engine.async_omni import AsyncOmni
+
+    omni = AsyncOmni.from_pipeline("tiny-chat", enable_sleep_mode=True, in_process=True)
+    try:
+        engine = omni.clients[0]._engine
+
+        def out_of_host_memory(*args, **kwargs):
+            raise MemoryError("no room for the host backup")
+
+        # The AR engine pauses, then its memory layer fails.
+        monkeypatch.setattr(engine.controller, "sleep", out_of_host_memory)
+        (ack,) = await omni.sleep([0], level=1)
+        assert ack["status"] == "ERROR" and "host backup" in ack["error_msg"]
+        sampling = {"temperature": 0.0, "max_tokens": 4}
+        outputs = omni.generate("hi", sampling, ["text"])
+        reasons = await asyncio.wait_for(_finish_reasons(outputs), 30)  # not held forever
+        assert reasons[-1] == "length"
+    finally:
+        omni.shutdown()
+
+
+class SlowEngine:
+    """Finishes each request after a step of ``step_s``; records how it was shut down."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.waiting: list[Any] = []
+        self.is_stepping = False
+        self.shut_down_mid_step: bool | None = None
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+    def add_request(self, request: Any) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def step(self) -> list[StageOutput]:
+        self.is_stepping = True
+        time.sleep(self.step_s)
+        self.is_stepping = False
+        done, self.waiting = self.waiting, []
+        return [StageOutput(r.request_id, finished=True, finish_reason="stop") for r in done]
+
+    def shutdown(self) -> None:
+        self.shut_down_mid_step = self.is_stepping
+
+
+def slow_client(step_s: float) -> tuple[InProcStageClient, SlowEngine]:
+    engine = SlowEngine(step_s)
+    config = StageConfig(stage_id=0, kind="diffusion", model="unused")
+    client = InProcStageClient(config, engine=engine)
+    client.start()
+    return client, engine
+
+
+async def test_shutdown_never_frees_the_engine_under_a_running_step():
+    client, engine = slow_client(step_s=0.5)
+    client.add_request("r", {"prompt": "x"})
+    await asyncio.sleep(0.1)  # the step is running
+    client.shutdown(timeout_s=0.05)
+    deadline = time.monotonic() + 5
+    while engine.shut_down_mid_step is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert engine.shut_down_mid_step is False
+
+
+async def test_requests_after_shutdown_fail_instead_of_waiting_forever():
+    client, _ = slow_client(step_s=0.0)
+    client.shutdown()
+    with pytest.raises(StageDeadError):
+        client.add_request("late", {"prompt": "x"})

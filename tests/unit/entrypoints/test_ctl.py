@@ -1,0 +1,24 @@
+"""``omnistage ctl``: exit status of control operations (HTTP replaced by a stub)."""
+
+import argparse
+
+import httpx
+import pytest
+
+from omnistage.entrypoints import ctl
+from omnistage.stage.sleep_control import make_ack
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    ctl.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["ctl", *argv])
+
+
+@pytest.mark.parametrize(("status", "code"), [("SUCCESS", 0), ("SKIPPED", 0), ("ERROR", 1)])
+def test_exit_status_follows_the_operation_status(monkeypatch, capsys, status, code):
+    ack = make_ack(0, status="ERROR" if status == "ERROR" else "SUCCESS", error_msg="boom")
+    reply = {"status": status, "acks": [ack]}
+    monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(200, json=reply))
+    for argv in (("sleep", "0"), ("--json", "sleep", "0")):
+        assert ctl.run(parse(*argv)) == code
