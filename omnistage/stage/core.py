@@ -143,14 +143,20 @@ class StageCore:
                     call.call_id, InvalidRequestError("method", f"unknown utility {call.method!r}")
                 )
             ]
-        if call.method == "sleep" and call.args.get("mode") == "wait" and self._pending is None:
+        drain_timeout_s = float(call.args.pop("drain_timeout_s", self._drain_timeout_s))
+        # An engine already paused (or asleep) keeps its pause mode: nothing new to drain.
+        if (
+            call.method == "sleep"
+            and call.args.get("mode") == "wait"
+            and self._pending is None
+            and not self.engine.is_paused
+        ):
             try:
                 self.engine.pause("wait")
             except Exception as exc:
                 return [error_result(call.call_id, exc)]
-            timeout = float(call.args.pop("drain_timeout_s", self._drain_timeout_s))
             self._pending = _PendingDrain(
-                call.call_id, dict(call.args), time.monotonic() + timeout, timeout
+                call.call_id, dict(call.args), time.monotonic() + drain_timeout_s, drain_timeout_s
             )
             return self._check_drain()
         try:

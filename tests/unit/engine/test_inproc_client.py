@@ -176,3 +176,20 @@ async def test_requests_after_shutdown_fail_instead_of_waiting_forever():
     client.shutdown()
     with pytest.raises(StageDeadError):
         client.add_request("late", {"prompt": "x"})
+
+
+async def test_deepening_a_kept_sleep_with_wait_does_not_drain_or_resume(client):
+    sampling = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
+    q = client.add_request("kept", {"prompt": "go on", "sampling_params": sampling})
+    await asyncio.wait_for(q.get(), 30)  # it is running
+    first = await client.call("sleep", level=1, mode="keep")
+    assert first["metadata"]["preempted"] >= 1
+    deeper = await asyncio.wait_for(
+        client.call("sleep", level=2, mode="wait", drain_timeout_s=30), 5
+    )
+    assert deeper["status"] == "SUCCESS" and deeper["metadata"]["mode"] == "keep"
+    status = await client.call("status")
+    assert status["is_sleeping"] and status["pause_mode"] == "keep"
+    await client.call("wake_up")
+    await client.call("resume")
+    assert (await drain(q))[-1].finish_reason == "length"
