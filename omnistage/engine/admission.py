@@ -5,11 +5,17 @@ Admission is per stage: a request that needs an asleep stage fails fast with
 ``StageAsleepError``; one that needs a paused (but awake) stage waits until it resumes.
 Before a sleep touches memory, admission closes and the sleeper waits until every request
 already being submitted to that stage has been submitted (``admitting`` back to zero).
+
+Requests already in the pipeline and *bound* for a later stage (say, in the thinker on their
+way to the image decoder) follow the mode of that stage's sleep when they reach it: with
+``wait`` the sleep lets them in and drains them too, with ``keep`` they wait at the hand-off
+until the stage is awake and resumed, with ``abort`` they end as aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -34,6 +40,9 @@ class StageState:
     paused: bool = False
     admitting: int = 0
     detail: str = ""
+    sleep_mode: str | None = None  # mode of the sleep in progress or in force
+    bound: int = 0  # requests in the pipeline that will reach this stage later
+    admits_bound: bool = False  # a "wait" sleep is letting bound requests in before it drains
 
 
 class AdmissionGate:
@@ -60,14 +69,23 @@ class AdmissionGate:
             self._raise_if_unavailable(sid)
 
     @asynccontextmanager
-    async def admit(self, stage_id: int) -> AsyncIterator[None]:
-        """Hold admission to ``stage_id`` while a request is being submitted to it."""
+    async def admit(self, stage_id: int, *, bound: bool = False) -> AsyncIterator[None]:
+        """Hold admission to ``stage_id`` while a request is being submitted to it.
+
+        ``bound``: the request was already in the pipeline (handed over from an earlier
+        stage), so a sleep of this stage treats it by its mode (see the module docstring).
+        """
         s = self.stages[stage_id]
         async with self.cond:
-            self._raise_if_unavailable(stage_id)
-            if s.paused:
-                await self.cond.wait_for(lambda: not s.paused or s.state != AWAKE)
+            if bound and s.sleep_mode == "keep" and s.state in (SLEEPING, ASLEEP, WAKING):
+                await self.cond.wait_for(
+                    lambda: s.state in (AWAKE, DEAD, FAILED) or s.sleep_mode != "keep"
+                )
+            if not (bound and s.admits_bound):
                 self._raise_if_unavailable(stage_id)
+                if s.paused:
+                    await self.cond.wait_for(lambda: not s.paused or s.state != AWAKE)
+                    self._raise_if_unavailable(stage_id)
             s.admitting += 1
         try:
             yield
@@ -102,6 +120,44 @@ class AdmissionGate:
             await self.cond.wait_for(
                 lambda: all(self.stages[sid].admitting == 0 for sid in stage_ids)
             )
+
+    def add_bound(self, stage_ids: Iterable[int]) -> None:
+        for sid in stage_ids:
+            self.stages[sid].bound += 1
+
+    def release_bound(self, stage_ids: Iterable[int]) -> None:
+        """Synchronous (safe in any ``finally``); waiters are woken by a scheduled notify."""
+        for sid in stage_ids:
+            self.stages[sid].bound -= 1
+        if self._cond is not None:
+            with contextlib.suppress(RuntimeError):  # no running loop: nobody to wake
+                asyncio.get_running_loop().create_task(self._notify())
+
+    async def drain_bound(self, stage_ids: list[int], timeout_s: float) -> None:
+        """For a ``wait`` sleep: let requests bound for these stages in, and wait until they
+        all are (raises ``TimeoutError`` naming ``drain_timeout_s``)."""
+        async with self.cond:
+            for sid in stage_ids:
+                self.stages[sid].admits_bound = True
+            self.cond.notify_all()
+            try:
+                await asyncio.wait_for(
+                    self.cond.wait_for(
+                        lambda: all(
+                            self.stages[sid].bound == 0 and self.stages[sid].admitting == 0
+                            for sid in stage_ids
+                        )
+                    ),
+                    timeout_s,
+                )
+            except TimeoutError:
+                raise TimeoutError(
+                    f"sleep(mode='wait') gave up: requests on their way to stage(s) {stage_ids} "
+                    f"still upstream after {timeout_s:g}s; raise drain_timeout_s or use mode 'abort' or 'keep'"
+                ) from None
+            finally:
+                for sid in stage_ids:
+                    self.stages[sid].admits_bound = False
 
     async def set_state(
         self, stage_id: int, state: str, *, paused: bool | None = None, level: int | None = -1

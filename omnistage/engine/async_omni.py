@@ -20,7 +20,7 @@ from omnistage.engine import admission as adm
 from omnistage.engine.input_processors import NEEDS_HIDDEN_STATES, StageResult, get_input_processor
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
 from omnistage.engine.stage_client import InProcStageClient, StageProcClient, rebuild_error
-from omnistage.errors import InvalidRequestError, SleepModeDisabledError
+from omnistage.errors import InvalidRequestError, SleepModeDisabledError, StageAsleepError
 from omnistage.stage.messages import OutputMessage
 from omnistage.stage.sleep_control import SLEEP_LEVELS, SLEEP_MODES
 
@@ -163,27 +163,51 @@ class AsyncOmni:
         self.gate.check_available(chain)
         options = {"image_params": image_params or {}, "sampling_params": sampling_params or {}}
         request = self._first_request(chain, prompt, options)
-        for position, stage_id in enumerate(chain):
-            stage = self.config.stages[stage_id]
-            emit = MODALITY_OF_KIND[stage.kind] in wanted
-            is_last = position == len(chain) - 1
-            result = StageResult()
-            async for out in self._run_stage(stage_id, request_id, request):
-                if out.error is not None:
-                    raise rebuild_error(stage_id, out.error_type, out.error, out.error_field)
-                result.text += out.text_delta
-                result.token_ids.extend(out.new_token_ids)
-                ends_request = out.finished and (is_last or out.finish_reason == "abort")
-                if emit or ends_request:
-                    yield self._to_omni_output(request_id, stage, out, final=ends_request)
-                if out.finished:
-                    result.payload = dict(out.payload or {})
-                    if out.finish_reason == "abort":
-                        return
-            if not is_last:
-                next_stage = self.config.stages[chain[position + 1]]
-                processor = get_input_processor(next_stage.input_processor or "")
-                request = processor(result, options)
+        # Later stages learn that this request is on its way, so a sleep of one of them can
+        # treat it by the sleep's mode when it gets there (see admission.py).
+        bound = set(chain[1:])
+        self.gate.add_bound(bound)
+        try:
+            for position, stage_id in enumerate(chain):
+                stage = self.config.stages[stage_id]
+                emit = MODALITY_OF_KIND[stage.kind] in wanted
+                is_last = position == len(chain) - 1
+                result = StageResult()
+                try:
+                    async for out in self._run_stage(stage_id, request_id, request, bound):
+                        if out.error is not None:
+                            raise rebuild_error(
+                                stage_id, out.error_type, out.error, out.error_field
+                            )
+                        result.text += out.text_delta
+                        result.token_ids.extend(out.new_token_ids)
+                        ends_request = out.finished and (is_last or out.finish_reason == "abort")
+                        if emit or ends_request:
+                            yield self._to_omni_output(request_id, stage, out, final=ends_request)
+                        if out.finished:
+                            result.payload = dict(out.payload or {})
+                            if out.finish_reason == "abort":
+                                return
+                except StageAsleepError:
+                    # Reaching a stage that an "abort" sleep took down while this request was
+                    # upstream: the request was in flight, so it ends as aborted.
+                    if position == 0 or self.gate.stages[stage_id].sleep_mode != "abort":
+                        raise
+                    yield OmniRequestOutput(
+                        request_id,
+                        stage_id,
+                        MODALITY_OF_KIND[stage.kind],
+                        finished=True,
+                        final=True,
+                        finish_reason="abort",
+                    )
+                    return
+                if not is_last:
+                    next_stage = self.config.stages[chain[position + 1]]
+                    processor = get_input_processor(next_stage.input_processor or "")
+                    request = processor(result, options)
+        finally:
+            self.gate.release_bound(bound)
 
     def _first_request(
         self, chain: list[int], prompt: str | dict[str, Any], options: dict[str, Any]
@@ -211,17 +235,22 @@ class AsyncOmni:
         return {**fields, "params": options["image_params"]}
 
     async def _run_stage(
-        self, stage_id: int, request_id: str, request: dict[str, Any]
+        self, stage_id: int, request_id: str, request: dict[str, Any], bound: set[int]
     ) -> AsyncIterator[OutputMessage]:
+        """Submit to one stage and stream its outputs; ``bound`` holds the stages this request
+        has still to reach (this one leaves it once admitted)."""
         client = self.clients[stage_id]
         queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
         try:
             # The request counts as submitted inside the ``try``: a caller cancelled while
             # admission closes behind it still aborts the stage's work.
-            async with self.gate.admit(stage_id):
+            async with self.gate.admit(stage_id, bound=stage_id in bound):
                 queue = client.add_request(request_id, request)
                 self._active[request_id] = stage_id
+                if stage_id in bound:
+                    bound.discard(stage_id)
+                    self.gate.stages[stage_id].bound -= 1
             while True:
                 out = await queue.get()
                 finished = out.finished
@@ -334,16 +363,26 @@ class AsyncOmni:
         mode: str,
         tags: Sequence[str] | None,
     ) -> list[dict[str, Any]]:
+        for sid in ids:
+            self.gate.stages[sid].sleep_mode = mode
         await self.gate.close_and_drain_admission(ids)
+        results: dict[int, Any] = {}
+        if mode == "wait":
+            timeout_s = max(self.config.stages[sid].drain_timeout_s for sid in ids)
+            try:
+                await self.gate.drain_bound(ids, timeout_s)
+            except TimeoutError as exc:
+                results = dict.fromkeys(ids, exc)
         self.reset_mm_cache(ids)
         ar_ids, diffusion_ids = self.split_stage_ids_by_type(ids)
         args = {"level": level, "mode": mode, "tags": list(tags) if tags is not None else None}
         # AR stages go down the engine-core path (pause scheduler, then release); diffusion
         # stages have no scheduler and take the worker path. Both are one utility call here.
-        results = {
-            **await self._call_each(ar_ids, "sleep", **args),
-            **await self._call_each(diffusion_ids, "sleep", **args),
-        }
+        if not results:
+            results = {
+                **await self._call_each(ar_ids, "sleep", **args),
+                **await self._call_each(diffusion_ids, "sleep", **args),
+            }
         acks = []
         reopen = []
         for sid in ids:

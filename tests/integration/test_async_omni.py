@@ -141,3 +141,32 @@ async def test_an_integer_too_big_for_the_wire_is_refused_naming_the_field(tiny_
     with pytest.raises(InvalidRequestError) as info:
         await collect(tiny_omni, "hi", ["text"], {"max_tokens": 10**20})
     assert info.value.field == "sampling_params.max_tokens"
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+async def test_requests_on_their_way_to_a_sleeping_stage_follow_its_mode(tiny_omni, mode):
+    """Text+image requests still in the thinker when the image stage goes to sleep."""
+    sampling = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+    started = [asyncio.Event() for _ in range(4)]
+    tasks = [
+        asyncio.ensure_future(
+            collect(tiny_omni, f"picture {i}", ["text", "image"], sampling, started=e)
+        )
+        for i, e in enumerate(started)
+    ]
+    await asyncio.gather(*(e.wait() for e in started))
+    acks = await tiny_omni.sleep([1], level=1, mode=mode)
+    assert acks[0]["status"] == "SUCCESS"
+    if mode == "wait":  # the sleep let them through the decoder before it slept
+        assert all(t.done() for t in tasks)
+    if mode == "keep":
+        await asyncio.sleep(0.3)
+        assert not any(t.done() for t in tasks)  # waiting at the hand-off
+    if mode == "abort":  # they reach the decoder while it sleeps
+        await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    await tiny_omni.wake_up([1])
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    if mode == "abort":
+        assert {r.finish_reason for r in results} == {"abort"}
+    else:
+        assert all(len(r.pngs) == 1 for r in results)
