@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -67,7 +66,9 @@ def build_app(
         owned = engine_client is None
         engine = engine_client
         if engine is None:
-            engine = await asyncio.to_thread(_start_engine, config, say)
+            # On this (the main) thread, not a worker thread: stage processes die with the
+            # thread that spawned them (PR_SET_PDEATHSIG), and no request is served yet.
+            engine = _start_engine(config, say)
         init_app_state(engine, app.state, config)
         try:
             yield
