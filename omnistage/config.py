@@ -69,6 +69,10 @@ class StageConfig(_Frozen):
     drain_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest wait for mode 'wait' drains."
     )
+    idle_sleep_s: float | None = Field(
+        default=None, gt=0, description="Put the stage to sleep after this many idle seconds."
+    )
+    idle_sleep_level: Literal[1, 2] = Field(default=1, description="Level of an idle sleep.")
 
     @field_validator("device")
     @classmethod
@@ -85,6 +89,8 @@ class StageConfig(_Frozen):
             )
         if self.input_from is not None and self.input_processor is None:
             raise ValueError("input_processor is required when input_from is set")
+        if self.idle_sleep_s is not None and not self.enable_sleep_mode:
+            raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
         return self
 
     @property

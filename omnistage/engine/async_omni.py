@@ -16,6 +16,7 @@ from typing import Any
 
 from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
+from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.input_processors import get_input_processor
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.router import RequestRouter
@@ -37,6 +38,7 @@ class AsyncOmni:
         clients: Sequence[StageClient],
         *,
         resume_after_wake: bool = False,
+        auto_wake: bool = False,
     ) -> None:
         self.config = config
         self.clients = list(clients)
@@ -45,6 +47,7 @@ class AsyncOmni:
         self.resume_after_wake = resume_after_wake
         self._control_listeners: list[Callable[[str, list[dict[str, Any]]], None]] = []
         self.router = RequestRouter(config, self.clients, self.gate, self._prepare_stages)
+        self.autopilot = Autopilot(self, auto_wake=auto_wake)
         for client in self.clients:
             client.on_death(self._on_stage_death)
 
@@ -58,6 +61,7 @@ class AsyncOmni:
         in_process: bool = False,
         stage_init_timeout_s: float = 600.0,
         resume_after_wake: bool = False,
+        auto_wake: bool = False,
     ) -> AsyncOmni:
         """Start every stage (in parallel) and wait for their ready handshakes."""
         for stage in config.stages:
@@ -84,7 +88,7 @@ class AsyncOmni:
             for client in clients:
                 client.shutdown()
             raise
-        return cls(config, clients, resume_after_wake=resume_after_wake)
+        return cls(config, clients, resume_after_wake=resume_after_wake, auto_wake=auto_wake)
 
     @classmethod
     def from_pipeline(cls, name: str, **overrides: Any) -> AsyncOmni:
@@ -93,7 +97,7 @@ class AsyncOmni:
 
         options = {
             k: overrides.pop(k)
-            for k in ("in_process", "stage_init_timeout_s", "resume_after_wake")
+            for k in ("in_process", "stage_init_timeout_s", "resume_after_wake", "auto_wake")
             if k in overrides
         }
         return cls.from_config(load_pipeline(name, **overrides), **options)
@@ -134,6 +138,11 @@ class AsyncOmni:
 
     async def _prepare_stages(self, chain: list[int]) -> None:
         self._refresh_deaths()
+        await self.autopilot.ensure_awake(chain)
+
+    def start_background_tasks(self) -> None:
+        """Start the idle monitor (stages with ``idle_sleep_s``); call from the running loop."""
+        self.autopilot.start_idle_monitor()
 
     # -- control ------------------------------------------------------------------------
 
@@ -434,6 +443,7 @@ class AsyncOmni:
                 raise result
 
     def shutdown(self) -> None:
+        self.autopilot.stop()
         for client in self.clients:
             client.shutdown()
 

@@ -26,6 +26,8 @@ _STAGE_OVERRIDES = frozenset(
         "drain_timeout_s",
         "max_num_seqs",
         "max_model_len",
+        "idle_sleep_s",
+        "idle_sleep_level",
     }
 )
 

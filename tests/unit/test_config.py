@@ -53,3 +53,8 @@ def test_unreadable_yaml_is_a_config_error(tmp_path):
     path.write_text("stages: [")
     with pytest.raises(ConfigError, match="cannot read config"):
         load_pipeline_config(path)
+
+
+def test_idle_sleep_needs_sleep_mode():
+    with pytest.raises(ConfigError, match="idle_sleep_s needs enable_sleep_mode"):
+        parse_pipeline_config({"stages": [{**AR, "idle_sleep_s": 5}]})

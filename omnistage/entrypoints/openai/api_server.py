@@ -42,7 +42,10 @@ def _start_engine(config: ServerConfig, progress: Callable[[str], None]) -> Any:
         )
     # The HTTP wakeup route resumes woken stages unless told not to (SPEC §2).
     engine = AsyncOmni.from_config(
-        pipeline, stage_init_timeout_s=config.stage_init_timeout_s, resume_after_wake=True
+        pipeline,
+        stage_init_timeout_s=config.stage_init_timeout_s,
+        resume_after_wake=True,
+        auto_wake=config.auto_wake,
     )
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine
@@ -70,6 +73,8 @@ def build_app(
             # thread that spawned them (PR_SET_PDEATHSIG), and no request is served yet.
             engine = _start_engine(config, say)
         init_app_state(engine, app.state, config)
+        if hasattr(engine, "start_background_tasks"):
+            engine.start_background_tasks()
         try:
             yield
         finally:

@@ -26,6 +26,14 @@ class ServerConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
     enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of every stage.")
+    auto_wake: bool = Field(
+        default=False, description="Wake an asleep stage when a request needs it (instead of 503)."
+    )
+    idle_sleep_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Put every stage to sleep (level 1) after this many idle seconds.",
+    )
     device: str | None = Field(
         default=None, description="Device for every stage ('cpu', 'cuda', 'cuda:N')."
     )
@@ -64,7 +72,11 @@ class ServerConfig(BaseModel):
         return self.pipeline or "tiny-omni"
 
     def stage_overrides(self) -> dict[str, object]:
-        overrides: dict[str, object] = {"device": self.device, "dtype": self.dtype}
+        overrides: dict[str, object] = {
+            "device": self.device,
+            "dtype": self.dtype,
+            "idle_sleep_s": self.idle_sleep_s,
+        }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True
         return {k: v for k, v in overrides.items() if v is not None}

@@ -1,0 +1,96 @@
+"""Operator conveniences on top of sleep/wake: wake a parked stage when a request needs it
+(``auto_wake``), and park a stage that has been idle for a while (``idle_sleep_s``).
+
+Both go through ``AsyncOmni.sleep`` / ``wake_up``, so admission, ACKs, metrics and the HTTP
+layer's sleeping set see them like any other transition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from omnistage.engine import admission as adm
+
+if TYPE_CHECKING:
+    from omnistage.engine.async_omni import AsyncOmni
+
+logger = logging.getLogger(__name__)
+
+
+class Autopilot:
+    def __init__(self, engine: AsyncOmni, *, auto_wake: bool = False) -> None:
+        self.engine = engine
+        self.auto_wake = auto_wake
+        self._wakes: dict[int, asyncio.Future[Any]] = {}
+        self._last_used = [time.monotonic()] * engine.num_stages
+        self._monitor: asyncio.Task[None] | None = None
+
+    def touch(self, stage_ids: list[int]) -> None:
+        now = time.monotonic()
+        for sid in stage_ids:
+            self._last_used[sid] = now
+
+    async def ensure_awake(self, stage_ids: list[int]) -> None:
+        """With ``auto_wake``: wake the asleep stages among ``stage_ids`` (one wake per stage
+        however many requests are waiting) and wait for transitions in progress to end."""
+        self.touch(stage_ids)
+        if not self.auto_wake:
+            return
+        gate = self.engine.gate
+        for sid in stage_ids:
+            s = gate.stages[sid]
+
+            def settled(s: adm.StageState = s) -> bool:
+                return s.state not in adm.TRANSITIONS
+
+            for _ in range(3):  # a stage that goes back to sleep meanwhile gets another try
+                if not settled():
+                    async with gate.cond:
+                        await gate.cond.wait_for(settled)
+                if s.state != adm.ASLEEP:
+                    break
+                wake = self._wakes.get(sid)
+                if wake is None or wake.done():
+                    logger.info("auto-wake: stage %d is asleep and a request needs it", sid)
+                    wake = asyncio.ensure_future(self.engine.wake_up([sid], resume=True))
+                    self._wakes[sid] = wake
+                with contextlib.suppress(Exception):  # the admission check reports the outcome
+                    await asyncio.shield(wake)
+
+    def start_idle_monitor(self, poll_s: float = 0.25) -> None:
+        """Park stages whose config sets ``idle_sleep_s`` after that long without requests."""
+        if self._monitor is None and any(s.idle_sleep_s for s in self.engine.config.stages):
+            self._monitor = asyncio.get_running_loop().create_task(self._watch_idle(poll_s))
+
+    async def _watch_idle(self, poll_s: float) -> None:
+        engine = self.engine
+        while True:
+            await asyncio.sleep(poll_s)
+            now = time.monotonic()
+            for stage in engine.config.stages:
+                sid, s = stage.stage_id, engine.gate.stages[stage.stage_id]
+                if engine.clients[sid].num_in_flight or s.bound:
+                    self._last_used[sid] = now  # the idle clock starts when work ends
+                    continue
+                idle = (
+                    stage.idle_sleep_s is not None
+                    and s.state == adm.AWAKE
+                    and not s.paused
+                    and now - self._last_used[sid] >= stage.idle_sleep_s
+                )
+                if idle:
+                    logger.info(
+                        "idle-sleep: stage %d idle for %.0fs", sid, now - self._last_used[sid]
+                    )
+                    with contextlib.suppress(Exception):  # a racing transition wins; retry later
+                        await engine.sleep([sid], level=stage.idle_sleep_level, mode="wait")
+                    self.touch([sid])
+
+    def stop(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
