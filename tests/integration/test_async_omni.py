@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from omnistage.engine.async_omni import AsyncOmni
 from omnistage.errors import InvalidRequestError, StageAsleepError, StageBusyError
 from tests.integration.helpers import collect
 
@@ -170,3 +171,16 @@ async def test_requests_on_their_way_to_a_sleeping_stage_follow_its_mode(tiny_om
         assert {r.finish_reason for r in results} == {"abort"}
     else:
         assert all(len(r.pngs) == 1 for r in results)
+
+
+async def test_a_fresh_in_process_pipeline_gives_the_same_outputs(tiny_omni):
+    """Same seed → same text and PNG across engine instances (here: stage processes vs the
+    in-process stage client variant)."""
+    expected = await collect(tiny_omni, "same seed", ["text", "image"])
+    other = AsyncOmni.from_pipeline("tiny-omni", enable_sleep_mode=True, in_process=True)
+    try:
+        got = await collect(other, "same seed", ["text", "image"])
+    finally:
+        other.shutdown()
+    assert got.token_ids == expected.token_ids
+    assert got.pngs == expected.pngs
