@@ -12,13 +12,14 @@ thinker's final hidden states). As for every diffusion stage, ``wake_up`` resume
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnistage.config import offline_stage_config
+from omnistage.errors import StageAsleepError
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
 from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest, ImageOutput
 
@@ -66,8 +67,11 @@ class Diffusion:
             per_item = list(params)
             if len(per_item) != len(items):
                 raise ValueError(f"{len(per_item)} params for {len(items)} inputs")
-        if self.engine.is_paused and not self.engine.is_sleeping():
-            # Queued requests would never run; asleep stages raise StageAsleepError below.
+        # Queued requests would never run: a level-0 sleep only pauses, so the engine would
+        # queue them rather than refuse.
+        if self.engine.is_sleeping():
+            raise StageAsleepError(self.engine.stage_id)
+        if self.engine.is_paused:
             raise RuntimeError("the pipeline is paused; call engine.resume() first")
         requests = [self._request(item, p) for item, p in zip(items, per_item, strict=True)]
         added: list[str] = []
@@ -76,20 +80,28 @@ class Diffusion:
                 self.engine.add_request(request)
                 added.append(request.request_id)
         except Exception:
-            for request_id in added:
-                self.engine.abort(request_id)
-            self.engine.step()  # collect the aborts so they do not leak into a later call
+            self._abort(added)
             raise
+        pending = set(added)
         results: dict[str, ImageOutput] = {}
-        while len(results) < len(requests):
+        while pending:
             for output in self.engine.step():
+                if output.request_id not in pending:
+                    continue
+                pending.discard(output.request_id)
                 if output.finish_reason != "stop" or output.payload is None:
+                    self._abort(pending)  # the other inputs of this call must not linger
                     raise RuntimeError(
                         f"request {output.request_id} ended with {output.finish_reason}: "
                         f"{output.error or 'no image'}"
                     )
                 results[output.request_id] = output.payload["images"][0]
         return [results[r.request_id] for r in requests]
+
+    def _abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        self.engine.step()  # collect the aborts so they do not leak into a later call
 
     def _request(self, item: DiffusionInput, params: DiffusionParams) -> DiffusionRequest:
         request_id = f"image-{next(self._request_counter)}"

@@ -87,7 +87,10 @@ def diffusion_request_builder(engine: Any) -> RequestBuilder:
 
     def build(request_id: str, data: dict[str, Any]) -> DiffusionRequest:
         _check_fields(data, _DIFFUSION_FIELDS)
-        params = dict(data.get("params") or {})
+        params = data.get("params")
+        if params is not None and not isinstance(params, dict):
+            raise InvalidRequestError("params", f"must be an object, got {type(params).__name__}")
+        params = dict(params or {})
         if data.get("negative_prompt") is not None:
             params.setdefault("negative_prompt", data["negative_prompt"])
         prompt = data.get("prompt")

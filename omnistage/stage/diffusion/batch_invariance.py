@@ -19,6 +19,7 @@ there rather than bit-identity.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -54,15 +55,41 @@ def pad_small_gemms(module: nn.Module) -> int:
     return count
 
 
+class _OneDnnSwitch:
+    """Counts the blocks that need oneDNN off. The flag is process-wide and stage engines may
+    be threads of one process: it goes off with the first block and comes back as found when
+    the last one ends, so an overlapping block neither sees it on nor leaves it off."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._num_blocks = 0
+        self._previous = True
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._num_blocks == 0:
+                self._previous = bool(torch.backends.mkldnn.enabled)
+                torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # ContextProp
+            self._num_blocks += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._num_blocks -= 1
+            if self._num_blocks == 0:
+                torch.backends.mkldnn.enabled = self._previous  # type: ignore[assignment]
+
+
+_ONEDNN = _OneDnnSwitch()
+
+
 @contextlib.contextmanager
 def batch_invariant_kernels(device: torch.device) -> Iterator[None]:
-    """On CPU, turn oneDNN off for the block (process-wide: run one model at a time)."""
+    """On CPU, turn oneDNN off for the block (process-wide, see ``_OneDnnSwitch``)."""
     if device.type != "cpu":
         yield
         return
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp
+    _ONEDNN.enter()
     try:
         yield
     finally:
-        torch.backends.mkldnn.enabled = previous  # type: ignore[assignment]
+        _ONEDNN.leave()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ MODEL_INDEX = "model_index.json"
 # Weight file stems, in the order diffusers and transformers name them.
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 TORCH_LIBRARIES = ("diffusers", "transformers")
+_META_LOCK = threading.RLock()  # one ``parameters_on_meta`` build at a time
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ def read_model_index(folder: str | Path) -> dict[str, ComponentSpec]:
         index = json.loads(path.read_text())
     except ValueError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(index).__name__}")
     specs = {}
     for name, value in index.items():
         if name.startswith("_") or not isinstance(value, list) or len(value) != 2:
@@ -66,8 +70,11 @@ def component_weight_files(folder: str | Path) -> list[Path]:
     for stem in WEIGHT_STEMS:
         index = folder / f"{stem}.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return [folder / name for name in dict.fromkeys(weight_map.values())]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                return [folder / name for name in dict.fromkeys(weight_map.values())]
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise CheckpointError(f"{index} is not a safetensors shard index: {exc!r}") from exc
         single = folder / f"{stem}.safetensors"
         if single.is_file():
             return [single]
@@ -79,26 +86,34 @@ def component_weight_files(folder: str | Path) -> list[Path]:
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Within the block, newly registered parameters move to ``meta``; buffers stay real.
+    """Within the block, parameters registered by this thread move to ``meta``; buffers stay
+    real.
 
-    Patches ``nn.Module.register_parameter`` process-wide, so build one model at a time.
-    Each parameter is first made by its module as an uninitialised CPU tensor (no pages are
-    touched), then replaced before its initialiser runs.
+    Patches ``nn.Module.register_parameter`` process-wide (stage engines may be threads of one
+    process): builds take turns, so each restores what it found, and modules that other
+    threads build meanwhile are left alone. Each parameter is first made by its module as an
+    uninitialised CPU tensor (no pages are touched), then replaced before its initialiser runs.
     """
-    original = nn.Module.register_parameter
+    with _META_LOCK:
+        original = nn.Module.register_parameter
+        builder = threading.get_ident()
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(
-                param.to("meta"), requires_grad=param.requires_grad
-            )
+        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            original(module, name, param)
+            if (
+                param is not None
+                and param.device.type != "meta"
+                and threading.get_ident() == builder
+            ):
+                module._parameters[name] = nn.Parameter(
+                    param.to("meta"), requires_grad=param.requires_grad
+                )
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def _library_class(spec: ComponentSpec) -> Any:

@@ -88,6 +88,23 @@ def _stack(conds: list[Conditioning]) -> tuple[torch.Tensor, torch.Tensor]:
     return embeds, mask
 
 
+def micro_conditions(
+    pipeline: ImagePipeline, height: int, width: int, num_rows: int
+) -> dict[str, torch.Tensor | None]:
+    """PixArt-alpha's resolution and aspect-ratio inputs, for transformers that take them
+    (``use_additional_conditions``, the default for ``sample_size`` 128), as its pipeline
+    builds them; ``None`` for the others, as PixArt-Sigma passes."""
+    if not getattr(pipeline.transformer, "use_additional_conditions", False):
+        return {"resolution": None, "aspect_ratio": None}
+    device, dtype = pipeline.device, pipeline.dtype
+    resolution = torch.tensor([height, width]).repeat(num_rows, 1)
+    aspect_ratio = torch.tensor([float(height / width)]).repeat(num_rows, 1)
+    return {
+        "resolution": resolution.to(dtype=dtype, device=device),
+        "aspect_ratio": aspect_ratio.to(dtype=dtype, device=device),
+    }
+
+
 def make_scheduler(pipeline: ImagePipeline, class_name: str) -> Any:
     """A fresh scheduler per batch: diffusers schedulers keep per-run state (step index)."""
     return getattr(diffusers, class_name).from_config(pipeline.scheduler_config)
@@ -131,7 +148,10 @@ def denoise_batch(
     embeds, mask = _stack(rows)
     scales = torch.tensor([r.params.guidance_scale for r in requests], dtype=dtype, device=device)
     scales = scales.view(-1, 1, 1, 1)
-    learned_sigma = int(pipeline.transformer.config.out_channels) // 2 == channels
+    # A null out_channels means "same as in_channels" (what diffusers saves by default).
+    out_channels = pipeline.transformer.config.out_channels or channels
+    learned_sigma = int(out_channels) // 2 == channels
+    added_cond_kwargs = micro_conditions(pipeline, height, width, embeds.shape[0])
 
     for t in scheduler.timesteps:
         model_input = torch.cat([latents] * 2) if guided else latents
@@ -144,7 +164,7 @@ def denoise_batch(
                 encoder_hidden_states=embeds,
                 encoder_attention_mask=mask,
                 timestep=timestep,
-                added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                added_cond_kwargs=added_cond_kwargs,
                 return_dict=False,
             )[0]
         if guided:

@@ -55,7 +55,11 @@ class DiffusionStageEngine:
         if config.preset is not None and not (folder / MODEL_INDEX).is_file():
             ensure_preset(config.preset, folder)
         self.arena = Arena(config.device)
-        self.pipeline = ImagePipeline(folder, self.arena, config.dtype)
+        try:
+            self.pipeline = ImagePipeline(folder, self.arena, config.dtype)
+        except BaseException:
+            self.arena.close()  # nothing else frees device memory mapped by a failed build
+            raise
         self.limits = self.pipeline.limits
         self.sleep_control = SleepController(
             self.arena, config.stage_id, folder, self.pipeline.load_weights

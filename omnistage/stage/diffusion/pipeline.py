@@ -120,11 +120,12 @@ class ImagePipeline:
 
     def encode_text(self, text: str, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(embeddings [max_length, dim], mask [max_length])`` as diffusers' PixArt does it:
-        pad to ``max_length``, truncate, add special tokens, keep the padded positions."""
+        lower-case and strip the text (its ``clean_caption=False`` preprocessing), pad to
+        ``max_length``, truncate, add special tokens, keep the padded positions."""
         if self.tokenizer is None or self.text_encoder is None:
             raise CheckpointError(f"{self.folder} has no text encoder")
         tokens = self.tokenizer(
-            [text],
+            [text.lower().strip()],
             padding="max_length",
             max_length=max_length,
             truncation=True,

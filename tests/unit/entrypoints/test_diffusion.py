@@ -63,3 +63,32 @@ def test_sleep_wake_cycle_keeps_images(pipe):
 def test_unknown_keywords_are_named(tmp_path):
     with pytest.raises(TypeError, match="max_num_images"):
         Diffusion(model=tmp_path, max_num_images=3)
+
+
+@pytest.mark.timeout(20)
+def test_generate_at_level0_sleep_raises_instead_of_waiting_forever(pipe):
+    pipe.sleep(level=0)
+    try:
+        with pytest.raises(StageAsleepError):
+            pipe.generate("a red cat", PARAMS)
+        assert not pipe.engine.has_unfinished_requests()
+    finally:
+        pipe.wake_up()
+
+
+def test_a_failed_request_leaves_no_other_request_queued(pipe, monkeypatch):
+    from omnistage.stage.diffusion import engine as engine_module
+
+    real_denoise = engine_module.denoise_batch
+
+    def fail_small_images(pipeline, requests, seeds, conds):
+        if requests[0].params.height == 32:
+            raise RuntimeError("boom")
+        return real_denoise(pipeline, requests, seeds, conds)
+
+    monkeypatch.setattr(engine_module, "denoise_batch", fail_small_images)
+    small = DiffusionParams(seed=4, num_inference_steps=3, height=32)
+    with pytest.raises(RuntimeError, match="boom"):
+        pipe.generate(["a red cat", "a blue dog"], [small, PARAMS])  # two batches
+    assert not pipe.engine.has_unfinished_requests()
+    assert len(pipe.generate("a red cat", PARAMS)) == 1

@@ -151,3 +151,68 @@ def test_flow_matching_loop_matches_diffusers(saved):
     )
     ours = our_pixels(engine, DiffusionRequest("flow", prompt="a blue dog", params=params))
     assert np.abs(ours - expected).max() <= 1e-4
+
+
+def test_prompts_are_lowercased_and_stripped_like_diffusers(saved):
+    pipe, engine = saved
+    expected = diffusers_pixels(
+        pipe, 7, prompt="  A Red Cat ", negative_prompt=" Blurry  ", guidance_scale=4.5
+    )
+    params = DiffusionParams(
+        num_inference_steps=5,
+        seed=7,
+        guidance_scale=4.5,
+        negative_prompt=" Blurry  ",
+        return_pixels=True,
+        max_sequence_length=MAX_LENGTH,
+    )
+    ours = our_pixels(engine, DiffusionRequest("spaces", prompt="  A Red Cat ", params=params))
+    assert np.abs(ours - expected).max() <= 1e-4
+
+
+def test_micro_conditioned_transformer_matches_pixart_alpha(saved, tmp_path):
+    """PixArt-alpha 1024 transformers (sample_size 128) take resolution and aspect ratio."""
+    from diffusers import PixArtAlphaPipeline, PixArtTransformer2DModel
+
+    pipe, _ = saved
+    torch.manual_seed(43)
+    transformer = PixArtTransformer2DModel(
+        num_attention_heads=3,  # the size embeddings take a third of the width
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,
+        num_layers=1,
+        sample_size=128,
+        patch_size=2,
+        caption_channels=CAPTION_DIM,
+        cross_attention_dim=48,
+        norm_type="ada_norm_single",
+    ).eval()
+    assert transformer.use_additional_conditions
+    alpha = PixArtAlphaPipeline(
+        tokenizer=pipe.tokenizer,
+        text_encoder=pipe.text_encoder,
+        vae=pipe.vae,
+        transformer=transformer,
+        scheduler=pipe.scheduler,
+    )
+    alpha.save_pretrained(tmp_path)
+    expected = diffusers_pixels(
+        alpha, 9, prompt="a red cat", guidance_scale=3.0, height=32, width=64
+    )
+    engine = DiffusionStageEngine(diffusion_config(tmp_path))
+    try:
+        params = DiffusionParams(
+            num_inference_steps=5,
+            seed=9,
+            guidance_scale=3.0,
+            height=32,
+            width=64,
+            return_pixels=True,
+            max_sequence_length=MAX_LENGTH,
+        )
+        ours = our_pixels(engine, DiffusionRequest("alpha", prompt="a red cat", params=params))
+    finally:
+        engine.shutdown()
+    assert ours.shape == expected.shape == (32, 64, 3)
+    assert np.abs(ours - expected).max() <= 1e-4

@@ -1,3 +1,6 @@
+import json
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -256,3 +259,47 @@ def test_refused_sleep_does_not_touch_requests(engine):
         engine.sleep(level=3)
     assert info.value.field == "level"
     assert [o.request_id for o in engine.step()] == ["survivor"]
+
+
+def test_transformer_config_without_out_channels_runs(image_cond_folder, tmp_path):
+    """diffusers stores ``out_channels: null`` when it defaults to ``in_channels``."""
+    folder = tmp_path / "no-out-channels"
+    shutil.copytree(image_cond_folder, folder)
+    config_path = folder / "transformer" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["out_channels"] = None
+    config_path.write_text(json.dumps(config))
+    hidden = torch.randn(4, 256, generator=torch.Generator().manual_seed(0))
+    request = DiffusionRequest("n", prompt_embeds=hidden, params=PARAMS)
+    pngs = []
+    for source in (image_cond_folder, folder):
+        engine = DiffusionStageEngine(diffusion_config(source, enable_sleep_mode=False))
+        try:
+            pngs.append(png_of(run_all(engine, [request])["n"]))
+        finally:
+            engine.shutdown()
+    assert pngs[0] == pngs[1]
+
+
+def test_a_failed_build_frees_its_arena(image_cond_folder, tmp_path, monkeypatch):
+    from omnistage.memory import Arena
+    from omnistage.models.loader import CheckpointError
+    from omnistage.stage.diffusion import engine as engine_module
+
+    folder = tmp_path / "dynamic-shift"
+    shutil.copytree(image_cond_folder, folder)
+    config_path = folder / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_path.read_text())
+    config["use_dynamic_shifting"] = True
+    config_path.write_text(json.dumps(config))
+    closed_with_bytes: list[int] = []
+
+    class RecordedArena(Arena):
+        def close(self) -> None:
+            closed_with_bytes.append(self.stats()["weights"].reserved_bytes)
+            super().close()
+
+    monkeypatch.setattr(engine_module, "Arena", RecordedArena)
+    with pytest.raises(CheckpointError, match="use_dynamic_shifting"):
+        DiffusionStageEngine(diffusion_config(folder))
+    assert len(closed_with_bytes) == 1 and closed_with_bytes[0] > 0  # weights were adopted
