@@ -48,11 +48,17 @@ def ensure_preset(preset: str, out: str | Path) -> Path:
     out = Path(out)
     if is_built(out):
         return out
+    if out.exists() and any(out.iterdir()):
+        # Never delete what we did not build: builds land by rename, so a non-empty folder
+        # without the marker is somebody else's.
+        raise ValueError(
+            f"{out} exists and was not built by omnistage; point `model` elsewhere or drop `preset`"
+        )
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     build_preset(preset, tmp)
-    if out.exists():  # an interrupted build without the marker: ours to replace
-        shutil.rmtree(out, ignore_errors=True)
+    if out.exists():
+        out.rmdir()  # empty (checked above)
     try:
         tmp.rename(out)
     except OSError:
