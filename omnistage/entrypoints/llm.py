@@ -183,18 +183,22 @@ class LLM:
 
         Mode ``wait`` first runs the requests in flight to completion (within the config's
         ``drain_timeout_s``)."""
-        if mode == "wait" and not self.engine.is_paused:
-            self.engine.pause("wait")
+        if mode != "wait" or self.engine.is_paused:
+            return self.engine.sleep(level=level, mode=mode)
+        self.engine.pause("wait")
+        try:
             deadline = time.monotonic() + self.engine.config.drain_timeout_s
             while not self.engine.is_drained():
                 if time.monotonic() > deadline:
-                    self.engine.resume()
                     raise TimeoutError(
                         "sleep(mode='wait'): requests still running after "
                         f"{self.engine.config.drain_timeout_s:g}s; raise drain_timeout_s"
                     )
                 self.engine.step()
-        return self.engine.sleep(level=level, mode=mode)
+            return self.engine.sleep(level=level, mode=mode)
+        except BaseException:
+            self.engine.resume()  # a sleep that did not happen must not leave the LLM paused
+            raise
 
     def wake_up(self, tags: Seq[str] | None = None, reload: bool = True) -> dict[str, Any]:
         """Bring memory back; generation resumes once nothing is asleep."""

@@ -131,36 +131,50 @@ def load_into(
     """Copy a checkpoint's tensors into ``targets`` in place (addresses do not change).
 
     ``rename`` maps a checkpoint name to a target name (``None`` skips it). Targets that share
-    memory with a loaded tensor (tied weights) count as loaded. With ``strict`` a missing or
-    unexpected tensor raises ``CheckpointError``; a shape mismatch always does.
+    memory with a loaded tensor (tied weights) count as loaded. A missing tensor raises
+    ``CheckpointError`` with ``strict`` (a partial update may leave tensors out); an
+    unexpected tensor or a shape mismatch always does. Every check runs before the first
+    copy, so a checkpoint that does not fit leaves the targets as they were: an update of
+    live weights never half-applies, nor passes for a success having loaded nothing.
     """
     report = LoadReport(files=[str(f) for f in checkpoint_files(path)])
     loaded_ptrs: set[int] = set()
-    with torch.no_grad():
-        for name, src in iter_checkpoint(path):
-            key = rename(name) if rename is not None else name
-            if key is None:
-                continue
-            dest = targets.get(key)
-            if dest is None:
-                report.unexpected.append(name)
-                continue
-            if tuple(dest.shape) != tuple(src.shape):
-                raise CheckpointError(
-                    f"shape mismatch for {key}: checkpoint {tuple(src.shape)}, model {tuple(dest.shape)}"
-                )
-            dest.copy_(src)
-            loaded_ptrs.add(dest.data_ptr())
-            report.num_tensors += 1
-            report.num_bytes += dest.numel() * dest.element_size()
+    for name, key, dest, src in _matches(targets, path, rename):
+        if dest is None:
+            report.unexpected.append(name)
+            continue
+        if tuple(dest.shape) != tuple(src.shape):
+            raise CheckpointError(
+                f"shape mismatch for {key}: checkpoint {tuple(src.shape)}, model {tuple(dest.shape)}"
+            )
+        loaded_ptrs.add(dest.data_ptr())
     report.missing = [k for k, t in targets.items() if t.data_ptr() not in loaded_ptrs]
-    if strict and (report.missing or report.unexpected):
+    missing = report.missing if strict else []
+    if missing or report.unexpected:
         raise CheckpointError(
-            f"checkpoint {path} does not match the model: missing {report.missing[:8]}"
-            f"{'...' if len(report.missing) > 8 else ''}, unexpected {report.unexpected[:8]}"
+            f"checkpoint {path} does not match the model: missing {missing[:8]}"
+            f"{'...' if len(missing) > 8 else ''}, unexpected {report.unexpected[:8]}"
             f"{'...' if len(report.unexpected) > 8 else ''}"
         )
+    with torch.no_grad():
+        for _, _, dest, src in _matches(targets, path, rename):
+            if dest is not None:
+                dest.copy_(src)
+                report.num_tensors += 1
+                report.num_bytes += dest.numel() * dest.element_size()
     return report
+
+
+def _matches(
+    targets: Mapping[str, torch.Tensor],
+    path: str | Path,
+    rename: Callable[[str], str | None] | None,
+) -> Iterator[tuple[str, str, torch.Tensor | None, torch.Tensor]]:
+    """``(name, key, target or None, mapped tensor)`` for each checkpoint tensor not skipped."""
+    for name, src in iter_checkpoint(path):
+        key = rename(name) if rename is not None else name
+        if key is not None:
+            yield name, key, targets.get(key), src
 
 
 def module_targets(module: nn.Module) -> dict[str, torch.Tensor]:

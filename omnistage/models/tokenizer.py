@@ -148,7 +148,8 @@ class Tokenizer:
                 eos_token=self.eos_token or "",
                 **kwargs,
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except (jinja2.exceptions.TemplateError, TypeError) as exc:
+            # TypeError: a message the template cannot handle, e.g. ``"content": None``.
             raise InvalidRequestError("messages", f"chat template failed: {exc}") from exc
 
     def encode_chat(

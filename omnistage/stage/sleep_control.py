@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from omnistage.errors import InvalidRequestError, WeightsInvalidError
 from omnistage.memory import Arena, ArenaWakeError, device_used_bytes
 
@@ -142,6 +144,10 @@ class SleepController:
             for tag in chosen:
                 (offload if level == 1 and tag != KV_CACHE else discard).append(tag)
         report = self.arena.sleep(offload=offload, discard=discard)
+        if level >= 1 and self.arena.device.type == "cuda":
+            # Activations the stage ran with sit in torch's caching allocator, outside the
+            # arena: hand them back too, or the memory is not really free for others.
+            torch.cuda.empty_cache()
         after = device_used_bytes(self.arena.device)
         if level >= 1 and not report.is_noop:
             self.level = max(self.level, level)
@@ -166,7 +172,9 @@ class SleepController:
         self, tags: Sequence[str] | None = None, reload: bool = True, **metadata: Any
     ) -> dict[str, Any]:
         """Map memory back; a discarded ``weights`` tag is reloaded from disk unless
-        ``reload`` is False, in which case the weights stay invalid until ``update_weights``."""
+        ``reload`` is False, in which case the weights stay invalid until ``update_weights``
+        (or a later wake with ``reload``). A failed reload puts back to sleep what this call
+        woke and answers an ``ERROR`` ACK, so that a later wake can retry."""
         chosen = self._resolve_tags(tags, "tags")
         woken_from = self.level
         before = device_used_bytes(self.arena.device)
@@ -186,23 +194,43 @@ class SleepController:
                 resident_bytes_after=device_used_bytes(self.arena.device),
                 **metadata,
             )
+        # Weights woken without contents now, or earlier with reload=False, are reloaded.
+        needs_reload = reload and WEIGHTS in chosen and not self.weights_valid
+        if needs_reload:
+            try:
+                self._reload()
+            except Exception as exc:
+                # Back to asleep, so that the stage is reported sleeping and a wake can retry.
+                self.arena.sleep(discard=report.invalid_tags)
+                return make_ack(
+                    self.stage_id,
+                    status="ERROR",
+                    rank=self.rank,
+                    error_msg=f"reloading the weights failed: {type(exc).__name__}: {exc}",
+                    level=self.level,
+                    tags=chosen,
+                    latency_ms=(time.perf_counter() - start) * 1e3,
+                    resident_bytes_before=before,
+                    resident_bytes_after=device_used_bytes(self.arena.device),
+                    weights_valid=self.weights_valid,
+                    sleeping_tags=self.sleeping_tags,
+                    **metadata,
+                )
         for tag in report.invalid_tags:
-            if tag == WEIGHTS:
-                if reload:
-                    self._reload()
-            else:
+            if tag != WEIGHTS:
                 self.arena.mark_valid(tag)  # caches are reset by their engine, contents unused
         restored = report.restored_bytes
-        if WEIGHTS in report.invalid_tags and reload:
+        if needs_reload:
             restored += self.arena.stats()[WEIGHTS].reserved_bytes
         if not self.is_sleeping:
             self.level = 0
         after = device_used_bytes(self.arena.device)
+        is_noop = report.is_noop and not needs_reload
         return make_ack(
             self.stage_id,
-            status="SKIPPED" if report.is_noop else "SUCCESS",
+            status="SKIPPED" if is_noop else "SUCCESS",
             rank=self.rank,
-            error_msg="not asleep" if report.is_noop else None,
+            error_msg="not asleep" if is_noop else None,
             level=woken_from,
             tags=[*report.restored_tags, *report.invalid_tags],
             latency_ms=(time.perf_counter() - start) * 1e3,

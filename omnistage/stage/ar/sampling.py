@@ -11,6 +11,11 @@ from typing import Any
 
 from omnistage.errors import InvalidRequestError
 
+# Below this a temperature is greedy (as vLLM's _SAMPLING_EPS): dividing the logits by it
+# would overflow to inf and make the probabilities NaN.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -24,11 +29,12 @@ def _is_number(value: Any) -> bool:
 class SamplingParams:
     """Decoding parameters of one request.
 
-    ``temperature`` 0 is greedy. ``top_k`` 0 or -1 and ``top_p`` 1 disable those filters.
-    ``max_tokens`` None means "until eos or ``max_model_len``". ``stop`` strings end the
-    generation and are cut from the text; ``stop_token_ids`` end it and stay in the token ids
-    (as the eos token does). ``seed`` gives the request its own random generator, so its
-    samples do not depend on what else is in the batch.
+    ``temperature`` 0 (or below ``GREEDY_TEMPERATURE``) is greedy. ``top_k`` 0 or -1 and
+    ``top_p`` 1 disable those filters. ``max_tokens`` None means "until eos or
+    ``max_model_len``". ``stop`` strings end the generation and are cut from the text;
+    ``stop_token_ids`` end it and stay in the token ids (as the eos token does). ``seed``
+    gives the request its own random generator, so its samples do not depend on what else
+    is in the batch.
     """
 
     n: int = 1
@@ -58,8 +64,12 @@ class SamplingParams:
             raise InvalidRequestError(
                 "top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise InvalidRequestError("seed", f"must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise InvalidRequestError(
+                "seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}"
+            )
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidRequestError(
                 "max_tokens", f"must be a positive integer or None, got {self.max_tokens!r}"
@@ -80,7 +90,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -3,7 +3,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage import LLM, RequestOutput, SamplingParams
-from omnistage.errors import StageAsleepError, WeightsInvalidError
+from omnistage.errors import InvalidRequestError, StageAsleepError, WeightsInvalidError
 from omnistage.memory import process_resident_bytes
 from omnistage.models.tiny import build_preset
 from omnistage.models.tiny_ar import TinyARSpec, build
@@ -82,6 +82,14 @@ def test_sleep_wait_with_nothing_in_flight_sleeps_at_once(llm):
         llm.generate("Hello there", GREEDY)
     llm.wake_up()
     assert not llm.is_sleeping()
+
+
+def test_sleep_wait_that_fails_does_not_leave_the_llm_paused(llm):
+    with pytest.raises(InvalidRequestError) as info:
+        llm.sleep(level=3, mode="wait")
+    assert info.value.field == "level"
+    assert not llm.status()["paused"] and not llm.is_sleeping()
+    assert len(llm.generate("Hello there", GREEDY)) == 1
 
 
 def test_update_weights_after_reload_false_matches_transformers(llm, demo, tmp_path):

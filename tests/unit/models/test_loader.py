@@ -104,3 +104,23 @@ def test_missing_path_and_garbage_file_are_clear_errors(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"\x05")
     with pytest.raises(CheckpointError, match="not a safetensors file"):
         load_module(make_model(), tmp_path)
+
+
+def test_checkpoint_that_does_not_fit_changes_nothing(tmp_path):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = {"0.weight": torch.ones(32, 16), "1.weight": torch.ones(8, 16)}  # 1.weight: bad shape
+    save_file(update, str(tmp_path / "update.safetensors"))
+    with pytest.raises(CheckpointError, match=r"1\.weight"):
+        load_module(model, tmp_path / "update.safetensors", strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_partial_update_with_unknown_names_is_refused(tmp_path):
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    update = {"0.weight": torch.ones(32, 16), "module.1.weight": torch.ones(16, 16)}
+    save_file(update, str(tmp_path / "update.safetensors"))
+    with pytest.raises(CheckpointError, match=r"module\.1\.weight"):
+        load_module(model, tmp_path / "update.safetensors", strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

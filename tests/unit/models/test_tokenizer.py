@@ -87,3 +87,9 @@ def test_template_errors_name_messages(tokenizer):
     with pytest.raises(InvalidRequestError) as info:
         tokenizer.render_chat([{"role": "user"}])
     assert info.value.field == "messages"
+
+
+def test_message_the_template_cannot_join_names_messages(tokenizer):
+    with pytest.raises(InvalidRequestError) as info:
+        tokenizer.render_chat([{"role": "assistant", "content": None}])
+    assert info.value.field == "messages"

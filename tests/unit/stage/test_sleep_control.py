@@ -4,7 +4,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omnistage.errors import InvalidRequestError, WeightsInvalidError
-from omnistage.memory import Arena
+from omnistage.memory import Arena, HostBackend
 from omnistage.models.loader import load_module
 from omnistage.stage.sleep_control import SleepController
 
@@ -73,3 +73,41 @@ def test_bad_level_and_tags_name_the_field(stage):
         control.sleep(7)
     with pytest.raises(InvalidRequestError, match="tags"):
         control.sleep(1, tags=["activations"])
+
+
+def test_wake_with_reload_after_a_wake_without_reload_reloads(stage):
+    model, control, _ = stage
+    expected = model.weight.detach().clone()
+    control.sleep(2)
+    control.wake_up(reload=False)
+    ack = control.wake_up(reload=True)
+    assert ack["status"] == "SUCCESS" and ack["metadata"]["weights_valid"] is True
+    control.check_can_generate()
+    assert torch.equal(model.weight, expected)
+
+
+def test_failed_reload_is_an_error_ack_and_stays_asleep_until_a_retry(stage):
+    model, control, folder = stage
+    expected = model.weight.detach().clone()
+    control.sleep(2)
+    (folder / "model.safetensors").rename(folder / "moved.bin")
+    ack = control.wake_up()
+    assert ack["status"] == "ERROR" and "CheckpointError" in ack["error_msg"]
+    assert control.is_sleeping and sorted(control.sleeping_tags) == ["kv_cache", "weights"]
+    assert control.level == 2
+    (folder / "moved.bin").rename(folder / "model.safetensors")
+    assert control.wake_up()["status"] == "SUCCESS"
+    assert not control.is_sleeping and torch.equal(model.weight, expected)
+
+
+def test_sleep_on_cuda_empties_the_torch_cache(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(True))
+    monkeypatch.setattr("omnistage.stage.sleep_control.device_used_bytes", lambda device: 0)
+    arena = Arena("cuda:0", backend=HostBackend())  # a CUDA arena as far as the stage can tell
+    arena.empty((1024,), torch.float32, "weights")
+    control = SleepController(arena, 0, "unused", lambda path, strict: None)
+    control.sleep(0)
+    assert not calls
+    control.sleep(2)
+    assert calls

@@ -32,6 +32,8 @@ def sampled(seed: int | None, max_tokens: int = 16, **kwargs) -> SamplingParams:
         ({"max_tokens": 0}, "max_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
         ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"n": 2}, "n"),
@@ -65,6 +67,19 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine):
     other_seed = generate(engine, [ARRequest("c", PROMPT, sampled(seed=8))])["c"].token_ids
     assert together["b"].token_ids == alone
     assert other_seed != alone
+
+
+def test_tiny_temperature_is_greedy_instead_of_nan(engine):
+    results = generate(
+        engine,
+        [
+            ARRequest("g", PROMPT, greedy(8)),
+            ARRequest(
+                "t", PROMPT, SamplingParams(temperature=1e-300, max_tokens=8, ignore_eos=True)
+            ),
+        ],
+    )
+    assert results["t"].token_ids == results["g"].token_ids
 
 
 def test_top_k_one_is_greedy(engine):
