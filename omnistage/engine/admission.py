@@ -43,6 +43,7 @@ class StageState:
     sleep_mode: str | None = None  # mode of the sleep in progress or in force
     bound: int = 0  # requests in the pipeline that will reach this stage later
     admits_bound: bool = False  # a "wait" sleep is letting bound requests in before it drains
+    weights_valid: bool = True  # False after a level-2 wake with reload=false, until updated
 
 
 class AdmissionGate:

@@ -294,6 +294,8 @@ class AsyncOmni:
         for sid in ids:
             ack = self._as_ack(sid, results[sid])
             still_asleep = bool(ack["metadata"].get("sleeping_tags"))
+            if ack["status"] != "ERROR" and "weights_valid" in ack["metadata"]:
+                self.gate.stages[sid].weights_valid = bool(ack["metadata"]["weights_valid"])
             was_asleep = previous[sid] == adm.ASLEEP
             if ack["status"] == "ERROR" or still_asleep:
                 await self.gate.set_state(
@@ -335,8 +337,10 @@ class AsyncOmni:
 
     async def update_weights(self, stage_id: int, path: str) -> dict[str, Any]:
         (sid,) = self._check_stage_ids([stage_id])
-        result = await self.clients[sid].call("update_weights", path=str(path))
-        return dict(result)
+        result = dict(await self.clients[sid].call("update_weights", path=str(path)))
+        if result.get("status") == "SUCCESS":
+            self.gate.stages[sid].weights_valid = True
+        return result
 
     async def stage_status(self) -> list[dict[str, Any]]:
         self._refresh_deaths()
@@ -371,10 +375,16 @@ class AsyncOmni:
         return statuses
 
     def sleeping_stage_ids(self) -> set[int]:
-        """Stages whose memory is (at least partly) asleep, or going there: the truth the HTTP
-        layer mirrors (a wakeup racing a sleep then meets the transition, 409, not SKIPPED)."""
+        """Stages whose memory is (at least partly) asleep, or going there, and stages woken
+        without their weights (reload=false, not yet updated): the truth the HTTP layer
+        mirrors. A wakeup racing a sleep then meets the transition (409, not SKIPPED), and a
+        wakeup with reload=true reaches a stage whose weights are still missing."""
         sleeping = (adm.SLEEPING, adm.ASLEEP, adm.WAKING)
-        return {sid for sid, s in enumerate(self.gate.stages) if s.state in sleeping}
+        return {
+            sid
+            for sid, s in enumerate(self.gate.stages)
+            if s.state in sleeping or (s.state == adm.AWAKE and not s.weights_valid)
+        }
 
     def is_sleeping(self, stage_id: int | None = None) -> bool:
         sleeping = self.sleeping_stage_ids()

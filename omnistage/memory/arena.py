@@ -212,8 +212,7 @@ class Arena:
                     continue
                 if state.is_asleep:  # deeper: drop the host copy
                     for region in state.regions:
-                        if region.host_backup is not None:
-                            self.backend.release_host_backup(region.host_backup)
+                        self.backend.drop_host_backup(region)
                 else:
                     report.freed_bytes += self._unmap_all(state)
                 state.is_asleep, state.is_offloaded, state.is_valid = True, False, False

@@ -78,6 +78,12 @@ class Backend(ABC):
         """Give the backup's pages back but keep the buffer; returns bytes released."""
         return 0
 
+    def drop_host_backup(self, region: Region) -> None:
+        """Free a region's backup for good (sleeping deeper); a later offload allocates anew."""
+        if region.host_backup is not None:
+            self.release_host_backup(region.host_backup)
+            region.host_backup = None
+
     def prepare_host_backup(self, backup: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Make the backup ready to be written (e.g. fault its pages in) before an offload."""
 

@@ -190,6 +190,17 @@ class CudaVmmBackend(Backend):
     def new_host_backup(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
+    def drop_host_backup(self, region: Region) -> None:
+        # Pinned buffers are retained between cycles (re-pinning is the slow part); sleeping
+        # deeper is the one time to give them back. Dropping the last reference returns the
+        # block to torch's pinned-memory cache, so empty that cache too.
+        region.host_backup = None
+        empty_host_cache = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
+            torch._C, "_host_emptyCache", None
+        )
+        if empty_host_cache is not None and torch.cuda.is_available():
+            empty_host_cache()
+
     @staticmethod
     def _vmm(region: Region) -> _VmmHandle:
         if not isinstance(region.handle, _VmmHandle):

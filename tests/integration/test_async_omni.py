@@ -5,7 +5,12 @@ import asyncio
 import pytest
 
 from omnistage.engine.async_omni import AsyncOmni
-from omnistage.errors import InvalidRequestError, StageAsleepError, StageBusyError
+from omnistage.errors import (
+    InvalidRequestError,
+    StageAsleepError,
+    StageBusyError,
+    WeightsInvalidError,
+)
 from tests.integration.helpers import collect
 
 
@@ -184,3 +189,18 @@ async def test_a_fresh_in_process_pipeline_gives_the_same_outputs(tiny_omni):
         other.shutdown()
     assert got.token_ids == expected.token_ids
     assert got.pngs == expected.pngs
+
+
+async def test_stage_woken_without_weights_counts_as_sleeping_until_reloaded(tiny_omni):
+    before = await collect(tiny_omni, "weights please", ["text"])
+    await tiny_omni.sleep([0], level=2)
+    await tiny_omni.wake_up([0], reload=False)
+    await tiny_omni.resume_generation([0])
+    assert 0 in tiny_omni.sleeping_stage_ids()
+    with pytest.raises(WeightsInvalidError):
+        await collect(tiny_omni, "weights please", ["text"])
+    acks = await tiny_omni.wake_up([0])  # reload=True now reloads what is missing
+    assert acks[0]["status"] == "SUCCESS" and acks[0]["metadata"]["weights_valid"] is True
+    await tiny_omni.resume_generation([0])
+    assert tiny_omni.sleeping_stage_ids() == set()
+    assert (await collect(tiny_omni, "weights please", ["text"])).token_ids == before.token_ids

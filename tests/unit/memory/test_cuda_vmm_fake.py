@@ -90,3 +90,19 @@ def test_close_unmaps_and_frees_everything():
     arena.sleep(discard=["kv_cache"])
     arena.close()
     assert driver.reserved == {} and driver.handles == {} and driver.mappings == {}
+
+
+def test_sleeping_deeper_drops_the_pinned_host_copy_and_a_later_offload_reallocates(monkeypatch):
+    driver = FakeDriver()
+    arena, backend = make_arena(driver)
+    arena.empty((4 * MiB,), torch.uint8, "weights").fill_(5)
+    allocations = []
+    original = backend.new_host_backup
+    monkeypatch.setattr(backend, "new_host_backup", lambda n: allocations.append(n) or original(n))
+    arena.sleep(offload=["weights"])
+    arena.sleep(discard=["weights"])
+    assert arena.stats()["weights"].backup_bytes == 0
+    assert all(r.host_backup is None for r in arena._tags["weights"].regions)
+    arena.wake()
+    arena.sleep(offload=["weights"])
+    assert allocations == [4 * MiB, 4 * MiB]
