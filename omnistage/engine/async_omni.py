@@ -235,7 +235,11 @@ class AsyncOmni:
         reopen = []
         for sid in ids:
             ack = self._as_ack(sid, results[sid], level=level, mode=mode)
-            if ack["status"] == "ERROR":
+            if ack["status"] == "ERROR" and ack["metadata"].get("sleeping_tags"):
+                # Failed half-way: part of the stage's memory is gone, so it is asleep (a
+                # wake maps it back and reloads); the ACK says what failed.
+                await self.gate.set_state(sid, adm.ASLEEP, level=2)
+            elif ack["status"] == "ERROR":
                 await self.gate.set_state(sid, previous[sid], paused=was_paused[sid])
                 if previous[sid] == adm.AWAKE and not was_paused[sid]:
                     reopen.append(sid)

@@ -272,10 +272,16 @@ class Arena:
 
     def _unmap_all(self, state: _Tag) -> int:
         freed = 0
-        for region in state.regions:
-            if region.is_mapped:
-                self.backend.unmap(region)
-                freed += region.nbytes
+        try:
+            for region in state.regions:
+                if region.is_mapped:
+                    self.backend.unmap(region)
+                    freed += region.nbytes
+        except Exception:
+            # Part of the tag is gone: the only consistent state left is "asleep, contents
+            # lost" (a wake maps everything back and the weights are reloaded).
+            state.is_asleep, state.is_offloaded, state.is_valid = True, False, False
+            raise
         return freed
 
     def _check_tags(self, names: Iterable[str]) -> None:

@@ -53,7 +53,7 @@ class _CudaArrayView:
 class _VmmHandle:
     base: int
     chunks: list[tuple[int, int]]  # (offset, size)
-    physical: list[Any] = field(default_factory=list)  # one handle per mapped chunk
+    physical: list[Any] = field(default_factory=list)  # per chunk: its handle, None if unmapped
 
 
 class CudaVmmBackend(Backend):
@@ -131,7 +131,10 @@ class CudaVmmBackend(Backend):
             (off, min(self.chunk_bytes, size - off)) for off in range(0, size, self.chunk_bytes)
         ]
         region = Region(
-            nbytes=size, device=self.device, handle=_VmmHandle(base, chunks), is_mapped=False
+            nbytes=size,
+            device=self.device,
+            handle=_VmmHandle(base, chunks, [None] * len(chunks)),
+            is_mapped=False,
         )
         try:
             self.map(region)
@@ -141,42 +144,60 @@ class CudaVmmBackend(Backend):
         return region
 
     def map(self, region: Region) -> None:
+        """Map every chunk that is not mapped; on failure unmap what this call mapped."""
         if region.is_mapped:
             return
         self._make_current()
         d, handle = self._driver, self._vmm(region)
-        done: list[tuple[int, int, Any]] = []
+        done: list[int] = []
         try:
-            for offset, size in handle.chunks:
+            for i, (offset, size) in enumerate(handle.chunks):
+                if handle.physical[i] is not None:
+                    continue  # left mapped by an unmap that failed half-way
                 phys = self._check(d.cuMemCreate(size, self._prop, 0), "cuMemCreate")
                 try:
                     self._check(d.cuMemMap(handle.base + offset, size, 0, phys, 0), "cuMemMap")
                 except BaseException:
                     d.cuMemRelease(phys)
                     raise
-                done.append((offset, size, phys))
+                handle.physical[i] = phys
+                done.append(i)
                 self._check(
                     d.cuMemSetAccess(handle.base + offset, size, [self._access], 1),
                     "cuMemSetAccess",
                 )
         except BaseException:
-            for offset, size, phys in reversed(done):
+            for i in reversed(done):
+                offset, size = handle.chunks[i]
                 d.cuMemUnmap(handle.base + offset, size)
-                d.cuMemRelease(phys)
+                d.cuMemRelease(handle.physical[i])
+                handle.physical[i] = None
             raise
-        handle.physical = [phys for _, _, phys in done]
         region.is_mapped = True
 
     def unmap(self, region: Region) -> None:
-        if not region.is_mapped:
+        """Unmap and release every mapped chunk; a failing chunk is reported after the others
+        were tried, and stays recorded as mapped (a later map or unmap handles it)."""
+        d, handle = self._driver, self._vmm(region)
+        if not any(p is not None for p in handle.physical):
+            region.is_mapped = False
             return
         self._make_current()
-        d, handle = self._driver, self._vmm(region)
-        for (offset, size), phys in zip(handle.chunks, handle.physical, strict=True):
-            self._check(d.cuMemUnmap(handle.base + offset, size), "cuMemUnmap")
-            self._check(d.cuMemRelease(phys), "cuMemRelease")
-        handle.physical = []
+        first_error: BaseException | None = None
+        for i, (offset, size) in enumerate(handle.chunks):
+            phys = handle.physical[i]
+            if phys is None:
+                continue
+            try:
+                self._check(d.cuMemUnmap(handle.base + offset, size), "cuMemUnmap")
+                self._check(d.cuMemRelease(phys), "cuMemRelease")
+            except ArenaError as exc:
+                first_error = first_error or exc
+                continue
+            handle.physical[i] = None
         region.is_mapped = False
+        if first_error is not None:
+            raise first_error
 
     def free(self, region: Region) -> None:
         self.unmap(region)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError, WeightsInvalidError
-from omnistage.memory import Arena, ArenaWakeError, device_used_bytes
+from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
 
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
@@ -143,7 +143,25 @@ class SleepController:
         if level >= 1:
             for tag in chosen:
                 (offload if level == 1 and tag != KV_CACHE else discard).append(tag)
-        report = self.arena.sleep(offload=offload, discard=discard)
+        try:
+            report = self.arena.sleep(offload=offload, discard=discard)
+        except ArenaError as exc:
+            # Reported, not raised: ``sleeping_tags`` says what the failure left asleep.
+            if self.is_sleeping:
+                self.level = 2  # whatever went down lost its contents
+            return make_ack(
+                self.stage_id,
+                status="ERROR",
+                rank=self.rank,
+                error_msg=f"sleep failed: {exc}",
+                level=level,
+                tags=chosen,
+                latency_ms=(time.perf_counter() - start) * 1e3,
+                resident_bytes_before=before,
+                resident_bytes_after=device_used_bytes(self.arena.device),
+                sleeping_tags=self.sleeping_tags,
+                **metadata,
+            )
         if level >= 1 and self.arena.device.type == "cuda":
             # Activations the stage ran with sit in torch's caching allocator, outside the
             # arena: hand them back too, or the memory is not really free for others.

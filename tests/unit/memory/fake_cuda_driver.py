@@ -102,8 +102,10 @@ class FakeDriver:
         return (err, handle)
 
     def cuMemRelease(self, handle):  # noqa: N802
-        self.handles.pop(handle)
-        return (self._enter("cuMemRelease"),)
+        err = self._enter("cuMemRelease")
+        if err == 0:
+            self.handles.pop(handle)
+        return (err,)
 
     def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802
         err = self._enter("cuMemMap")
@@ -114,8 +116,10 @@ class FakeDriver:
         return (err,)
 
     def cuMemUnmap(self, ptr, size):  # noqa: N802
-        self.mappings.pop(ptr)
-        return (self._enter("cuMemUnmap"),)
+        err = self._enter("cuMemUnmap")
+        if err == 0:
+            self.mappings.pop(ptr)
+        return (err,)
 
     def cuMemSetAccess(self, ptr, size, descs, count):  # noqa: N802
         return (self._enter("cuMemSetAccess"),)

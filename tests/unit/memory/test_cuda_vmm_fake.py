@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from omnistage.memory import Arena, ArenaWakeError
+from omnistage.memory import Arena, ArenaError, ArenaWakeError
 from omnistage.memory.backend import ArenaOutOfMemoryError
 from tests.unit.memory.fake_cuda_driver import FakeDriver, FakeVmmBackend
 
@@ -106,3 +106,20 @@ def test_sleeping_deeper_drops_the_pinned_host_copy_and_a_later_offload_realloca
     arena.wake()
     arena.sleep(offload=["weights"])
     assert allocations == [4 * MiB, 4 * MiB]
+
+
+def test_unmap_failure_half_way_leaves_the_tag_asleep_and_invalid():
+    driver = FakeDriver()
+    arena, _ = make_arena(driver)
+    arena.empty((8 * MiB,), torch.uint8, "weights")  # two chunks
+    driver.fail_on["cuMemUnmap"] = driver.calls.count("cuMemUnmap") + 2
+    with pytest.raises(ArenaError, match="cuMemUnmap"):
+        arena.sleep(discard=["weights"])
+    stats = arena.stats()["weights"]
+    assert stats.is_asleep and not stats.is_valid
+    assert len(driver.mappings) == 1  # the failing chunk is still mapped, the other is not
+    driver.fail_on.clear()
+    assert arena.wake().invalid_tags == ["weights"]
+    assert driver.physical_bytes == 8 * MiB and len(driver.mappings) == 2
+    arena.close()
+    assert driver.reserved == {} and driver.handles == {} and driver.mappings == {}

@@ -111,3 +111,33 @@ def test_sleep_on_cuda_empties_the_torch_cache(monkeypatch):
     assert not calls
     control.sleep(2)
     assert calls
+
+
+def test_sleep_failing_half_way_is_an_error_ack_that_reports_what_went_down(tmp_path):
+    from omnistage.memory import ArenaError, HostBackend
+
+    class FlakyUnmap(HostBackend):
+        calls = 0
+
+        def unmap(self, region):
+            FlakyUnmap.calls += 1
+            if FlakyUnmap.calls == 2:
+                raise ArenaError("unmap failed (injected)")
+            super().unmap(region)
+
+    model = nn.Linear(64, 64)
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors")
+    )
+    expected = model.weight.detach().clone()
+    arena = Arena("cpu", backend=FlakyUnmap())
+    arena.adopt(model)
+    arena.empty((1024,), torch.float32, "weights")  # a second region under the same tag
+    control = SleepController(
+        arena, 0, tmp_path, lambda p, strict: load_module(model, p, strict=False)
+    )
+    ack = control.sleep(2)
+    assert ack["status"] == "ERROR" and "injected" in ack["error_msg"]
+    assert ack["metadata"]["sleeping_tags"] == ["weights"]
+    assert control.wake_up()["status"] == "SUCCESS"
+    assert torch.equal(model.weight, expected)
