@@ -69,7 +69,9 @@ def ar_request_builder(engine: Any) -> RequestBuilder:
             token_ids = tokenizer.encode(prompt)
         else:
             token_ids = data["prompt_token_ids"]
-            if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            if not isinstance(token_ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+            ):
                 raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
         return ARRequest(
             request_id=request_id,
