@@ -103,6 +103,12 @@ def table(rows: list[list[str]]) -> str:
     )
 
 
+def _weights_cell(status: dict[str, Any]) -> str:
+    if "weights" in (status.get("sleeping_tags") or []):
+        return "asleep"
+    return "ok" if status.get("weights_valid", True) else "INVALID"
+
+
 def format_response(op: str, data: Any) -> str:
     if op == "status":
         stages = data.get("stages", data) if isinstance(data, dict) else data
@@ -119,7 +125,7 @@ def format_response(op: str, data: Any) -> str:
                     str(s.get("level")),
                     str(s.get("paused")),
                     str(s.get("in_flight")),
-                    "ok" if s.get("weights_valid", True) else "INVALID",
+                    _weights_cell(s),
                     _mib(memory.get("resident_bytes")),
                 ]
             )
