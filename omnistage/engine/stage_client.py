@@ -166,6 +166,16 @@ class _StageClientBase:
         for callback in self._death_callbacks:
             callback(self.stage_id)
 
+    def _report_death(self, reason: str) -> None:
+        """From a watcher thread: mark the stage dead on the event loop (failing its open
+        requests), or just flag it when no loop is attached yet."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._mark_dead, reason)
+                return
+        self.is_dead, self.death_reason = True, reason
+
     def on_death(self, callback: Any) -> None:
         self._death_callbacks.append(callback)
 
@@ -298,13 +308,7 @@ class StageProcClient(_StageClientBase):
             return
         multiprocessing.connection.wait([process.sentinel])
         if not self._closing:
-            reason = f"process {process.pid} exited with code {process.exitcode}"
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._mark_dead, reason)
-                    return
-            self.is_dead, self.death_reason = True, reason
+            self._report_death(f"process {process.pid} exited with code {process.exitcode}")
 
     def _send(self, msg: ToStage) -> None:
         if self._to_stage is None:
@@ -405,13 +409,7 @@ class InProcStageClient(_StageClientBase):
         try:
             core.serve(self._channel)
         except Exception as exc:  # an engine crash is a dead stage, as with a process
-            reason = f"{type(exc).__name__}: {exc}"
-            loop = self._loop
-            if loop is not None and not loop.is_closed():
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(self._mark_dead, reason)
-                    return
-            self.is_dead, self.death_reason = True, reason
+            self._report_death(f"{type(exc).__name__}: {exc}")
         finally:
             # On this thread, as the stage process does: never under a step still running.
             self._engine.shutdown()
