@@ -15,8 +15,13 @@ IMAGE_EXTRA = {"seed": 3, "num_inference_steps": 4}
 
 @pytest.fixture(scope="module")
 def client(omni_server):
+    # Connection: close — no kept-alive socket for the server's idle timeout to race with.
     return openai.OpenAI(
-        base_url=omni_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        base_url=omni_server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=120,
+        default_headers={"Connection": "close"},
     )
 
 

@@ -17,7 +17,10 @@ async def stream_once(client: httpx.AsyncClient, url: str, i: int) -> str:
         "temperature": 0.0,
         "max_tokens": 8,
     }
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+    # A fresh connection per request: a kept-alive one can be closed by the server's idle
+    # timeout just as the client reuses it (a transport race, not a server fault).
+    headers = {"Connection": "close"}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             await r.aread()
             return f"http {r.status_code}"
