@@ -90,11 +90,16 @@ def _run_serve(args: argparse.Namespace) -> int:
             name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
             print(f"error: {name}: {err['msg']}", file=sys.stderr)
         return 2
+    from omnistage.engine.stage_client import StageStartupError
+
     try:
         run_server(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except StageStartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

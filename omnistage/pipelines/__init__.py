@@ -78,10 +78,13 @@ def load_pipeline(
 def ensure_models(
     config: PipelineConfig, on_build: Callable[[str, Path], None] | None = None
 ) -> None:
-    """Build every stage's preset model that is not built yet."""
+    """Build every stage's preset model that is not built yet; a stage without a preset must
+    name an existing checkpoint (``ConfigError`` naming the key otherwise)."""
     from omnistage.models.tiny import ensure_preset, is_built
 
     for stage in config.stages:
+        if stage.preset is None and not Path(stage.model).exists():
+            raise ConfigError(f"stages.{stage.stage_id}.model: no such checkpoint: {stage.model}")
         if stage.preset is not None and not is_built(stage.model):
             if on_build is not None:
                 on_build(stage.preset, Path(stage.model))

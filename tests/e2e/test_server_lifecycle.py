@@ -51,3 +51,26 @@ def test_killed_api_server_takes_its_stages_with_it():
         server.process.kill()
         server.process.wait(10)
         assert wait_gone(children) == []
+
+
+def test_bad_settings_fail_before_serving_with_one_clear_line(tmp_path):
+    import subprocess
+    import sys
+
+    cases = [
+        (["--model", str(tmp_path / "missing")], "stages.0.model: no such checkpoint"),
+        (["--pipeline", "tiny-chat", "--device", "tpu"], "stages.0.device"),
+        (
+            ["--pipeline", "tiny-chat", "--idle-sleep-s", "5"],
+            "idle_sleep_s needs enable_sleep_mode",
+        ),
+    ]
+    for args, message in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "omnistage.cli", "serve", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr

@@ -9,6 +9,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from omnistage.config import PipelineConfig
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.server_config import ServerConfig
 
@@ -29,13 +30,21 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
         engine_client.add_control_listener(state.metrics.observe_control)
 
 
-def _start_engine(config: ServerConfig, progress: Callable[[str], None]) -> Any:
-    from omnistage.engine.async_omni import AsyncOmni
+def resolve_pipeline(config: ServerConfig, progress: Callable[[str], None]) -> PipelineConfig:
+    """The pipeline to serve, with missing built-in models built (``ConfigError`` if bad)."""
 
     def on_build(preset: str, path: Any) -> None:
         progress(f"building tiny model preset {preset!r} into {path} (first run only)")
 
-    pipeline = config.pipeline_config(on_build=on_build)
+    return config.pipeline_config(on_build=on_build)
+
+
+def start_engine(
+    config: ServerConfig, pipeline: PipelineConfig, progress: Callable[[str], None]
+) -> Any:
+    """Start the stages (``StageStartupError`` if one cannot start)."""
+    from omnistage.engine.async_omni import AsyncOmni
+
     for stage in pipeline.stages:
         progress(
             f"starting stage {stage.stage_id} ({stage.kind}, {stage.display_name}) from {stage.model}"
@@ -71,7 +80,7 @@ def build_app(
         if engine is None:
             # On this (the main) thread, not a worker thread: stage processes die with the
             # thread that spawned them (PR_SET_PDEATHSIG), and no request is served yet.
-            engine = _start_engine(config, say)
+            engine = start_engine(config, resolve_pipeline(config, say), say)
         init_app_state(engine, app.state, config)
         if hasattr(engine, "start_background_tasks"):
             engine.start_background_tasks()
@@ -111,12 +120,22 @@ def ready_banner(config: ServerConfig, port: int) -> str:
 
 def run_server(config: ServerConfig) -> None:
     """Serve until interrupted; stage processes are shut down on every exit path."""
-    import uvicorn
 
     def progress(message: str) -> None:
         print(f"[omnistage] {message}", flush=True)
 
-    app = build_app(config, progress=progress)
+    # Everything that can fail on bad settings fails here, before the HTTP server starts, so
+    # the CLI reports it in one line; the stages are shut down on every exit path after this.
+    engine = start_engine(config, resolve_pipeline(config, progress), progress)
+    try:
+        _serve(config, build_app(config, engine_client=engine), progress)
+    finally:
+        engine.shutdown()
+
+
+def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) -> None:
+    import uvicorn
+
     server = uvicorn.Server(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
     )

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omnistage.config import DType, PipelineConfig, StageConfig, load_pipeline_config
+from omnistage.config import DType, PipelineConfig, load_pipeline_config, parse_pipeline_config
 
 
 class ServerConfig(BaseModel):
@@ -87,8 +87,10 @@ class ServerConfig(BaseModel):
 
         overrides = self.stage_overrides()
         if self.model:
-            stage = StageConfig(stage_id=0, kind="ar", model=self.model, **overrides)  # type: ignore[arg-type]
-            return PipelineConfig(name=self.model_name, stages=[stage])
+            stage = {"stage_id": 0, "kind": "ar", "model": self.model, **overrides}
+            config = parse_pipeline_config({"name": self.model_name, "stages": [stage]}, "--model")
+            ensure_models(config)
+            return config
         if self.config:
             base = load_pipeline_config(self.config)
             stages = [s.model_copy(update=overrides) for s in base.stages]
