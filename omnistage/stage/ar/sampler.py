@@ -24,8 +24,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens before it already cover top_p (the first always stays).
-        drop = (torch.cumsum(probs, dim=-1) - probs) > params.top_p
+        # Drop a token when the tokens before it already cover top_p, as transformers and vLLM
+        # do (the first always stays).
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits

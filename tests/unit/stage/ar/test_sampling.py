@@ -129,3 +129,9 @@ def test_eos_stops_unless_ignored_and_min_tokens_delays_it(engine):
     assert results["eos"].token_ids == [eos] and results["eos"].finish_reason == "stop"
     assert results["ignore"].token_ids == [eos] * 8 and results["ignore"].finish_reason == "length"
     assert len(results["min"].token_ids) == 4 and results["min"].token_ids[-1] == eos
+
+
+def test_top_p_drops_a_token_once_the_ones_before_it_reach_top_p_exactly():
+    logits = torch.tensor([0.5, 0.25, 0.25]).log()
+    kept = filter_logits(logits, SamplingParams(top_p=0.5)).isfinite()
+    assert kept.tolist() == [True, False, False]  # transformers' TopPLogitsWarper agrees
