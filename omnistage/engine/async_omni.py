@@ -427,6 +427,8 @@ class AsyncOmni:
         if mode is not None and mode not in SLEEP_MODES:
             raise InvalidRequestError("mode", f"must be one of {list(SLEEP_MODES)}, got {mode!r}")
         if tags is not None:
+            if not tags:
+                raise InvalidRequestError("tags", "must not be empty; leave it out for every tag")
             bad = [t for t in tags if t not in KNOWN_TAGS]
             if bad:
                 raise InvalidRequestError(

@@ -130,6 +130,13 @@ async def test_unknown_stage_id_names_the_range(tiny_omni):
         await tiny_omni.sleep([5])
 
 
+async def test_empty_tags_are_refused_before_anything_pauses(tiny_omni):
+    with pytest.raises(InvalidRequestError) as info:
+        await tiny_omni.sleep([0], level=1, tags=[])
+    assert info.value.field == "tags"
+    assert not tiny_omni.is_paused(0) and tiny_omni.sleeping_stage_ids() == set()
+
+
 async def test_stage_status_reports_state_and_memory(tiny_omni):
     statuses = await tiny_omni.stage_status()
     assert [s["stage_id"] for s in statuses] == [0, 1]
