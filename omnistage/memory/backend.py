@@ -129,7 +129,6 @@ class HostBackend(Backend):
         self.use_huge_pages = use_huge_pages
         self._mapped_bytes = 0
         self._lock = threading.Lock()
-        self._backups: dict[int, _HostMapping] = {}
         self._backup_owner: dict[int, _HostMapping] = {}
 
     @property
@@ -215,7 +214,6 @@ class HostBackend(Backend):
 
     def new_host_backup(self, nbytes: int) -> torch.Tensor:
         mapping = self._new_mapping(round_up(max(nbytes, 1), self.granularity))
-        self._backups[id(mapping.mm)] = mapping
         backup = mapping.tensor()[:nbytes]
         self._backup_owner[backup.data_ptr()] = mapping
         return backup
@@ -228,6 +226,13 @@ class HostBackend(Backend):
             return 0
         mapping.release_pages()
         return mapping.nbytes
+
+    def drop_host_backup(self, region: Region) -> None:
+        if region.host_backup is not None:
+            mapping = self._backup_owner.pop(region.host_backup.data_ptr(), None)
+            if mapping is not None:
+                mapping.release_pages()
+            region.host_backup = None  # the last reference: the mapping goes with it
 
     def prepare_host_backup(self, backup: torch.Tensor) -> None:
         mapping = self._backup_owner.get(backup.data_ptr())
