@@ -2,12 +2,20 @@
 
 The public names are imported lazily so ``import omnistage`` stays cheap (the stage
 processes import only what their kind needs).
+
+Importing omnistage switches MKL to its strict reproducible mode (``MKL_CBWR=AUTO,STRICT``,
+unless ``MKL_CBWR`` is set or ``OMNISTAGE_BATCH_INVARIANT=0``) before torch does any math, so
+a request's results do not depend on what shares its batch: see ``omnistage.batch_invariance``.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from omnistage.batch_invariance import enable_strict_cnr
+
+enable_strict_cnr()
 
 __version__ = "0.1.0"
 

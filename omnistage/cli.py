@@ -90,7 +90,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
             print(f"error: {name}: {err['msg']}", file=sys.stderr)
         return 2
-    from omnistage.engine.stage_client import StageStartupError
+    from omnistage.errors import StageStartupError
 
     try:
         run_server(config)
@@ -100,6 +100,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     except StageStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # before the server was up: the stages are shut down already
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -57,6 +57,15 @@ class StageConfig(_Frozen):
     max_batch_size: int = Field(
         default=4, gt=0, description="Diffusion: most images denoised at once."
     )
+    max_image_pixels: int | None = Field(
+        default=None,
+        gt=0,
+        description="Diffusion: largest image (width x height) a request may ask for "
+        "(default: 512x512 on CPU, 2048x2048 on CUDA).",
+    )
+    max_inference_steps: int = Field(
+        default=200, gt=0, le=1000, description="Diffusion: most denoising steps per request."
+    )
     input_from: int | None = Field(
         default=None, ge=0, description="Stage whose final output feeds this stage."
     )

@@ -1,4 +1,11 @@
-"""The exception hierarchy. The HTTP layer maps these to status codes in one place."""
+"""The exception hierarchy, and how an exception crosses a process boundary as data.
+
+The HTTP layer maps these classes to status codes in one place
+(``omnistage.entrypoints.serve.errors``). A stage process sends an exception as its class
+name, message and offending field (``error_fields``); the engine client rebuilds the same
+class from the ``ERROR_CLASSES`` table (``rebuild_error``), so a ``CheckpointError`` raised in
+a stage is answered exactly as the same error raised in the API process.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +20,28 @@ class InvalidRequestError(OmnistageError, ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
+
+    def under(self, prefix: str) -> InvalidRequestError:
+        """The same error with its field named under ``prefix`` (``sampling_params.top_p``)."""
+        return type(self)(f"{prefix}.{self.field}", getattr(self, "reason", str(self)))
 
 
-class StageAsleepError(OmnistageError):
+class RequestTooLargeError(InvalidRequestError):
+    """A request body or prompt exceeds a configured bound (HTTP 413)."""
+
+
+class CheckpointError(OmnistageError, ValueError):
+    """A checkpoint is missing, malformed, or does not fit the model (HTTP 400)."""
+
+
+class StageError(OmnistageError):
+    """Base of the errors that concern one stage; ``stage_id`` names it."""
+
+    stage_id: int = -1
+
+
+class StageAsleepError(StageError):
     """A request needs a stage that is asleep (HTTP 503 with Retry-After)."""
 
     def __init__(self, stage_id: int, message: str | None = None) -> None:
@@ -27,7 +53,7 @@ class StageAsleepError(OmnistageError):
         self.stage_id = stage_id
 
 
-class StagePausedError(OmnistageError):
+class StagePausedError(StageError):
     """A stage is paused and not admitting requests (HTTP 503 with Retry-After)."""
 
     def __init__(self, stage_id: int) -> None:
@@ -38,7 +64,7 @@ class StagePausedError(OmnistageError):
         self.stage_id = stage_id
 
 
-class StageBusyError(OmnistageError):
+class StageBusyError(StageError):
     """A conflicting sleep/wake transition is already running on the stage (HTTP 409)."""
 
     def __init__(self, stage_id: int, state: str) -> None:
@@ -47,15 +73,37 @@ class StageBusyError(OmnistageError):
         self.state = state
 
 
-class StageDeadError(OmnistageError):
-    """The stage process died (HTTP 503)."""
+class StageDeadError(StageError):
+    """The stage process died and is not coming back (HTTP 503)."""
 
     def __init__(self, stage_id: int, detail: str = "") -> None:
         super().__init__(f"stage {stage_id} process is dead" + (f": {detail}" if detail else ""))
         self.stage_id = stage_id
 
 
-class WeightsInvalidError(OmnistageError):
+class StageRestartingError(StageDeadError):
+    """The stage process died and the server is restarting it (HTTP 503 with Retry-After)."""
+
+    def __init__(self, stage_id: int, detail: str = "") -> None:
+        StageError.__init__(
+            self,
+            f"stage {stage_id} process is dead"
+            + (f" ({detail})" if detail else "")
+            + "; the server is restarting it, retry shortly",
+        )
+        self.stage_id = stage_id
+
+
+class StageStartupError(StageError):
+    """A stage process failed to start or did not report ready in time."""
+
+
+class StageInternalError(StageError):
+    """An unexpected error inside a stage, of a class the engine client does not know
+    (HTTP 500: a bug, reported with the stage's own type name and message)."""
+
+
+class WeightsInvalidError(StageError):
     """The stage's weights were discarded and not reloaded; it refuses to generate (HTTP 503)."""
 
     def __init__(self, stage_id: int) -> None:
@@ -67,7 +115,12 @@ class WeightsInvalidError(OmnistageError):
         self.stage_id = stage_id
 
 
-class SleepModeDisabledError(OmnistageError):
+class NonFiniteOutputError(StageError):
+    """The model produced NaN or infinite logits for a request (the request fails, HTTP 500
+    in a reply or an in-band error in a stream; the stage keeps serving)."""
+
+
+class SleepModeDisabledError(StageError):
     """Sleep or wake was asked of a stage started without sleep mode (HTTP 501)."""
 
     def __init__(self, stage_id: int) -> None:
@@ -76,3 +129,59 @@ class SleepModeDisabledError(OmnistageError):
             "(enable_sleep_mode: true) to use sleep"
         )
         self.stage_id = stage_id
+
+
+# Every class that may cross a process boundary, by the name it travels under. Builtins are
+# here because engines raise them for programming errors the caller can act on.
+ERROR_CLASSES: dict[str, type[Exception]] = {
+    cls.__name__: cls
+    for cls in (
+        OmnistageError,
+        InvalidRequestError,
+        RequestTooLargeError,
+        CheckpointError,
+        StageError,
+        StageAsleepError,
+        StagePausedError,
+        StageBusyError,
+        StageDeadError,
+        StageRestartingError,
+        StageStartupError,
+        StageInternalError,
+        WeightsInvalidError,
+        NonFiniteOutputError,
+        SleepModeDisabledError,
+        ValueError,
+        TypeError,
+        TimeoutError,
+    )
+}
+
+
+def error_fields(exc: BaseException) -> tuple[str, str, str | None]:
+    """``(type name, message, field)``: what an exception sends across a process boundary."""
+    return type(exc).__name__, str(exc), getattr(exc, "field", None)
+
+
+def rebuild_error(stage_id: int, type_name: str, message: str, field: str | None) -> Exception:
+    """The exception a stage sent, rebuilt as the same class with the same message.
+
+    The class's ``__init__`` is bypassed (its arguments did not travel); ``field`` and
+    ``stage_id`` are set as attributes. An unknown class becomes ``StageInternalError``.
+    """
+    cls = ERROR_CLASSES.get(type_name)
+    if cls is None:
+        return _with_stage(
+            StageInternalError(f"stage {stage_id}: {type_name}: {message}"), stage_id
+        )
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    if field is not None:
+        exc.field = field  # type: ignore[attr-defined]
+    return _with_stage(exc, stage_id)
+
+
+def _with_stage(exc: Exception, stage_id: int) -> Exception:
+    if isinstance(exc, StageError):
+        exc.stage_id = stage_id
+    return exc

@@ -90,7 +90,7 @@ def bench_throughput(preset: str, path: Path, llm: LLM) -> dict[str, Any]:
     ours_s, ours = _omnistage_generate(llm, prompts)
     theirs_s, theirs = _transformers_generate(path, prompts)
     num_tokens = NUM_PROMPTS * NEW_TOKENS
-    params = sum(p.numel() for p in llm.engine.runner.model.parameters())
+    params = sum(p.numel() for p in llm.engine.worker.runner.model.parameters())
     return {
         "preset": preset,
         "params_m": params / 1e6,

@@ -1,15 +1,19 @@
-"""Per-stage admission and the sleep/wake state machine, on the engine client's event loop.
+"""Per-stage admission and the stage state machine, on the engine client's event loop.
 
-Each stage is ``awake → sleeping → asleep → waking → awake`` (plus ``failed`` and ``dead``).
-Admission is per stage: a request that needs an asleep stage fails fast with
-``StageAsleepError``; one that needs a paused (but awake) stage waits until it resumes.
-Before a sleep touches memory, admission closes and the sleeper waits until every request
-already being submitted to that stage has been submitted (``admitting`` back to zero).
+Each stage is ``awake → sleeping → asleep → waking → awake``; a stage whose process dies is
+``restarting`` while the server brings it back, or ``dead`` when it will not come back.
+Admission is per stage: a request that needs an asleep (or restarting, or dead) stage fails
+fast; one that needs a paused (but awake) stage waits until it resumes. Before a sleep
+touches memory, admission closes and the sleeper waits until every request already being
+submitted to that stage has been submitted (``admitting`` back to zero).
 
 Requests already in the pipeline and *bound* for a later stage (say, in the thinker on their
 way to the image decoder) follow the mode of that stage's sleep when they reach it: with
 ``wait`` the sleep lets them in and drains them too, with ``keep`` they wait at the hand-off
 until the stage is awake and resumed, with ``abort`` they end as aborted.
+
+This module is the only writer of the gate's state: everything else calls its verbs and
+reads ``stages``.
 """
 
 from __future__ import annotations
@@ -20,17 +24,25 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from omnistage.errors import StageAsleepError, StageBusyError, StageDeadError
+from omnistage.errors import (
+    StageAsleepError,
+    StageBusyError,
+    StageDeadError,
+    StageRestartingError,
+)
+from omnistage.stage.messages import Ack
 
-AWAKE, SLEEPING, ASLEEP, WAKING, FAILED, DEAD = (
+AWAKE, SLEEPING, ASLEEP, WAKING, RESTARTING, DEAD = (
     "awake",
     "sleeping",
     "asleep",
     "waking",
-    "failed",
+    "restarting",
     "dead",
 )
+STATES = (AWAKE, SLEEPING, ASLEEP, WAKING, RESTARTING, DEAD)
 TRANSITIONS = (SLEEPING, WAKING)
+UNAVAILABLE = (SLEEPING, ASLEEP, WAKING)
 
 
 @dataclass
@@ -44,6 +56,9 @@ class StageState:
     bound: int = 0  # requests in the pipeline that will reach this stage later
     admits_bound: bool = False  # a "wait" sleep is letting bound requests in before it drains
     weights_valid: bool = True  # False after a level-2 wake with reload=false, until updated
+    target_level: int | None = None  # level of the sleep in progress
+    restarts: int = 0  # times the server restarted the stage's process
+    last_exit: str = ""  # why its last process ended
 
 
 class AdmissionGate:
@@ -57,15 +72,24 @@ class AdmissionGate:
             self._cond = asyncio.Condition()
         return self._cond
 
+    # -- admission ------------------------------------------------------------------------
+
     def _raise_if_unavailable(self, stage_id: int) -> None:
         s = self.stages[stage_id]
         if s.state == DEAD:
             raise StageDeadError(stage_id, s.detail)
-        if s.state in (SLEEPING, ASLEEP, WAKING, FAILED):
+        if s.state == RESTARTING:
+            raise StageRestartingError(stage_id, s.last_exit)
+        if s.state in UNAVAILABLE:
             raise StageAsleepError(stage_id)
 
+    def check_alive(self, stage_id: int) -> None:
+        """Raise unless the stage's process is up (``StageRestartingError``, ``StageDeadError``)."""
+        if self.stages[stage_id].state in (DEAD, RESTARTING):
+            self._raise_if_unavailable(stage_id)
+
     def check_available(self, stage_ids: Iterable[int]) -> None:
-        """Fail fast if any of the stages is asleep (or going to sleep, or dead)."""
+        """Fail fast if any of the stages is asleep (or going to sleep, restarting, dead)."""
         for sid in stage_ids:
             self._raise_if_unavailable(sid)
 
@@ -74,13 +98,14 @@ class AdmissionGate:
         """Hold admission to ``stage_id`` while a request is being submitted to it.
 
         ``bound``: the request was already in the pipeline (handed over from an earlier
-        stage), so a sleep of this stage treats it by its mode (see the module docstring).
+        stage), so a sleep of this stage treats it by its mode (see the module docstring);
+        once admitted it no longer counts as bound.
         """
         s = self.stages[stage_id]
         async with self.cond:
-            if bound and s.sleep_mode == "keep" and s.state in (SLEEPING, ASLEEP, WAKING):
+            if bound and s.sleep_mode == "keep" and s.state in UNAVAILABLE:
                 await self.cond.wait_for(
-                    lambda: s.state in (AWAKE, DEAD, FAILED) or s.sleep_mode != "keep"
+                    lambda: s.state not in UNAVAILABLE or s.sleep_mode != "keep"
                 )
             if not (bound and s.admits_bound):
                 self._raise_if_unavailable(stage_id)
@@ -88,6 +113,8 @@ class AdmissionGate:
                     await self.cond.wait_for(lambda: not s.paused or s.state != AWAKE)
                     self._raise_if_unavailable(stage_id)
             s.admitting += 1
+            if bound:
+                s.bound -= 1
         try:
             yield
         finally:
@@ -95,32 +122,6 @@ class AdmissionGate:
             # must not leave ``admitting`` above zero (a sleep would wait for it forever).
             s.admitting -= 1
             await asyncio.shield(self._notify())
-
-    def begin_transition(self, stage_ids: list[int], target: str) -> dict[int, str]:
-        """Mark stages as transitioning (no await in between: atomic on the loop).
-
-        Raises ``StageBusyError`` if one is already mid-transition, ``StageDeadError`` if dead.
-        Returns the previous states, for rollback.
-        """
-        for sid in stage_ids:
-            s = self.stages[sid]
-            if s.state == DEAD:
-                raise StageDeadError(sid, s.detail)
-            if s.state in TRANSITIONS:
-                raise StageBusyError(sid, s.state)
-        previous = {sid: self.stages[sid].state for sid in stage_ids}
-        for sid in stage_ids:
-            self.stages[sid].state = target
-        return previous
-
-    async def close_and_drain_admission(self, stage_ids: list[int]) -> None:
-        """Close admission and wait until no submit to these stages is in progress."""
-        async with self.cond:
-            for sid in stage_ids:
-                self.stages[sid].paused = True
-            await self.cond.wait_for(
-                lambda: all(self.stages[sid].admitting == 0 for sid in stage_ids)
-            )
 
     def add_bound(self, stage_ids: Iterable[int]) -> None:
         for sid in stage_ids:
@@ -130,9 +131,43 @@ class AdmissionGate:
         """Synchronous (safe in any ``finally``); waiters are woken by a scheduled notify."""
         for sid in stage_ids:
             self.stages[sid].bound -= 1
-        if self._cond is not None:
-            with contextlib.suppress(RuntimeError):  # no running loop: nobody to wake
-                asyncio.get_running_loop().create_task(self._notify())
+        self._notify_soon()
+
+    # -- transitions ----------------------------------------------------------------------
+
+    def begin_transition(
+        self, stage_ids: list[int], target: str, level: int | None = None
+    ) -> dict[int, str]:
+        """Mark stages as transitioning (no await in between: atomic on the loop); ``level``
+        is a sleep's target level.
+
+        Raises ``StageBusyError`` if one is already mid-transition, ``StageDeadError`` or
+        ``StageRestartingError`` if its process is gone. Returns the previous states.
+        """
+        for sid in stage_ids:
+            s = self.stages[sid]
+            if s.state in (DEAD, RESTARTING):
+                self._raise_if_unavailable(sid)
+            if s.state in TRANSITIONS:
+                raise StageBusyError(sid, s.state)
+        previous = {sid: self.stages[sid].state for sid in stage_ids}
+        for sid in stage_ids:
+            self.stages[sid].state = target
+            self.stages[sid].target_level = level
+        return previous
+
+    async def close_and_drain_admission(
+        self, stage_ids: list[int], sleep_mode: str | None = None
+    ) -> None:
+        """Close admission and wait until no submit to these stages is in progress."""
+        async with self.cond:
+            for sid in stage_ids:
+                self.stages[sid].paused = True
+                if sleep_mode is not None:
+                    self.stages[sid].sleep_mode = sleep_mode
+            await self.cond.wait_for(
+                lambda: all(self.stages[sid].admitting == 0 for sid in stage_ids)
+            )
 
     async def drain_bound(self, stage_ids: list[int], timeout_s: float) -> None:
         """For a ``wait`` sleep: let requests bound for these stages in, and wait until they
@@ -160,18 +195,54 @@ class AdmissionGate:
                 for sid in stage_ids:
                     self.stages[sid].admits_bound = False
 
-    async def set_state(
-        self, stage_id: int, state: str, *, paused: bool | None = None, level: int | None = -1
-    ) -> None:
+    async def record_sleep_result(
+        self, stage_id: int, ack: Ack, previous: str, was_paused: bool, level: int
+    ) -> bool:
+        """The state a sleep's ACK leaves the stage in; True if the stage must be resumed
+        (the sleep failed after its engine paused, and the stage was serving before)."""
         async with self.cond:
             s = self.stages[stage_id]
-            if s.state != DEAD:
-                s.state = state
-            if paused is not None:
-                s.paused = paused
-            if level != -1:
-                s.level = level
+            s.target_level = None
+            must_resume = False
+            if s.state in (DEAD, RESTARTING):
+                pass  # its process died meanwhile: the supervisor owns its state now
+            elif ack.status == "ERROR" and ack.metadata.sleeping_tags:
+                # Failed half-way: part of the memory is gone, so it is asleep (a wake maps it
+                # back and reloads); the ACK says what failed.
+                s.state, s.level = ASLEEP, 2
+            elif ack.status == "ERROR":
+                s.state, s.paused = previous, was_paused
+                must_resume = previous == AWAKE and not was_paused
+            else:
+                s.state, s.level = ASLEEP, level
             self.cond.notify_all()
+            return must_resume
+
+    async def record_wake_result(
+        self, stage_id: int, ack: Ack, previous: str, resumes_by_itself: bool
+    ) -> bool:
+        """The state a wake's ACK leaves the stage in; True if the stage was asleep, is awake
+        now and waits for a resume (AR stages stay paused until resumed)."""
+        async with self.cond:
+            s = self.stages[stage_id]
+            was_asleep = previous == ASLEEP
+            if s.state in (DEAD, RESTARTING):
+                return False
+            if ack.status != "ERROR":
+                s.weights_valid = ack.metadata.weights_valid
+            if ack.status == "ERROR":
+                s.state = previous
+            elif ack.metadata.sleeping_tags:
+                s.state = ASLEEP
+            else:
+                s.state, s.level = AWAKE, None
+                if resumes_by_itself and was_asleep:
+                    s.paused = False  # a stage that was only paused stays so
+            self.cond.notify_all()
+            return s.state == AWAKE and was_asleep and not resumes_by_itself
+
+    def set_weights_valid(self, stage_id: int, valid: bool) -> None:
+        self.stages[stage_id].weights_valid = valid
 
     async def reopen(self, stage_ids: Iterable[int]) -> None:
         """Unpause the stages that are still awake; one that began a transition meanwhile
@@ -182,11 +253,50 @@ class AdmissionGate:
                     self.stages[sid].paused = False
             self.cond.notify_all()
 
-    def mark_dead(self, stage_id: int, detail: str) -> None:
+    async def wait_settled(self, stage_id: int) -> str:
+        """Wait until the stage is not mid-transition; returns its state."""
         s = self.stages[stage_id]
-        s.state, s.detail = DEAD, detail
+        async with self.cond:
+            await self.cond.wait_for(lambda: s.state not in TRANSITIONS)
+        return s.state
+
+    # -- process deaths -------------------------------------------------------------------
+
+    def restart_level(self, stage_id: int) -> int | None:
+        """The sleep level a stage whose process died comes back at (``None``: awake): the
+        level it was asleep at, the target of a sleep in progress, or (a wake in progress)
+        the level it was waking from — so a failed wake can simply be retried."""
+        s = self.stages[stage_id]
+        if s.state == SLEEPING:
+            return s.target_level
+        if s.state in (ASLEEP, WAKING):
+            return s.level
+        if s.state == AWAKE and not s.weights_valid:
+            return 2  # woken without weights: nothing worth loading
+        return None
+
+    def mark_dead(self, stage_id: int, detail: str, *, restarting: bool) -> None:
+        """The stage's process is gone: ``restarting`` while the server brings it back."""
+        s = self.stages[stage_id]
+        s.last_exit = detail
+        s.state, s.detail = (RESTARTING, "") if restarting else (DEAD, detail)
+        self._notify_soon()
+
+    def mark_restarted(self, stage_id: int, *, level: int | None, paused: bool) -> None:
+        """A new process of the stage is ready, asleep at ``level`` (``None``: awake)."""
+        s = self.stages[stage_id]
+        s.restarts += 1
+        s.state = AWAKE if level is None else ASLEEP
+        s.level = level
+        s.paused = paused or level is not None
+        s.weights_valid = True  # asleep: the wake that brings it back reloads them
+        s.detail = ""
+        self._notify_soon()
+
+    def _notify_soon(self) -> None:
         if self._cond is not None:
-            asyncio.get_running_loop().create_task(self._notify())
+            with contextlib.suppress(RuntimeError):  # no running loop: nobody to wake
+                asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
         async with self.cond:

@@ -1,8 +1,8 @@
 """Operator conveniences on top of sleep/wake: wake a parked stage when a request needs it
 (``auto_wake``), and park a stage that has been idle for a while (``idle_sleep_s``).
 
-Both go through ``AsyncOmni.sleep`` / ``wake_up``, so admission, ACKs, metrics and the HTTP
-layer's sleeping set see them like any other transition.
+Both go through ``StageControl.sleep`` / ``wake_up``, so admission, ACKs, metrics and the
+HTTP layer's sleeping set see them like any other transition.
 """
 
 from __future__ import annotations
@@ -11,22 +11,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 from omnistage.engine import admission as adm
-
-if TYPE_CHECKING:
-    from omnistage.engine.async_omni import AsyncOmni
+from omnistage.engine.control import StageControl
 
 logger = logging.getLogger(__name__)
 
 
 class Autopilot:
-    def __init__(self, engine: AsyncOmni, *, auto_wake: bool = False) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        control: StageControl,
+        num_in_flight: Callable[[int], int],
+        *,
+        auto_wake: bool = False,
+    ) -> None:
+        self.control = control
+        self.gate = control.gate
+        self.num_in_flight = num_in_flight
         self.auto_wake = auto_wake
         self._wakes: dict[int, asyncio.Future[Any]] = {}
-        self._last_used = [time.monotonic()] * engine.num_stages
+        self._last_used = [time.monotonic()] * control.num_stages
         self._monitor: asyncio.Task[None] | None = None
 
     def touch(self, stage_ids: list[int]) -> None:
@@ -40,40 +47,30 @@ class Autopilot:
         self.touch(stage_ids)
         if not self.auto_wake:
             return
-        gate = self.engine.gate
         for sid in stage_ids:
-            s = gate.stages[sid]
-
-            def settled(s: adm.StageState = s) -> bool:
-                return s.state not in adm.TRANSITIONS
-
             for _ in range(3):  # a stage that goes back to sleep meanwhile gets another try
-                if not settled():
-                    async with gate.cond:
-                        await gate.cond.wait_for(settled)
-                if s.state != adm.ASLEEP:
+                if await self.gate.wait_settled(sid) != adm.ASLEEP:
                     break
                 wake = self._wakes.get(sid)
                 if wake is None or wake.done():
                     logger.info("auto-wake: stage %d is asleep and a request needs it", sid)
-                    wake = asyncio.ensure_future(self.engine.wake_up([sid], resume=True))
+                    wake = asyncio.ensure_future(self.control.wake_up([sid], resume=True))
                     self._wakes[sid] = wake
                 with contextlib.suppress(Exception):  # the admission check reports the outcome
                     await asyncio.shield(wake)
 
     def start_idle_monitor(self, poll_s: float = 0.25) -> None:
         """Park stages whose config sets ``idle_sleep_s`` after that long without requests."""
-        if self._monitor is None and any(s.idle_sleep_s for s in self.engine.config.stages):
+        if self._monitor is None and any(s.idle_sleep_s for s in self.control.config.stages):
             self._monitor = asyncio.get_running_loop().create_task(self._watch_idle(poll_s))
 
     async def _watch_idle(self, poll_s: float) -> None:
-        engine = self.engine
         while True:
             await asyncio.sleep(poll_s)
             now = time.monotonic()
-            for stage in engine.config.stages:
-                sid, s = stage.stage_id, engine.gate.stages[stage.stage_id]
-                if engine.clients[sid].num_in_flight or s.bound:
+            for stage in self.control.config.stages:
+                sid, s = stage.stage_id, self.gate.stages[stage.stage_id]
+                if self.num_in_flight(sid) or s.bound:
                     self._last_used[sid] = now  # the idle clock starts when work ends
                     continue
                 idle = (
@@ -87,7 +84,7 @@ class Autopilot:
                         "idle-sleep: stage %d idle for %.0fs", sid, now - self._last_used[sid]
                     )
                     with contextlib.suppress(Exception):  # a racing transition wins; retry later
-                        await engine.sleep([sid], level=stage.idle_sleep_level, mode="wait")
+                        await self.control.sleep([sid], level=stage.idle_sleep_level, mode="wait")
                     self.touch([sid])
 
     def stop(self) -> None:

@@ -1,8 +1,8 @@
-"""Input processors: turn stage k's finished output into stage k+1's request.
+"""Input processors: turn stage k's finished output into stage k+1's prompt.
 
 The pipeline config names one per stage (``input_processor``); each takes the upstream
-``StageResult`` and the user's original request options and returns the wire request for
-the next stage.
+``StageResult`` and returns the prompt fields of the next stage's request (its kind's
+preparer then adds the user's parameters and validates it).
 """
 
 from __future__ import annotations
@@ -11,6 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from omnistage.errors import StageInternalError
+
 
 @dataclass
 class StageResult:
@@ -18,23 +22,22 @@ class StageResult:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    payload: dict[str, Any] = field(default_factory=dict)
+    hidden_states: torch.Tensor | None = None
 
 
-InputProcessor = Callable[[StageResult, dict[str, Any]], dict[str, Any]]
+InputProcessor = Callable[[StageResult], dict[str, Any]]
 
 
-def thinker_hidden_to_image_cond(upstream: StageResult, options: dict[str, Any]) -> dict[str, Any]:
+def thinker_hidden_to_image_cond(upstream: StageResult) -> dict[str, Any]:
     """Condition an image decoder on the thinker's final hidden states (one row per token)."""
-    hidden = upstream.payload.get("hidden_states")
-    if hidden is None:
-        raise ValueError("upstream AR stage returned no hidden_states; it must be asked for them")
-    return {"prompt_embeds": hidden, "params": dict(options.get("image_params") or {})}
+    if upstream.hidden_states is None:
+        raise StageInternalError("the upstream AR stage returned no hidden_states")
+    return {"prompt_embeds": upstream.hidden_states}
 
 
-def text_to_image_prompt(upstream: StageResult, options: dict[str, Any]) -> dict[str, Any]:
+def text_to_image_prompt(upstream: StageResult) -> dict[str, Any]:
     """Use the thinker's generated text as the image prompt of a text-conditioned decoder."""
-    return {"prompt": upstream.text, "params": dict(options.get("image_params") or {})}
+    return {"prompt": upstream.text}
 
 
 INPUT_PROCESSORS: dict[str, InputProcessor] = {

@@ -1,9 +1,12 @@
 """The data path: route one request through the chain of stages it needs.
 
-Stage 0 streams; each stage's final output becomes the next stage's input through the input
-processor the pipeline config names. Admission per stage goes through the shared
-``AdmissionGate``; requests already in the pipeline are *bound* for their later stages, so a
-sleep of one of those treats them by its mode when they arrive.
+The first stage's request is prepared here, in the API process (tokenized and validated by
+its kind's preparer, on a worker thread so a large prompt never stalls the event loop); stage
+0 streams; each stage's final output becomes the next stage's input through the input
+processor the pipeline config names, validated by the next stage's preparer. Admission per
+stage goes through the shared ``AdmissionGate``; requests already in the pipeline are
+*bound* for their later stages, so a sleep of one of those treats them by its mode when they
+arrive.
 """
 
 from __future__ import annotations
@@ -17,22 +20,20 @@ from omnistage.config import PipelineConfig, StageConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.input_processors import NEEDS_HIDDEN_STATES, StageResult, get_input_processor
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
-from omnistage.engine.stage_client import InProcStageClient, StageProcClient, rebuild_error
+from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import InvalidRequestError, StageAsleepError
-from omnistage.stage.messages import OutputMessage
-
-MODALITY_OF_KIND = {"ar": "text", "diffusion": "image"}
-
-StageClient = StageProcClient | InProcStageClient
+from omnistage.stage.kinds import stage_kind
+from omnistage.stage.messages import OutputMessage, StageRequest
+from omnistage.stage.prepare import HIDDEN_STATES, RequestOptions, RequestPreparer, prompt_fields
 
 
 class RequestRouter:
-    """``prepare(chain)`` runs before admission (death checks, auto-wake)."""
+    """``prepare(chain)`` runs before admission (auto-wake)."""
 
     def __init__(
         self,
         config: PipelineConfig,
-        clients: Sequence[StageClient],
+        clients: Sequence[EngineStageClient],
         gate: adm.AdmissionGate,
         prepare: Callable[[list[int]], Awaitable[None]],
     ) -> None:
@@ -42,6 +43,7 @@ class RequestRouter:
         self._prepare = prepare
         self.active: dict[str, int] = {}  # request id -> stage currently serving it
         self._downstream = self._compute_downstream()
+        self._preparers: dict[int, tuple[Any, RequestPreparer]] = {}
 
     def _compute_downstream(self) -> dict[int, int]:
         downstream: dict[int, int] = {}
@@ -54,10 +56,23 @@ class RequestRouter:
                 downstream[stage.input_from] = stage.stage_id
         return downstream
 
+    def _modality(self, stage_id: int) -> str:
+        return stage_kind(self.config.stages[stage_id].kind).modality
+
+    def preparer(self, stage_id: int) -> RequestPreparer:
+        """The stage kind's request preparer, built on the stage's latest ``StageInfo``."""
+        info = self.clients[stage_id].info
+        cached = self._preparers.get(stage_id)
+        if cached is None or cached[0] is not info:
+            stage = self.config.stages[stage_id]
+            cached = (info, stage_kind(stage.kind).preparer_class()(stage, info))
+            self._preparers[stage_id] = cached
+        return cached[1]
+
     # -- data path ----------------------------------------------------------------------
 
     def output_modalities(self) -> list[str]:
-        return list(dict.fromkeys(MODALITY_OF_KIND[s.kind] for s in self.config.stages))
+        return list(dict.fromkeys(self._modality(s.stage_id) for s in self.config.stages))
 
     def plan(self, modalities: Sequence[str] | None) -> list[int]:
         """The chain of stages a request with these output modalities must pass through."""
@@ -68,34 +83,49 @@ class RequestRouter:
             raise InvalidRequestError(
                 "modalities", f"{unknown} not produced by this pipeline; it produces {available}"
             )
-        last = max(s.stage_id for s in self.config.stages if MODALITY_OF_KIND[s.kind] in wanted)
+        last = max(s.stage_id for s in self.config.stages if self._modality(s.stage_id) in wanted)
         chain = [last]
         while self.config.stages[chain[0]].input_from is not None:
             chain.insert(0, self.config.stages[chain[0]].input_from)  # type: ignore[arg-type]
         return chain
 
+    def _wants(self, stage_id: int, chain: list[int]) -> frozenset[str]:
+        """The payloads the next stage of ``chain`` needs from ``stage_id``."""
+        next_stage = self._downstream.get(stage_id)
+        if next_stage is None or next_stage not in chain:
+            return frozenset()
+        processor = self.config.stages[next_stage].input_processor
+        return frozenset({HIDDEN_STATES}) if processor in NEEDS_HIDDEN_STATES else frozenset()
+
+    def _prepare_request(
+        self, stage_id: int, prompt: dict[str, Any], options: RequestOptions, chain: list[int]
+    ) -> StageRequest:
+        return self.preparer(stage_id).prepare(prompt, options, self._wants(stage_id, chain))
+
     async def generate(
         self,
         prompt: str | dict[str, Any],
-        sampling_params: dict[str, Any] | None = None,
+        options: RequestOptions,
         modalities: Sequence[str] | None = None,
         *,
-        image_params: dict[str, Any] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Stream a request through the pipeline.
 
-        ``prompt`` is a string or a dict with ``prompt``, ``prompt_token_ids`` or ``messages``.
-        ``sampling_params`` go to AR stages, ``image_params`` to diffusion stages. Raises
-        ``StageAsleepError`` at once if a needed stage is asleep; waits while one is paused.
+        ``prompt`` is a string or a dict with ``prompt``, ``prompt_token_ids`` or ``messages``
+        (or ``prompt_embeds`` for a diffusion-only pipeline). Raises ``InvalidRequestError``
+        before any stage is touched if the request does not fit, ``StageAsleepError`` at
+        once if a needed stage is asleep; waits while one is paused.
         """
         request_id = request_id or uuid.uuid4().hex
         wanted = list(modalities) if modalities else self.output_modalities()
         chain = self.plan(wanted)
+        fields = prompt_fields(prompt)
         await self._prepare(chain)
         self.gate.check_available(chain)
-        options = {"image_params": image_params or {}, "sampling_params": sampling_params or {}}
-        request = self._first_request(chain, prompt, options)
+        for stage_id in chain[1:]:  # every parameter is checked before any stage runs
+            self.preparer(stage_id).check_options(options)
+        request = await asyncio.to_thread(self._prepare_request, chain[0], fields, options, chain)
         # Later stages learn that this request is on its way, so a sleep of one of them can
         # treat it by the sleep's mode when it gets there (see admission.py).
         bound = set(chain[1:])
@@ -103,22 +133,20 @@ class RequestRouter:
         try:
             for position, stage_id in enumerate(chain):
                 stage = self.config.stages[stage_id]
-                emit = MODALITY_OF_KIND[stage.kind] in wanted
+                emit = self._modality(stage_id) in wanted
                 is_last = position == len(chain) - 1
                 result = StageResult()
                 try:
                     async for out in self._run_stage(stage_id, request_id, request, bound):
                         if out.error is not None:
-                            raise rebuild_error(
-                                stage_id, out.error_type, out.error, out.error_field
-                            )
+                            raise out.error.rebuild(stage_id)
                         result.text += out.text_delta
                         result.token_ids.extend(out.new_token_ids)
                         ends_request = out.finished and (is_last or out.finish_reason == "abort")
                         if emit or ends_request:
                             yield self._to_omni_output(request_id, stage, out, final=ends_request)
                         if out.finished:
-                            result.payload = dict(out.payload or {})
+                            result.hidden_states = out.hidden_states
                             if out.finish_reason == "abort":
                                 return
                 except StageAsleepError:
@@ -129,46 +157,23 @@ class RequestRouter:
                     yield OmniRequestOutput(
                         request_id,
                         stage_id,
-                        MODALITY_OF_KIND[stage.kind],
+                        self._modality(stage_id),
                         finished=True,
                         final=True,
                         finish_reason="abort",
                     )
                     return
                 if not is_last:
-                    next_stage = self.config.stages[chain[position + 1]]
-                    processor = get_input_processor(next_stage.input_processor or "")
-                    request = processor(result, options)
+                    next_id = chain[position + 1]
+                    processor = get_input_processor(
+                        self.config.stages[next_id].input_processor or ""
+                    )
+                    request = self._prepare_request(next_id, processor(result), options, chain)
         finally:
             self.gate.release_bound(bound)
 
-    def _first_request(
-        self, chain: list[int], prompt: str | dict[str, Any], options: dict[str, Any]
-    ) -> dict[str, Any]:
-        first = self.config.stages[chain[0]]
-        fields = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
-        allowed = {"prompt", "prompt_token_ids", "messages", "prompt_embeds", "negative_prompt"}
-        unknown = set(fields) - allowed
-        if unknown:
-            raise InvalidRequestError(
-                "prompt", f"unknown prompt fields {sorted(unknown)}; use {sorted(allowed)}"
-            )
-        if first.kind == "ar":
-            next_stage = self._downstream.get(first.stage_id)
-            needs_hidden = (
-                next_stage is not None
-                and next_stage in chain
-                and self.config.stages[next_stage].input_processor in NEEDS_HIDDEN_STATES
-            )
-            return {
-                **fields,
-                "sampling_params": options["sampling_params"],
-                "return_hidden_states": needs_hidden,
-            }
-        return {**fields, "params": options["image_params"]}
-
     async def _run_stage(
-        self, stage_id: int, request_id: str, request: dict[str, Any], bound: set[int]
+        self, stage_id: int, request_id: str, request: StageRequest, bound: set[int]
     ) -> AsyncIterator[OutputMessage]:
         """Submit to one stage and stream its outputs; ``bound`` holds the stages this request
         has still to reach (this one leaves it once admitted)."""
@@ -179,11 +184,9 @@ class RequestRouter:
             # The request counts as submitted inside the ``try``: a caller cancelled while
             # admission closes behind it still aborts the stage's work.
             async with self.gate.admit(stage_id, bound=stage_id in bound):
+                bound.discard(stage_id)
                 queue = client.add_request(request_id, request)
                 self.active[request_id] = stage_id
-                if stage_id in bound:
-                    bound.discard(stage_id)
-                    self.gate.stages[stage_id].bound -= 1
             while True:
                 out = await queue.get()
                 finished = out.finished
@@ -196,24 +199,17 @@ class RequestRouter:
                 if not finished:  # the caller went away: free the stage's work
                     client.abort([request_id])
 
-    @staticmethod
     def _to_omni_output(
-        request_id: str, stage: StageConfig, out: OutputMessage, *, final: bool
+        self, request_id: str, stage: StageConfig, out: OutputMessage, *, final: bool
     ) -> OmniRequestOutput:
-        images = []
-        for image in (out.payload or {}).get("images", []) if out.finished else []:
-            images.append(
-                OmniImage(
-                    png=image["png"],
-                    width=image["width"],
-                    height=image["height"],
-                    seed=image.get("seed"),
-                )
-            )
+        images = [
+            OmniImage(png=image.png, width=image.width, height=image.height, seed=image.seed)
+            for image in (out.images if out.finished else [])
+        ]
         return OmniRequestOutput(
             request_id=request_id,
             stage_id=stage.stage_id,
-            modality=MODALITY_OF_KIND[stage.kind],
+            modality=self._modality(stage.stage_id),
             text_delta=out.text_delta,
             new_token_ids=list(out.new_token_ids),
             finished=out.finished,

@@ -112,13 +112,13 @@ class Diffusion:
     # -- control ----------------------------------------------------------------------------
 
     def sleep(self, level: int = 2, mode: str = "abort") -> dict[str, Any]:
-        return self.engine.sleep(level=level, mode=mode)
+        return self.engine.sleep(level=level, mode=mode).to_dict()
 
     def wake_up(self, tags: list[str] | None = None, reload: bool = True) -> dict[str, Any]:
-        return self.engine.wake_up(tags=tags, reload=reload)
+        return self.engine.wake_up(tags=tags, reload=reload).to_dict()
 
-    def update_weights(self, path: str | Path) -> dict[str, Any]:
-        return self.engine.update_weights(path)
+    def update_weights(self, path: str | Path, check_finite: bool = True) -> dict[str, Any]:
+        return self.engine.update_weights(path, check_finite=check_finite).to_dict()
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

@@ -171,6 +171,8 @@ class LLM:
                 completion.token_ids += out.new_token_ids
                 if out.finished:
                     completion.finish_reason = out.finish_reason
+                    if out.error is not None:
+                        raise out.error
                     if out.payload is not None:
                         completion.hidden_states = out.payload.get("hidden_states")
                     result.finished = True
@@ -184,7 +186,7 @@ class LLM:
         Mode ``wait`` first runs the requests in flight to completion (within the config's
         ``drain_timeout_s``)."""
         if mode != "wait" or self.engine.is_paused:
-            return self.engine.sleep(level=level, mode=mode)
+            return self.engine.sleep(level=level, mode=mode).to_dict()
         self.engine.pause("wait")
         try:
             deadline = time.monotonic() + self.engine.config.drain_timeout_s
@@ -195,7 +197,7 @@ class LLM:
                         f"{self.engine.config.drain_timeout_s:g}s; raise drain_timeout_s"
                     )
                 self.engine.step()
-            return self.engine.sleep(level=level, mode=mode)
+            return self.engine.sleep(level=level, mode=mode).to_dict()
         except BaseException:
             self.engine.resume()  # a sleep that did not happen must not leave the LLM paused
             raise
@@ -205,10 +207,11 @@ class LLM:
         ack = self.engine.wake_up(tags=tags, reload=reload)
         if not self.engine.is_sleeping():
             self.engine.resume()
-        return ack
+        return ack.to_dict()
 
-    def update_weights(self, path: str) -> dict[str, Any]:
-        return self.engine.update_weights(path)
+    def update_weights(self, path: str, check_finite: bool = True) -> dict[str, Any]:
+        """Load a safetensors file or folder into the weights in place (checked first)."""
+        return self.engine.update_weights(path, check_finite=check_finite).to_dict()
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

@@ -28,6 +28,8 @@ _STAGE_OVERRIDES = frozenset(
         "max_model_len",
         "idle_sleep_s",
         "idle_sleep_level",
+        "max_image_pixels",
+        "max_inference_steps",
     }
 )
 

@@ -4,6 +4,10 @@
 messages. Control operations are utility calls whose reply may be deferred: a sleep with
 mode ``wait`` pauses admission, keeps stepping until the in-flight requests finish, and only
 then sleeps and replies (or gives up after ``drain_timeout_s`` and resumes).
+
+Nothing a message carries can end the loop: a request the engine refuses fails that request,
+a utility call that raises is answered with the error. Only an exception escaping
+``engine.step()`` — which engines raise for faults of the process itself — ends it.
 """
 
 from __future__ import annotations
@@ -17,14 +21,17 @@ from typing import Any, Protocol
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.messages import (
     AbortRequest,
+    Ack,
     AddRequest,
     FromStage,
     OutputBatch,
     OutputMessage,
     Shutdown,
+    StageRequest,
     ToStage,
     UtilityCall,
     UtilityResult,
+    WireError,
 )
 from omnistage.stage.types import StageOutput
 
@@ -38,13 +45,16 @@ UTILITY_METHODS = frozenset(
 class StageEngine(Protocol):
     """What the core needs from an engine (both kinds implement it)."""
 
-    def add_request(self, request: Any) -> None: ...
+    is_paused: bool
+
+    def add_wire_request(self, request_id: str, request: StageRequest) -> None: ...
     def abort(self, request_id: str) -> None: ...
     def step(self) -> list[StageOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
     def is_drained(self) -> bool: ...
-    def pause(self, mode: str = "abort") -> None: ...
+    def pause(self, mode: str = "abort") -> Any: ...
     def resume(self) -> None: ...
+    def sleep(self, level: int = 2, mode: str = "abort", tags: Any = None) -> Ack: ...
 
 
 class Channel(Protocol):
@@ -61,49 +71,48 @@ class _PendingDrain:
 
 
 def to_output_message(out: StageOutput) -> OutputMessage:
-    payload = out.payload
-    if payload is not None:
-        payload = {k: _plain(v) for k, v in payload.items()}
+    payload = out.payload or {}
     return OutputMessage(
         request_id=out.request_id,
         text_delta=out.text_delta,
         new_token_ids=list(out.new_token_ids),
         finished=out.finished,
         finish_reason=out.finish_reason,
-        error=out.error,
+        error=WireError.from_exception(out.error) if out.error is not None else None,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
-        payload=payload,
+        hidden_states=payload.get("hidden_states"),
+        images=list(payload.get("images") or []),
     )
 
 
-def _plain(value: Any) -> Any:
-    """Dataclasses become dicts so msgpack can carry them; tensors go as extensions."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def error_result(call_id: int, exc: BaseException) -> UtilityResult:
-    return UtilityResult(
-        call_id=call_id,
-        error_type=type(exc).__name__,
-        error_message=str(exc),
-        error_field=getattr(exc, "field", None),
+    return UtilityResult(call_id=call_id, error=WireError.from_exception(exc))
+
+
+def value_result(call_id: int, result: Any) -> UtilityResult:
+    if isinstance(result, Ack):
+        return UtilityResult(call_id=call_id, ack=result)
+    return UtilityResult(call_id=call_id, value=result)
+
+
+def failed_request(request_id: str, exc: BaseException) -> OutputBatch:
+    """The one output of a request the stage refused."""
+    return OutputBatch(
+        [
+            OutputMessage(
+                request_id=request_id,
+                finished=True,
+                finish_reason="error",
+                error=WireError.from_exception(exc),
+            )
+        ]
     )
 
 
 class StageCore:
-    def __init__(
-        self,
-        engine: Any,
-        build_request: Callable[[str, dict[str, Any]], Any],
-        drain_timeout_s: float = 30.0,
-    ) -> None:
+    def __init__(self, engine: Any, drain_timeout_s: float = 30.0) -> None:
         self.engine = engine
-        self._build_request = build_request
         self._drain_timeout_s = drain_timeout_s
         self._pending: _PendingDrain | None = None
 
@@ -116,24 +125,16 @@ class StageCore:
         if isinstance(msg, AbortRequest):
             for request_id in msg.request_ids:
                 self.engine.abort(request_id)
-            return self._flush()
+            return []  # the aborted outputs come out with the next step
         if isinstance(msg, UtilityCall):
             return self._utility(msg)
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add(self, msg: AddRequest) -> list[FromStage]:
         try:
-            self.engine.add_request(self._build_request(msg.request_id, msg.request))
+            self.engine.add_wire_request(msg.request_id, msg.request)
         except Exception as exc:  # the request fails; the stage keeps serving
-            out = OutputMessage(
-                request_id=msg.request_id,
-                finished=True,
-                finish_reason="error",
-                error=str(exc),
-                error_type=type(exc).__name__,
-                error_field=getattr(exc, "field", None),
-            )
-            return [OutputBatch([out])]
+            return [failed_request(msg.request_id, exc)]
         return []
 
     def _utility(self, call: UtilityCall) -> list[FromStage]:
@@ -143,11 +144,12 @@ class StageCore:
                     call.call_id, InvalidRequestError("method", f"unknown utility {call.method!r}")
                 )
             ]
-        drain_timeout_s = float(call.args.pop("drain_timeout_s", self._drain_timeout_s))
+        args = dict(call.args)
+        drain_timeout_s = float(args.pop("drain_timeout_s", self._drain_timeout_s))
         # An engine already paused (or asleep) keeps its pause mode: nothing new to drain.
         if (
             call.method == "sleep"
-            and call.args.get("mode") == "wait"
+            and args.get("mode") == "wait"
             and self._pending is None
             and not self.engine.is_paused
         ):
@@ -156,15 +158,15 @@ class StageCore:
             except Exception as exc:
                 return [error_result(call.call_id, exc)]
             self._pending = _PendingDrain(
-                call.call_id, dict(call.args), time.monotonic() + drain_timeout_s, drain_timeout_s
+                call.call_id, args, time.monotonic() + drain_timeout_s, drain_timeout_s
             )
             return self._check_drain()
         try:
-            result = getattr(self.engine, call.method)(**call.args)
+            result = getattr(self.engine, call.method)(**args)
         except Exception as exc:
             return [*self._flush(), error_result(call.call_id, exc)]
         # Outputs the call produced (aborted requests) go out before its reply.
-        return [*self._flush(), UtilityResult(call_id=call.call_id, result=_plain(result))]
+        return [*self._flush(), value_result(call.call_id, _plain(result))]
 
     def _check_drain(self) -> list[FromStage]:
         pending = self._pending
@@ -176,7 +178,7 @@ class StageCore:
                 result = self.engine.sleep(**pending.args)
             except Exception as exc:
                 return [*self._flush(), error_result(pending.call_id, exc)]
-            return [*self._flush(), UtilityResult(call_id=pending.call_id, result=_plain(result))]
+            return [*self._flush(), value_result(pending.call_id, result)]
         if time.monotonic() > pending.deadline:
             self._pending = None
             self.engine.resume()
@@ -215,3 +217,10 @@ class StageCore:
                 made_progress = bool(replies)
                 for reply in replies:
                     channel.send(reply)
+
+
+def _plain(value: Any) -> Any:
+    """Dataclasses in status replies become dicts msgpack can carry."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value

@@ -1,26 +1,74 @@
 """Messages between the engine client (API process) and a stage process.
 
-All of them are msgspec structs encoded as msgpack; tensors travel as a msgpack extension
-(raw bytes + dtype + shape). The module lives in the stage layer because both sides import
-it and the stage layer must not import the engine client.
+Every message is a msgspec struct encoded as msgpack; tensors travel as a msgpack extension
+(raw bytes + dtype + shape). Requests are validated in the API process and arrive as typed
+structs; replies carry typed ACKs and errors as data (class name, message, field). The module
+lives in the stage layer because both sides import it and the stage layer must not import
+the engine client.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 from typing import Any
 
 import msgspec
 import torch
 
+from omnistage.errors import error_fields, rebuild_error
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput, PipelineLimits
+
 _TENSOR_EXT = 1
 
 
-class AddRequest(msgspec.Struct, tag=True):
-    """``request`` holds the kind-specific fields (see ``omnistage.stage.requests``)."""
+class WireError(msgspec.Struct):
+    """An exception as data: its class name, message and the request field it names."""
 
+    type: str
+    message: str
+    field: str | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> WireError:
+        return cls(*error_fields(exc))
+
+    def rebuild(self, stage_id: int) -> Exception:
+        return rebuild_error(stage_id, self.type, self.message, self.field)
+
+
+# -- requests (validated in the API process) ----------------------------------------------
+
+
+class ARStageRequest(msgspec.Struct, tag="ar", forbid_unknown_fields=True):
+    """A tokenized prompt for an AR stage. ``prompt`` is the text, for the record only."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    return_hidden_states: bool = False
+    prompt: str | None = None
+
+
+class DiffusionStageRequest(msgspec.Struct, tag="diffusion", forbid_unknown_fields=True):
+    """A text prompt or conditioning embeddings ``[seq, dim]`` for a diffusion stage."""
+
+    prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    params: DiffusionParams = msgspec.field(default_factory=DiffusionParams)
+
+
+StageRequest = ARStageRequest | DiffusionStageRequest
+
+
+# -- API process -> stage ------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True):
     request_id: str
-    request: dict[str, Any]
+    request: StageRequest
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -28,6 +76,8 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 
 class UtilityCall(msgspec.Struct, tag=True):
+    """A control operation (``sleep``, ``wake_up``, ...) with its keyword arguments."""
+
     call_id: int
     method: str
     args: dict[str, Any] = {}
@@ -37,39 +87,120 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
+ToStage = AddRequest | AbortRequest | UtilityCall | Shutdown
+
+
+# -- stage -> API process -------------------------------------------------------------------
+
+
+class AckMetadata(msgspec.Struct):
+    """What an operation did, measured (vLLM-Omni's ``OmniACK.metadata`` plus omnistage's)."""
+
+    level: int | None = None
+    mode: str | None = None
+    tags: list[str] = []
+    latency_ms: float = 0.0
+    cuda_graph_recalled: bool = False
+    host_backup_bytes: int = 0
+    restored_bytes: int = 0
+    resident_bytes_before: int = 0
+    resident_bytes_after: int = 0
+    aborted: int = 0
+    preempted: int = 0
+    sleeping_tags: list[str] = []
+    weights_valid: bool = True
+    weight_sources: list[str] | None = None  # after update_weights: what a reload replays
+
+
+class Ack(msgspec.Struct):
+    """The reply to a sleep, wake or weight update, shaped like vLLM-Omni's ``OmniACK``."""
+
+    task_id: str
+    status: str  # SUCCESS | ERROR | SKIPPED
+    stage_id: int
+    rank: int = 0
+    freed_bytes: int = 0
+    error_msg: str | None = None
+    metadata: AckMetadata = msgspec.field(default_factory=AckMetadata)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(msgspec.to_builtins(self))
+
+
+_task_ids = itertools.count(1)
+
+
+def make_ack(
+    stage_id: int,
+    *,
+    status: str = "SUCCESS",
+    rank: int = 0,
+    freed_bytes: int = 0,
+    error_msg: str | None = None,
+    **metadata: Any,
+) -> Ack:
+    """An ACK shaped like vLLM-Omni's ``OmniACK`` with omnistage's metadata."""
+    return Ack(
+        task_id=f"omni-{stage_id}-{os.getpid()}-{next(_task_ids)}",
+        status=status,
+        stage_id=stage_id,
+        rank=rank,
+        freed_bytes=max(0, int(freed_bytes)),
+        error_msg=error_msg,
+        metadata=AckMetadata(**metadata),
+    )
+
+
 class UtilityResult(msgspec.Struct, tag=True):
-    """Errors cross the boundary as data: the type name, message and offending field."""
+    """The reply to a ``UtilityCall``: an ACK, a plain value (status, flags), or an error."""
 
     call_id: int
-    result: Any = None
-    error_type: str | None = None
-    error_message: str | None = None
-    error_field: str | None = None
+    ack: Ack | None = None
+    value: Any = None
+    error: WireError | None = None
 
 
 class OutputMessage(msgspec.Struct, tag=True):
+    """One update of one request; ``finished`` on its last. A finished AR request that asked
+    for them carries ``hidden_states``; a finished diffusion request carries ``images``."""
+
     request_id: str
     text_delta: str = ""
     new_token_ids: list[int] = []
     finished: bool = False
     finish_reason: str | None = None
-    error: str | None = None
-    error_type: str | None = None
-    error_field: str | None = None
+    error: WireError | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    payload: dict[str, Any] | None = None
+    hidden_states: torch.Tensor | None = None
+    images: list[ImageOutput] = []
 
 
 class OutputBatch(msgspec.Struct, tag=True):
     outputs: list[OutputMessage]
 
 
+class ARStageInfo(msgspec.Struct, tag="ar"):
+    """What the API process needs to validate requests for an AR stage."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+class DiffusionStageInfo(msgspec.Struct, tag="diffusion"):
+    """What the API process needs to validate requests for a diffusion stage."""
+
+    limits: PipelineLimits
+
+
+StageInfo = ARStageInfo | DiffusionStageInfo
+
+
 class Ready(msgspec.Struct, tag=True):
     stage_id: int
     kind: str
     pid: int
-    info: dict[str, Any] = {}
+    info: StageInfo
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -77,8 +208,27 @@ class StartupFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ToStage = AddRequest | AbortRequest | UtilityCall | Shutdown
-FromStage = OutputBatch | UtilityResult | Ready | StartupFailed
+class Heartbeat(msgspec.Struct, tag=True):
+    """Sent by a stage process every ``heartbeat_interval_s`` from a thread of its own."""
+
+    stage_id: int
+
+
+FromStage = OutputBatch | UtilityResult | Ready | StartupFailed | Heartbeat
+
+
+class StartupOptions(msgspec.Struct):
+    """How a stage process starts. A restarted stage comes back as the old one was: asleep
+    at ``sleep_level`` (``None``: awake; level 2: its weights are never loaded), paused, and
+    with the weight updates it had taken (``weight_sources``, replayed over the checkpoint)."""
+
+    sleep_level: int | None = None
+    paused: bool = False
+    weight_sources: list[str] = []
+    heartbeat_interval_s: float = 1.0
+
+
+# -- encoding ------------------------------------------------------------------------------
 
 
 def _enc_hook(obj: Any) -> Any:
@@ -98,15 +248,24 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     n = int.from_bytes(data[:4], "little")
     header = json.loads(bytes(data[4 : 4 + n]))
     dtype = getattr(torch, header["dtype"])
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a tensor dtype: {header['dtype']!r}")
     raw = bytearray(data[4 + n :])
     if not raw:
         return torch.empty(header["shape"], dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(header["shape"])
 
 
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is torch.Tensor and isinstance(obj, torch.Tensor):
+        return obj
+    raise NotImplementedError(f"cannot decode {type_.__name__}")
+
+
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_to_stage = msgspec.msgpack.Decoder(ToStage, ext_hook=_ext_hook)
-_from_stage = msgspec.msgpack.Decoder(FromStage, ext_hook=_ext_hook)
+_to_stage = msgspec.msgpack.Decoder(ToStage, ext_hook=_ext_hook, dec_hook=_dec_hook)
+_from_stage = msgspec.msgpack.Decoder(FromStage, ext_hook=_ext_hook, dec_hook=_dec_hook)
+_startup = msgspec.json.Decoder(StartupOptions)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -119,3 +278,11 @@ def decode_to_stage(data: bytes) -> ToStage:
 
 def decode_from_stage(data: bytes) -> FromStage:
     return _from_stage.decode(data)
+
+
+def encode_startup(options: StartupOptions) -> str:
+    return msgspec.json.encode(options).decode()
+
+
+def decode_startup(data: str) -> StartupOptions:
+    return _startup.decode(data)

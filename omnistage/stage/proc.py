@@ -1,28 +1,39 @@
 """The stage process: one OS process per stage, owning its device, arena and engine.
 
-Started with multiprocessing ``spawn`` by the engine client. It connects two ZMQ sockets
-(requests and utility calls in, outputs and replies out), builds its engine — importing only
-what its kind needs — announces itself with ``Ready`` (or ``StartupFailed``) and runs the
-``StageCore`` loop until told to shut down or its parent goes away.
+Started with multiprocessing ``spawn`` by a launcher in the engine client. It connects two
+ZMQ sockets (requests and utility calls in, outputs and replies out), builds its engine —
+importing only what its kind needs — brings it to the state its ``StartupOptions`` ask for (a
+restarted stage comes back asleep, paused, with its weight updates), announces itself with
+``Ready`` (or ``StartupFailed``), and runs the ``StageCore`` loop until told to shut down or
+its parent goes away. A thread of its own sends a ``Heartbeat`` every second.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import signal
+import threading
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from omnistage.config import StageConfig
+from omnistage.errors import InvalidRequestError
 from omnistage.stage.messages import (
     FromStage,
+    Heartbeat,
     Ready,
     StartupFailed,
+    StartupOptions,
     ToStage,
+    UtilityResult,
+    WireError,
+    decode_startup,
     decode_to_stage,
     encode,
 )
@@ -38,14 +49,58 @@ class ZmqChannel:
         self._out = self._ctx.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 1000)
         self._out.connect(out_addr)
+        self._out_addr = out_addr
 
     def recv(self, timeout_s: float) -> ToStage | None:
-        if not self._in.poll(int(timeout_s * 1000)):
-            return None
-        return decode_to_stage(self._in.recv())
+        while self._in.poll(int(timeout_s * 1000)):
+            data = self._in.recv()
+            try:
+                return decode_to_stage(data)
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                self._refuse(data, exc)  # answered if it can be, never fatal
+                timeout_s = 0.0
+        return None
+
+    def _refuse(self, data: bytes, exc: Exception) -> None:
+        """Answer a message that does not decode, if it names what to answer."""
+        logger.error("stage received a message it cannot decode: %s", exc)
+        try:
+            raw = msgspec.msgpack.decode(data)
+        except msgspec.DecodeError:
+            return
+        if not isinstance(raw, dict):
+            return
+        error = InvalidRequestError("request", f"malformed message: {exc}")
+        if raw.get("type") == "AddRequest" and isinstance(raw.get("request_id"), str):
+            from omnistage.stage.core import failed_request
+
+            self.send(failed_request(raw["request_id"], error))
+        elif raw.get("type") == "UtilityCall" and isinstance(raw.get("call_id"), int):
+            self.send(UtilityResult(call_id=raw["call_id"], error=WireError.from_exception(error)))
 
     def send(self, msg: FromStage) -> None:
         self._out.send(encode(msg))
+
+    def start_heartbeat(self, stage_id: int, interval_s: float) -> threading.Event:
+        """Send ``Heartbeat`` every ``interval_s`` from a thread with a socket of its own."""
+        stop = threading.Event()
+
+        def beat() -> None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 4)
+            sock.connect(self._out_addr)
+            data = encode(Heartbeat(stage_id=stage_id))
+            try:
+                while not stop.wait(interval_s):
+                    # The engine client busy or gone: the next beat tries again.
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(data, zmq.NOBLOCK)
+            finally:
+                sock.close()
+
+        threading.Thread(target=beat, name=f"stage{stage_id}-heartbeat", daemon=True).start()
+        return stop
 
     def close(self) -> None:
         self._in.close(linger=0)
@@ -53,19 +108,28 @@ class ZmqChannel:
         self._ctx.term()
 
 
-def build_engine(config: StageConfig) -> tuple[Any, Any]:
-    """The engine for ``config.kind`` and the function turning wire requests into its requests."""
-    from omnistage.stage.requests import request_builder
+def build_engine(config: StageConfig, options: StartupOptions | None = None) -> Any:
+    """The engine for ``config.kind``, in the state ``options`` describe."""
+    from omnistage.stage.kinds import stage_kind
 
-    if config.kind == "ar":
-        from omnistage.stage.ar.engine import ARStageEngine
+    options = options or StartupOptions()
+    engine = stage_kind(config.kind).build_engine(config, load_weights=options.sleep_level != 2)
+    try:
+        restore(engine, options)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
 
-        engine: Any = ARStageEngine(config)
-    else:
-        from omnistage.stage.diffusion.engine import DiffusionStageEngine
 
-        engine = DiffusionStageEngine(config)
-    return engine, request_builder(config.kind, engine)
+def restore(engine: Any, options: StartupOptions) -> None:
+    """Bring a fresh engine to the state a previous process of its stage was in."""
+    if options.weight_sources:
+        engine.sleep_control.adopt_history(options.weight_sources, load=options.sleep_level != 2)
+    if options.sleep_level is not None:
+        engine.sleep(level=options.sleep_level, mode="abort")
+    elif options.paused:
+        engine.pause("keep")
 
 
 def _die_with_parent() -> None:
@@ -78,20 +142,24 @@ def _die_with_parent() -> None:
         pass
 
 
-def stage_main(config_json: str, in_addr: str, out_addr: str, num_threads: int) -> None:
+def stage_main(
+    config_json: str, in_addr: str, out_addr: str, num_threads: int, startup_json: str = "{}"
+) -> None:
     """Entry point of a stage process."""
     _die_with_parent()
     # Ctrl-C goes to the whole process group; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     config = StageConfig.model_validate_json(config_json)
+    options = decode_startup(startup_json)
     import torch
 
     torch.set_num_threads(num_threads)
     channel = ZmqChannel(in_addr, out_addr)
+    stop_heartbeat = channel.start_heartbeat(config.stage_id, options.heartbeat_interval_s)
     try:
         try:
-            engine, build_request = build_engine(config)
+            engine = build_engine(config, options)
         except Exception as exc:
             channel.send(
                 StartupFailed(
@@ -101,12 +169,13 @@ def stage_main(config_json: str, in_addr: str, out_addr: str, num_threads: int) 
             )
             return
         channel.send(
-            Ready(stage_id=config.stage_id, kind=config.kind, pid=os.getpid(), info=engine.status())
+            Ready(stage_id=config.stage_id, kind=config.kind, pid=os.getpid(), info=engine.info())
         )
         from omnistage.stage.core import StageCore
 
-        core = StageCore(engine, build_request, drain_timeout_s=config.drain_timeout_s)
+        core = StageCore(engine, drain_timeout_s=config.drain_timeout_s)
         core.serve(channel, should_stop=lambda: os.getppid() != parent)
         engine.shutdown()
     finally:
+        stop_heartbeat.set()
         channel.close()

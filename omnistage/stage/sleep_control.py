@@ -1,75 +1,78 @@
-"""Sleep, wake and weight updates of one stage's arena, with honest ACKs.
+"""Sleep, wake and weight updates of one rank's arena, with honest ACKs.
 
 Shared by every engine kind: the engine decides what happens to requests (pause, abort,
 drain, preempt); this object decides what happens to memory, keeps track of whether the
-weights are valid, and measures what was really freed. Levels follow SPEC §1: level 1
-offloads ``weights`` to host memory and discards ``kv_cache``; level 2 discards everything
-and a later wake reloads the weights from disk into the same addresses.
+weights are valid, and measures what was really freed. Level 1 offloads ``weights`` to host
+memory and discards ``kv_cache``; level 2 discards everything and a later wake reloads the
+weights into the same addresses by replaying every weight source the stage has taken (see
+``docs/control-plane.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from omnistage.errors import InvalidRequestError, WeightsInvalidError
+from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvalidError
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
+from omnistage.stage.messages import Ack, make_ack
+from omnistage.stage.sleep_args import KV_CACHE, WEIGHTS, check_level
 
-WEIGHTS = "weights"
-KV_CACHE = "kv_cache"
-SLEEP_LEVELS = (0, 1, 2)
-SLEEP_MODES = ("abort", "wait", "keep")
+__all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
 
-_task_ids = itertools.count(1)
+# ``load(path, strict=..., check_finite=...)``: copy a checkpoint into the weights in place.
+LoadWeights = Callable[..., Any]
 
 
-def make_ack(
-    stage_id: int,
-    *,
-    status: str = "SUCCESS",
-    rank: int = 0,
-    freed_bytes: int = 0,
-    error_msg: str | None = None,
-    **metadata: Any,
-) -> dict[str, Any]:
-    """An ACK shaped like vLLM-Omni's ``OmniACK`` with omnistage's metadata."""
-    meta: dict[str, Any] = {
-        "level": None,
-        "mode": None,
-        "tags": [],
-        "latency_ms": 0.0,
-        "cuda_graph_recalled": False,
-        "host_backup_bytes": 0,
-        "restored_bytes": 0,
-        "resident_bytes_before": 0,
-        "resident_bytes_after": 0,
-        "aborted": 0,
-        "preempted": 0,
-    }
-    meta.update(metadata)
-    return {
-        "task_id": f"omni-{stage_id}-{next(_task_ids)}",
-        "status": status,
-        "stage_id": stage_id,
-        "rank": rank,
-        "freed_bytes": int(freed_bytes),
-        "error_msg": error_msg,
-        "metadata": meta,
-    }
+class WeightSource(Protocol):
+    """Somewhere weights came from, replayable by a level-2 reload or a restart."""
+
+    @property
+    def description(self) -> str: ...
+
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSource:
+    """A safetensors file or checkpoint folder on disk."""
+
+    path: Path
+
+    @property
+    def description(self) -> str:
+        return str(self.path)
+
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None:
+        load_weights(self.path, strict=strict, check_finite=check_finite)
+
+
+def checkpoint_source(path: str | Path, field: str = "path") -> CheckpointSource:
+    """A ``CheckpointSource`` for an operator-given path, or ``InvalidRequestError`` naming
+    ``field`` (the path must exist and be a regular file or a folder)."""
+    if not isinstance(path, str | Path) or not str(path):
+        raise InvalidRequestError(field, "must be a non-empty path")
+    source = Path(path)
+    try:
+        if not (source.is_file() or source.is_dir()):
+            raise InvalidRequestError(field, f"no such file or folder: {str(source)[:256]}")
+    except (OSError, ValueError) as exc:  # name too long, NUL byte, permission
+        raise InvalidRequestError(field, f"cannot use {str(source)[:256]!r}: {exc}") from None
+    return CheckpointSource(source)
 
 
 class SleepController:
-    """Owns the sleep state of one stage's arena.
+    """Owns the sleep state of one rank's arena.
 
-    ``load_weights(path, strict)`` must copy a checkpoint (a folder or a safetensors file)
-    into the stage's existing weight tensors in place, raising on a mismatch (and on missing
-    tensors when ``strict``); it serves level-2 reloads and weight updates.
+    ``load_weights(path, strict=, check_finite=)`` copies a checkpoint (a folder or a
+    safetensors file) into the existing weight tensors in place, raising ``CheckpointError``
+    on a mismatch (and on missing tensors when ``strict``); it serves level-2 reloads and
+    weight updates.
     """
 
     def __init__(
@@ -77,7 +80,7 @@ class SleepController:
         arena: Arena,
         stage_id: int,
         checkpoint: str | Path,
-        load_weights: Callable[[Path, bool], Any],
+        load_weights: LoadWeights,
         rank: int = 0,
     ) -> None:
         self.arena = arena
@@ -86,7 +89,7 @@ class SleepController:
         self._load_weights = load_weights
         # Every source the current weights came from, oldest first: a level-2 reload replays
         # them so the stage comes back with exactly the weights it served before.
-        self._weight_sources: list[Path] = [Path(checkpoint)]
+        self._weight_sources: list[WeightSource] = [CheckpointSource(Path(checkpoint))]
         self.level = 0
 
     # -- queries ------------------------------------------------------------------------
@@ -102,6 +105,10 @@ class SleepController:
     @property
     def weights_valid(self) -> bool:
         return self.arena.has_tag(WEIGHTS) and self.arena.is_valid(WEIGHTS)
+
+    @property
+    def weight_sources(self) -> list[str]:
+        return [s.description for s in self._weight_sources]
 
     def check_can_generate(self) -> None:
         """Raise ``WeightsInvalidError`` unless the weights are awake and meaningful."""
@@ -127,14 +134,24 @@ class SleepController:
             raise InvalidRequestError(field, f"unknown tags {unknown}; this stage has {known}")
         return chosen
 
+    def _ack(self, status: str, start: float, before: int, **fields: Any) -> Ack:
+        return make_ack(
+            self.stage_id,
+            status=status,
+            rank=self.rank,
+            latency_ms=(time.perf_counter() - start) * 1e3,
+            resident_bytes_before=before,
+            resident_bytes_after=device_used_bytes(self.arena.device),
+            sleeping_tags=self.sleeping_tags,
+            weights_valid=self.weights_valid,
+            **fields,
+        )
+
     # -- transitions --------------------------------------------------------------------
 
-    def sleep(
-        self, level: int, tags: Sequence[str] | None = None, **metadata: Any
-    ) -> dict[str, Any]:
+    def sleep(self, level: int, tags: Sequence[str] | None = None, **metadata: Any) -> Ack:
         """Release memory for ``level`` (1 or 2; 0 touches no memory) and return the ACK."""
-        if level not in SLEEP_LEVELS:
-            raise InvalidRequestError("level", f"must be one of {SLEEP_LEVELS}, got {level!r}")
+        check_level(level)
         chosen = self._resolve_tags(tags, "tags")
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()
@@ -149,47 +166,34 @@ class SleepController:
             # Reported, not raised: ``sleeping_tags`` says what the failure left asleep.
             if self.is_sleeping:
                 self.level = 2  # whatever went down lost its contents
-            return make_ack(
-                self.stage_id,
-                status="ERROR",
-                rank=self.rank,
-                error_msg=f"sleep failed: {exc}",
-                level=level,
-                tags=chosen,
-                latency_ms=(time.perf_counter() - start) * 1e3,
-                resident_bytes_before=before,
-                resident_bytes_after=device_used_bytes(self.arena.device),
-                sleeping_tags=self.sleeping_tags,
-                **metadata,
-            )
+            return self._ack(
+                "ERROR", start, before, error_msg=f"sleep failed: {exc}", level=level,
+                tags=chosen, **metadata,
+            )  # fmt: skip
         if level >= 1 and self.arena.device.type == "cuda":
             # Activations the stage ran with sit in torch's caching allocator, outside the
             # arena: hand them back too, or the memory is not really free for others.
             torch.cuda.empty_cache()
-        after = device_used_bytes(self.arena.device)
         if level >= 1 and not report.is_noop:
             self.level = max(self.level, level)
         status = "SKIPPED" if level >= 1 and report.is_noop else "SUCCESS"
-        return make_ack(
-            self.stage_id,
-            status=status,
-            rank=self.rank,
-            freed_bytes=max(0, before - after),
+        ack = self._ack(
+            status,
+            start,
+            before,
             error_msg="already asleep" if status == "SKIPPED" else None,
             level=level,
             tags=[*report.offloaded_tags, *report.discarded_tags] if level else [],
-            latency_ms=(time.perf_counter() - start) * 1e3,
             host_backup_bytes=sum(s.backup_bytes for s in self.arena.stats().values()),
-            resident_bytes_before=before,
-            resident_bytes_after=after,
-            sleeping_tags=self.sleeping_tags,
             **metadata,
         )
+        ack.freed_bytes = max(0, before - ack.metadata.resident_bytes_after)
+        return ack
 
     def wake_up(
         self, tags: Sequence[str] | None = None, reload: bool = True, **metadata: Any
-    ) -> dict[str, Any]:
-        """Map memory back; a discarded ``weights`` tag is reloaded from disk unless
+    ) -> Ack:
+        """Map memory back; a discarded ``weights`` tag is reloaded from its sources unless
         ``reload`` is False, in which case the weights stay invalid until ``update_weights``
         (or a later wake with ``reload``). A failed reload puts back to sleep what this call
         woke and answers an ``ERROR`` ACK, so that a later wake can retry."""
@@ -200,38 +204,25 @@ class SleepController:
         try:
             report = self.arena.wake(chosen)
         except ArenaWakeError as exc:
-            return make_ack(
-                self.stage_id,
-                status="ERROR",
-                rank=self.rank,
-                error_msg=str(exc),
-                level=self.level,
-                tags=chosen,
-                latency_ms=(time.perf_counter() - start) * 1e3,
-                resident_bytes_before=before,
-                resident_bytes_after=device_used_bytes(self.arena.device),
+            return self._ack(
+                "ERROR", start, before, error_msg=str(exc), level=self.level, tags=chosen,
                 **metadata,
-            )
+            )  # fmt: skip
         # Weights woken without contents now, or earlier with reload=False, are reloaded.
         needs_reload = reload and WEIGHTS in chosen and not self.weights_valid
         if needs_reload:
             try:
-                self._reload()
+                self.reload()
             except Exception as exc:
                 # Back to asleep, so that the stage is reported sleeping and a wake can retry.
                 self.arena.sleep(discard=report.invalid_tags)
-                return make_ack(
-                    self.stage_id,
-                    status="ERROR",
-                    rank=self.rank,
+                return self._ack(
+                    "ERROR",
+                    start,
+                    before,
                     error_msg=f"reloading the weights failed: {type(exc).__name__}: {exc}",
                     level=self.level,
                     tags=chosen,
-                    latency_ms=(time.perf_counter() - start) * 1e3,
-                    resident_bytes_before=before,
-                    resident_bytes_after=device_used_bytes(self.arena.device),
-                    weights_valid=self.weights_valid,
-                    sleeping_tags=self.sleeping_tags,
                     **metadata,
                 )
         for tag in report.invalid_tags:
@@ -242,55 +233,69 @@ class SleepController:
             restored += self.arena.stats()[WEIGHTS].reserved_bytes
         if not self.is_sleeping:
             self.level = 0
-        after = device_used_bytes(self.arena.device)
         is_noop = report.is_noop and not needs_reload
-        return make_ack(
-            self.stage_id,
-            status="SKIPPED" if is_noop else "SUCCESS",
-            rank=self.rank,
+        return self._ack(
+            "SKIPPED" if is_noop else "SUCCESS",
+            start,
+            before,
             error_msg="not asleep" if is_noop else None,
             level=woken_from,
             tags=[*report.restored_tags, *report.invalid_tags],
-            latency_ms=(time.perf_counter() - start) * 1e3,
             restored_bytes=restored,
-            resident_bytes_before=before,
-            resident_bytes_after=after,
-            weights_valid=self.weights_valid,
-            sleeping_tags=self.sleeping_tags,
             **metadata,
         )
 
-    def _reload(self) -> None:
+    def reload(self) -> None:
+        """Refill the (awake) weights from every source they came from, oldest first."""
         for i, source in enumerate(self._weight_sources):
-            self._load_weights(source, i == 0)
+            source.load(self._load_weights, strict=i == 0, check_finite=False)
         self.arena.mark_valid(WEIGHTS)
 
-    def update_weights(self, path: str | Path) -> dict[str, Any]:
-        """Load ``path`` (safetensors file or folder) into the awake weights, in place."""
-        source = Path(path)
-        if not source.exists():
-            raise InvalidRequestError("path", f"no such file or folder: {source}")
+    def adopt_history(self, sources: Sequence[str], *, load: bool) -> None:
+        """Take over the weight history of a previous process of this stage (a restart).
+
+        With ``load`` (the checkpoint is already loaded) the sources it lacks are applied
+        now; without, they wait for the reload of the next wake."""
+        if not sources:
+            return
+        history = [CheckpointSource(Path(p)) for p in sources]
+        if load:
+            missing = history[1:] if history[0] == self._weight_sources[0] else history
+            for source in missing:
+                source.load(self._load_weights, strict=False, check_finite=False)
+        self._weight_sources = list(history)
+
+    def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack:
+        """Load ``path`` (safetensors file or folder) into the awake weights, in place.
+
+        Every tensor is checked (names, shapes and, with ``check_finite``, NaN/Inf) before
+        the first byte is copied: a bad source raises ``InvalidRequestError`` naming ``path``
+        and the old weights keep serving.
+        """
+        source = checkpoint_source(path)
         if self.arena.is_asleep(WEIGHTS):
             raise InvalidRequestError(
                 "path",
                 "weights are asleep; wake them first (wake_up(tags=['weights'], reload=False))",
             )
         start = time.perf_counter()
+        try:
+            self._apply(source, check_finite=check_finite)
+        except CheckpointError as exc:
+            raise InvalidRequestError("path", str(exc)) from exc
+        nbytes = self.arena.stats()[WEIGHTS].reserved_bytes
+        return self._ack(
+            "SUCCESS", start, 0, restored_bytes=nbytes, tags=[WEIGHTS],
+            weight_sources=self.weight_sources,
+        )  # fmt: skip
+
+    def _apply(self, source: WeightSource, check_finite: bool) -> None:
         # Invalid weights need a complete checkpoint, which then replaces the history; valid
         # ones may take a partial update, replayed on top of the history by a later reload.
         is_complete = not self.weights_valid
-        self._load_weights(source, is_complete)
+        source.load(self._load_weights, strict=is_complete, check_finite=check_finite)
         if is_complete:
             self._weight_sources = [source]
         else:
             self._weight_sources.append(source)
         self.arena.mark_valid(WEIGHTS)
-        nbytes = self.arena.stats()[WEIGHTS].reserved_bytes
-        return make_ack(
-            self.stage_id,
-            rank=self.rank,
-            latency_ms=(time.perf_counter() - start) * 1e3,
-            restored_bytes=nbytes,
-            tags=[WEIGHTS],
-            weights_valid=True,
-        )

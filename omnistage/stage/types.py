@@ -22,7 +22,7 @@ class StageOutput:
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: Exception | None = None  # set with finish_reason "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     payload: dict[str, Any] | None = None

@@ -11,6 +11,7 @@ import pytest
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.errors import StageDeadError
+from omnistage.stage.messages import DiffusionStageRequest
 from tests.integration.helpers import collect
 
 
@@ -69,13 +70,13 @@ async def test_sending_to_a_stage_that_just_died_does_not_block():
     try:
         await client.call("status")  # bound to this loop
         os.kill(client.pid, signal.SIGKILL)
-        client.process.join(5)
+        client._handle.process.join(5)
         time.sleep(0.3)  # blocking on purpose: the loop has not been told of the death yet
         sender = threading.Thread(target=client.abort, args=(["ghost"],), daemon=True)
         sender.start()
         sender.join(2)
         assert not sender.is_alive(), "a send to a dead stage blocked its caller"
         with pytest.raises(StageDeadError):
-            client.add_request("late", {"prompt": "x"})
+            client.add_request("late", DiffusionStageRequest(prompt="x"))
     finally:
         engine.shutdown()

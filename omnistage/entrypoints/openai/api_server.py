@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -44,17 +45,21 @@ def start_engine(
 ) -> Any:
     """Start the stages (``StageStartupError`` if one cannot start)."""
     from omnistage.engine.async_omni import AsyncOmni
+    from omnistage.engine.supervisor import RestartPolicy
 
     for stage in pipeline.stages:
         progress(
             f"starting stage {stage.stage_id} ({stage.kind}, {stage.display_name}) from {stage.model}"
         )
-    # The HTTP wakeup route resumes woken stages unless told not to (SPEC §2).
+    # The HTTP wakeup route resumes woken stages unless the body says "resume": false.
     engine = AsyncOmni.from_config(
         pipeline,
         stage_init_timeout_s=config.stage_init_timeout_s,
         resume_after_wake=True,
         auto_wake=config.auto_wake,
+        restart_policy=RestartPolicy(
+            max_restarts=config.max_stage_restarts, window_s=config.stage_restart_window_s
+        ),
     )
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine
@@ -65,6 +70,7 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI app. With ``engine_client`` given, the app serves it and does not own it."""
     from omnistage.entrypoints.openai import serving_chat, serving_images
+    from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.server_routes import health_router, models_router
     from omnistage.entrypoints.serve import vllm_compat
     from omnistage.entrypoints.serve.auth import require_api_key
@@ -90,9 +96,24 @@ def build_app(
             if owned:
                 engine.shutdown()
 
-    app = FastAPI(title="omnistage", version="0.1.0", lifespan=lifespan)
+    # No /docs or /redoc: their pages load assets from a CDN, blank on an offline cluster.
+    # The schema itself is served below, behind the data key.
+    app = FastAPI(
+        title="omnistage",
+        version="0.1.0",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     register_exception_handlers(app)
     data = [Depends(require_api_key)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=data)
+    async def openapi() -> dict[str, Any]:
+        return app.openapi()
+
     app.include_router(serving_chat.router, dependencies=data)
     app.include_router(serving_images.router, dependencies=data)
     app.include_router(models_router, dependencies=data)
@@ -152,4 +173,7 @@ def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) 
             progress(ready_banner(config, port))
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run()
+    # uvicorn drains in-flight requests on Ctrl-C, then re-raises the signal it caught: the
+    # drain is the graceful exit, not an error.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()

@@ -6,7 +6,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-STATES = ("awake", "sleeping", "asleep", "waking", "failed", "dead")
+from omnistage.engine.admission import STATES
+from omnistage.engine.protocol import EngineClient
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -17,6 +19,12 @@ class ServerMetrics:
             "omnistage_stage_state",
             "1 for the state each stage is in.",
             ["stage_id", "state"],
+            registry=self.registry,
+        )
+        self.stage_restarts = Gauge(
+            "omnistage_stage_restarts",
+            "Times the server restarted each stage's process.",
+            ["stage_id"],
             registry=self.registry,
         )
         self.stage_in_flight = Gauge(
@@ -64,10 +72,11 @@ class ServerMetrics:
             else:
                 self.wake_latency.labels(sid).observe(latency_s)
 
-    def render(self, engine: Any) -> bytes:
+    def render(self, engine: EngineClient) -> bytes:
         """Refresh the per-stage gauges from the engine client's state, then export."""
-        for sid, stage in enumerate(engine.gate.stages):
+        for sid, stage in enumerate(engine.stage_states()):
             for state in STATES:
                 self.stage_state.labels(str(sid), state).set(1.0 if stage.state == state else 0.0)
-            self.stage_in_flight.labels(str(sid)).set(engine.clients[sid].num_in_flight)
+            self.stage_in_flight.labels(str(sid)).set(engine.num_in_flight(sid))
+            self.stage_restarts.labels(str(sid)).set(stage.restarts)
         return generate_latest(self.registry)

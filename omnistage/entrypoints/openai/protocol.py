@@ -129,6 +129,51 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | list[dict[str, Any]]
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ImageData(BaseModel):
+    b64_json: str
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

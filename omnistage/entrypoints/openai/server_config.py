@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omnistage.config import DType, PipelineConfig, load_pipeline_config, parse_pipeline_config
 
@@ -39,11 +39,34 @@ class ServerConfig(BaseModel):
     )
     dtype: DType | None = Field(default=None, description="dtype for every stage.")
     api_key: str | None = Field(
-        default=None, description="Key demanded by every route but /health and /metrics."
+        default=None,
+        min_length=1,
+        description="Key demanded by every route but /health and /metrics.",
     )
     control_api_key: str | None = Field(
         default=None,
+        min_length=1,
         description="Key demanded by control routes (default: $OMNISTAGE_CONTROL_API_KEY).",
+    )
+    max_request_body_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest request body accepted; larger ones get 413.",
+    )
+    max_image_pixels: int | None = Field(
+        default=None,
+        gt=0,
+        description="Largest image (width x height) a request may ask of a diffusion stage "
+        "(default: 512x512 on CPU, 2048x2048 on CUDA).",
+    )
+    max_stage_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="Restarts of a stage whose process died, within --stage-restart-window-s "
+        "(0: a dead stage stays dead).",
+    )
+    stage_restart_window_s: float = Field(
+        default=600.0, gt=0, description="Window over which --max-stage-restarts counts."
     )
     stage_init_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest wait for a stage to start."
@@ -51,6 +74,13 @@ class ServerConfig(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level."
     )
+
+    @field_validator("api_key", "control_api_key")
+    @classmethod
+    def _no_blank_key(cls, value: str | None) -> str | None:
+        if value is not None and value.strip() != value:
+            raise ValueError("must not be blank or have surrounding whitespace")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ServerConfig:
@@ -76,6 +106,7 @@ class ServerConfig(BaseModel):
             "device": self.device,
             "dtype": self.dtype,
             "idle_sleep_s": self.idle_sleep_s,
+            "max_image_pixels": self.max_image_pixels,
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True

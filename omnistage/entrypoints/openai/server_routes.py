@@ -37,9 +37,12 @@ async def list_models(request: Request) -> Any:
 
 @health_router.get("/health")
 async def health(request: Request) -> Any:
-    dead = request.app.state.engine_client.dead_stage_ids()
+    engine = request.app.state.engine_client
+    dead = engine.dead_stage_ids()
     if dead:
-        return JSONResponse({"status": "unhealthy", "dead_stage_ids": dead}, status_code=503)
+        restarting: list[int] = getattr(engine, "restarting_stage_ids", list)()
+        body = {"status": "unhealthy", "dead_stage_ids": dead, "restarting_stage_ids": restarting}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
     return {"status": "ok"}
 
 

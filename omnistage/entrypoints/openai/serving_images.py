@@ -7,19 +7,26 @@ import base64
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from omnistage.engine.outputs import OmniImage
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
-from omnistage.entrypoints.openai.protocol import ImageGenerationRequest, new_id, now
+from omnistage.entrypoints.openai.protocol import (
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    new_id,
+    now,
+)
+from omnistage.entrypoints.serve.deps import EngineClientDep, MetricsDep
 
 router = APIRouter(tags=["openai"])
 
 
-@router.post("/v1/images/generations")
-async def create_images(body: ImageGenerationRequest, request: Request) -> Any:
-    engine = request.app.state.engine_client
-
+@router.post("/v1/images/generations", response_model=ImagesResponse)
+async def create_images(
+    body: ImageGenerationRequest, request: Request, engine: EngineClientDep, metrics: MetricsDep
+) -> Any:
     async def one(index: int) -> list[OmniImage]:
         seed = None if body.seed is None else body.seed + index
         images: list[OmniImage] = []
@@ -41,16 +48,13 @@ async def create_images(body: ImageGenerationRequest, request: Request) -> Any:
             for task in tasks:  # one failed: the others' images would go to nobody
                 task.cancel()
 
-    metrics = request.app.state.metrics
     results = await unless_disconnected(request, all_images())
     if results is None:
         metrics.requests.labels("images", "disconnect").inc()
         return Response(status_code=499)
     images = [img for batch in results for img in batch]
     metrics.requests.labels("images", "stop" if images else "abort").inc()
-    return JSONResponse(
-        {
-            "created": now(),
-            "data": [{"b64_json": base64.b64encode(img.png).decode("ascii")} for img in images],
-        }
+    return ImagesResponse(
+        created=now(),
+        data=[ImageData(b64_json=base64.b64encode(img.png).decode("ascii")) for img in images],
     )

@@ -24,12 +24,18 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.errors import (
+    CheckpointError,
     InvalidRequestError,
+    NonFiniteOutputError,
+    RequestTooLargeError,
     SleepModeDisabledError,
     StageAsleepError,
     StageBusyError,
     StageDeadError,
+    StageInternalError,
     StagePausedError,
+    StageRestartingError,
+    StageStartupError,
     WeightsInvalidError,
 )
 
@@ -49,15 +55,22 @@ _UNAVAILABLE = "service_unavailable_error"
 # Looked up along the exception's MRO, so the most specific class wins
 # (InvalidRequestError before ValueError).
 ERROR_KINDS: dict[type[Exception], ErrorKind] = {
+    RequestTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
     InvalidRequestError: ErrorKind(400, "invalid_request_error", "invalid_request"),
+    CheckpointError: ErrorKind(400, "invalid_request_error", "invalid_checkpoint"),
     ValueError: ErrorKind(400, "invalid_request_error", "invalid_value"),
+    TypeError: ErrorKind(400, "invalid_request_error", "invalid_type"),
     StageBusyError: ErrorKind(409, "conflict_error", "stage_busy"),
     StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep", retry_after=True),
     StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused", retry_after=True),
+    StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting", retry_after=True),
     StageDeadError: ErrorKind(503, _UNAVAILABLE, "stage_dead"),
+    StageStartupError: ErrorKind(503, _UNAVAILABLE, "stage_startup_failed"),
     WeightsInvalidError: ErrorKind(503, _UNAVAILABLE, "weights_invalid"),
     SleepModeDisabledError: ErrorKind(501, "not_implemented_error", "sleep_mode_disabled"),
     TimeoutError: ErrorKind(504, "timeout_error", "timeout"),
+    NonFiniteOutputError: ErrorKind(500, "server_error", "non_finite_output"),
+    StageInternalError: ErrorKind(500, "server_error", "stage_internal_error"),
 }
 
 

@@ -34,7 +34,14 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: StageConfig, model_config: ARModelConfig, arena: Arena) -> None:
+    def __init__(
+        self,
+        config: StageConfig,
+        model_config: ARModelConfig,
+        arena: Arena,
+        *,
+        load_weights: bool = True,
+    ) -> None:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
@@ -43,7 +50,8 @@ class ModelRunner:
         self.model = Qwen2ForCausalLM.on_meta(model_config, self.dtype)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
-        self.load_weights(Path(config.model), strict=True)
+        if load_weights:  # not for a restart asleep at level 2: released at once, unread
+            self.load_weights(Path(config.model), strict=True)
         self.kv_cache = KVCache(
             arena,
             model_config,
@@ -71,9 +79,11 @@ class ModelRunner:
     def has_cuda_graphs(self) -> bool:
         return self.decode_graphs is not None and bool(self.decode_graphs.graphs)
 
-    def load_weights(self, path: Path, strict: bool) -> LoadReport:
+    def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
-        return load_module(self.model, path, rename=checkpoint_rename, strict=strict)
+        return load_module(
+            self.model, path, rename=checkpoint_rename, strict=strict, check_finite=check_finite
+        )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

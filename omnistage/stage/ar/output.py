@@ -69,7 +69,7 @@ def final_payload(seq: Sequence) -> dict[str, torch.Tensor] | None:
 
 
 def abort_output(
-    seq: Sequence, reason: FinishReason = "abort", error: str | None = None
+    seq: Sequence, reason: FinishReason = "abort", error: Exception | None = None
 ) -> StageOutput:
     """The final output of a sequence ended from outside (abort, error)."""
     return StageOutput(

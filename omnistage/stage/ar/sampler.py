@@ -2,6 +2,12 @@
 
 Greedy rows are one batched argmax. Sampled rows go one by one so that each draws from its
 own generator: a seeded request gets the same tokens whatever else shares the batch.
+
+Every combination of parameters that passes validation samples: filtering runs in float64
+(a ``top_p`` of 1e-300 does not round to 0, a tiny temperature does not overflow), the most
+likely token always survives top-p, and a row whose every token is banned keeps its bans
+off. Rows whose logits are not finite (broken weights) get ``None``: the engine fails those
+requests, not the stage.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from omnistage.stage.ar.sequence import Sequence
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, on one row of fp32 logits (a new tensor)."""
-    logits = logits / params.temperature
+    """Temperature, then top-k, then top-p, on one row of logits (a new float64 tensor)."""
+    logits = logits.double() / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -25,8 +31,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already cover top_p, as transformers and vLLM
-        # do (the first always stays).
+        # do; the first always stays, however small top_p is.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(0, order, sorted_logits)
     return logits
@@ -37,25 +44,30 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = generator  # for requests without a seed
 
-    def _banned_ids(self, seq: Sequence) -> list[int]:
+    def _banned_ids(self, seq: Sequence, vocab_size: int) -> list[int]:
         """Ids that may not end the sequence yet (``min_tokens``)."""
         if seq.num_output_tokens >= seq.params.min_tokens:
             return []
         banned = set(seq.params.stop_token_id_set)
         if not seq.params.ignore_eos:
             banned.update(self.eos_token_ids)
-        return sorted(banned)
+        return sorted(t for t in banned if t < vocab_size)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int | None]:
         logits = logits.float()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         for i, seq in enumerate(seqs):
-            banned = [t for t in self._banned_ids(seq) if t < logits.shape[-1]]
-            if banned:
+            banned = self._banned_ids(seq, logits.shape[-1])
+            if banned and len(banned) < logits.shape[-1]:
                 logits[i, banned] = float("-inf")
-        token_ids = logits.argmax(dim=-1).tolist()
+        token_ids: list[int | None] = list(logits.argmax(dim=-1).tolist())
         for i, seq in enumerate(seqs):
-            if not seq.params.is_greedy:
-                probs = torch.softmax(filter_logits(logits[i], seq.params), dim=-1)
+            if not finite[i]:
+                token_ids[i] = None
+            elif not seq.params.is_greedy:
+                # float32 for the draw, as before: the most likely token's probability
+                # (at least 1 / vocab size) cannot underflow.
+                probs = torch.softmax(filter_logits(logits[i], seq.params), dim=-1).float()
                 generator = seq.generator if seq.generator is not None else self.generator
                 token_ids[i] = int(torch.multinomial(probs, 1, generator=generator).item())
         return token_ids

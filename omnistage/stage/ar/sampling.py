@@ -1,13 +1,16 @@
 """``SamplingParams``: how one request is decoded, with vLLM's field names.
 
-Validated on construction: a bad value raises ``InvalidRequestError`` naming the field.
+A frozen msgspec struct, so the same object is built and validated in the API process and
+travels to the stage as is. Validated on construction (and again when decoded): a bad value
+raises ``InvalidRequestError`` naming the field.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from omnistage.errors import InvalidRequestError
 
@@ -15,6 +18,7 @@ from omnistage.errors import InvalidRequestError
 # would overflow to inf and make the probabilities NaN.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+MAX_COUNT = 2**63 - 1  # the largest count a stage message carries
 
 
 def _is_int(value: Any) -> bool:
@@ -25,8 +29,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decoding parameters of one request.
 
     ``temperature`` 0 (or below ``GREEDY_TEMPERATURE``) is greedy. ``top_k`` 0 or -1 and
@@ -44,12 +47,10 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int | None = 16
     min_tokens: int = 0
-    stop: str | list[str] | tuple[str, ...] | None = None
-    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_strings: tuple[str, ...] = field(init=False, repr=False)
-    stop_token_id_set: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -60,7 +61,7 @@ class SamplingParams:
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
             raise InvalidRequestError(
                 "top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}"
             )
@@ -70,11 +71,13 @@ class SamplingParams:
             raise InvalidRequestError(
                 "seed", f"must be an integer in [-2**63, 2**64) or None, got {self.seed!r}"
             )
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_COUNT
+        ):
             raise InvalidRequestError(
                 "max_tokens", f"must be a positive integer or None, got {self.max_tokens!r}"
             )
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= MAX_COUNT:
             raise InvalidRequestError(
                 "min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}"
             )
@@ -85,22 +88,32 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a boolean, got {getattr(self, name)!r}")
-        object.__setattr__(self, "stop_strings", _stop_strings(self.stop))
-        object.__setattr__(self, "stop_token_id_set", _stop_token_ids(self.stop_token_ids))
+        _stop_strings(self.stop)
+        _stop_token_ids(self.stop_token_ids)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return _stop_strings(self.stop)
+
+    @property
+    def stop_token_id_set(self) -> frozenset[int]:
+        return _stop_token_ids(self.stop_token_ids)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from a plain mapping; an unknown key raises ``InvalidRequestError``."""
-        known = {"n", "temperature", "top_p", "top_k", "seed", "max_tokens", "min_tokens"}
-        known |= {"stop", "stop_token_ids", "ignore_eos", "skip_special_tokens"}
-        unknown = sorted(set(data) - known)
+        if not isinstance(data, dict):
+            raise InvalidRequestError(
+                "sampling_params", f"must be an object, got {type(data).__name__}"
+            )
+        unknown = sorted(set(data) - set(cls.__struct_fields__))
         if unknown:
             raise InvalidRequestError(
-                unknown[0], f"unknown sampling parameter; known: {sorted(known)}"
+                unknown[0], f"unknown sampling parameter; known: {sorted(cls.__struct_fields__)}"
             )
         return cls(**data)
 
@@ -117,6 +130,6 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
 def _stop_token_ids(ids: Any) -> frozenset[int]:
     if ids is None:
         return frozenset()
-    if not isinstance(ids, list | tuple) or not all(_is_int(i) and i >= 0 for i in ids):
+    if not isinstance(ids, list | tuple) or not all(_is_int(i) and 0 <= i < 2**63 for i in ids):
         raise InvalidRequestError("stop_token_ids", "must be a list of non-negative integers")
     return frozenset(ids)

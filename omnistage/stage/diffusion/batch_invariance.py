@@ -2,13 +2,17 @@
 
 CPU kernels pick algorithms by shape, so the same request alone and inside a batch of four
 would differ in the last bits and, after PNG quantisation, in a few pixels. Measured here
-(x86, MKL, oneDNN) and fixed at the source:
+(x86 Sapphire/Emerald Rapids, AVX-512, MKL 2024.2, oneDNN 3.12) and fixed at the source:
 
-- GEMMs with fewer than four rows take a different path (the timestep-embedding layers see
-  one row per request): those inputs are zero-padded to four rows; rows of GEMMs with >= 4
-  rows were bit-identical for every row count tried (4..2048).
-- oneDNN convolutions (the denoiser's patch embedding) round per batch size: the denoiser
-  runs with oneDNN off, so convolutions take ATen's per-sample im2col + GEMM path.
+- MKL GEMMs: a row's result depends on the number of rows in CPU-specific ways (the
+  timestep-embedding layers see one row per request, attention and MLPs many). MKL's strict
+  CNR mode, which ``import omnistage`` switches on (``omnistage/batch_invariance.py``), makes
+  every row bit-identical for every row count tried (1..2048). The zero-padding of GEMMs with
+  fewer than four rows that this replaced is gone: it did not cover the larger row counts.
+- oneDNN convolutions (the denoiser's patch embedding) round per batch size, strict CNR or not
+  (it governs MKL only): the denoiser runs with oneDNN off (``batch_invariant_kernels``), so
+  convolutions take ATen's per-sample im2col + GEMM path. An unguided request (one denoiser
+  row) alone and in a batch of four differs in its PNG with oneDNN on.
 - The VAE's convolutions and group norms differ per batch size too; the denoising loop
   decodes one image at a time instead (see ``denoise.py``).
 
@@ -23,36 +27,6 @@ import threading
 from collections.abc import Iterator
 
 import torch
-from torch import nn
-from torch.nn import functional
-
-MIN_GEMM_ROWS = 4
-
-
-class _RowPaddedLinear(nn.Linear):
-    """``nn.Linear`` whose inputs with fewer than ``MIN_GEMM_ROWS`` rows are zero-padded."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = x.shape[-1]
-        rows = x.numel() // features if features else 0
-        if rows == 0 or rows >= MIN_GEMM_ROWS:
-            return super().forward(x)
-        padded = functional.pad(x.reshape(rows, features), (0, 0, 0, MIN_GEMM_ROWS - rows))
-        return super().forward(padded)[:rows].reshape(*x.shape[:-1], -1)
-
-
-def pad_small_gemms(module: nn.Module) -> int:
-    """Switch every plain ``nn.Linear`` inside ``module`` to row padding; returns how many.
-
-    Only the class changes (same parameters, same state-dict names), so adopted arena
-    tensors and the loader are unaffected.
-    """
-    count = 0
-    for mod in module.modules():
-        if type(mod) is nn.Linear:
-            mod.__class__ = _RowPaddedLinear
-            count += 1
-    return count
 
 
 class _OneDnnSwitch:

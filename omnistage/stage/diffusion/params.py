@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from omnistage.errors import InvalidRequestError
@@ -26,8 +27,7 @@ MAX_EMBEDDING_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 
 
-@dataclass(frozen=True)
-class DiffusionParams:
+class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-request generation settings.
 
     ``None`` for ``height``/``width`` means the pipeline's native size (transformer
@@ -66,8 +66,7 @@ class DiffusionRequest:
     params: DiffusionParams = field(default_factory=DiffusionParams)
 
 
-@dataclass
-class ImageOutput:
+class ImageOutput(msgspec.Struct):
     """A finished image: PNG bytes plus its size and the seed that produced it.
 
     ``pixels`` (float32, [height, width, 3], values in [0, 1], before PNG quantisation) is set
@@ -81,14 +80,15 @@ class ImageOutput:
     pixels: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class PipelineLimits:
+class PipelineLimits(msgspec.Struct, frozen=True):
     """What the loaded pipeline accepts; validation checks requests against it."""
 
     size_multiple: int  # VAE scale factor × transformer patch size
     embedding_dim: int  # transformer caption_channels
     has_text_encoder: bool
+    native_size: int = 64  # height and width when a request gives none
     max_inference_steps: int = MAX_INFERENCE_STEPS
+    max_image_pixels: int = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -106,7 +106,7 @@ def _check_size(name: str, value: int | None, multiple: int) -> None:
         raise InvalidRequestError(name, f"must be a multiple of {multiple}, got {value}")
 
 
-def _check_embeddings(name: str, embeds: object, dim: int) -> None:
+def check_embeddings(name: str, embeds: object, dim: int) -> None:
     if not isinstance(embeds, torch.Tensor):
         raise InvalidRequestError(
             name, f"must be a tensor [seq, {dim}], got {type(embeds).__name__}"
@@ -134,6 +134,14 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
     _check_int("num_inference_steps", params.num_inference_steps, 1, limits.max_inference_steps)
     _check_size("height", params.height, limits.size_multiple)
     _check_size("width", params.width, limits.size_multiple)
+    height = params.height or limits.native_size
+    width = params.width or limits.native_size
+    if height * width > limits.max_image_pixels:
+        raise InvalidRequestError(
+            "size",
+            f"{width}x{height} is {width * height} pixels; this stage allows at most "
+            f"{limits.max_image_pixels} (max_image_pixels)",
+        )
     scale = params.guidance_scale
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise InvalidRequestError("guidance_scale", f"must be a finite number, got {scale!r}")
@@ -177,8 +185,8 @@ def validate_request(request: DiffusionRequest, limits: PipelineLimits) -> None:
                 f"[seq, {limits.embedding_dim}] instead",
             )
     else:
-        _check_embeddings("prompt_embeds", request.prompt_embeds, limits.embedding_dim)
+        check_embeddings("prompt_embeds", request.prompt_embeds, limits.embedding_dim)
     if request.negative_prompt_embeds is not None:
-        _check_embeddings(
+        check_embeddings(
             "negative_prompt_embeds", request.negative_prompt_embeds, limits.embedding_dim
         )

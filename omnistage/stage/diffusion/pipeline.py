@@ -22,8 +22,17 @@ import torch
 from torch import nn
 
 from omnistage.memory import Arena
-from omnistage.models.loader import CheckpointError, SafetensorsFile, module_targets
-from omnistage.stage.diffusion.batch_invariance import pad_small_gemms
+from omnistage.models.loader import (
+    CheckpointError,
+    CopyPlan,
+    SafetensorsFile,
+    checkpoint_is_folder,
+    module_targets,
+    open_files,
+    plan_copies,
+    require_inside,
+    shown,
+)
 from omnistage.stage.diffusion.components import (
     MODEL_INDEX,
     build_empty_module,
@@ -44,7 +53,9 @@ _DEFAULT_MAX_SEQUENCE_LENGTH = 300
 class ImagePipeline:
     """The modules, tokenizer and scheduler config of one pipeline folder."""
 
-    def __init__(self, folder: str | Path, arena: Arena, dtype: str = "float32") -> None:
+    def __init__(
+        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
+    ) -> None:
         self.folder = Path(folder)
         self.device = arena.device
         self.dtype = _DTYPES[dtype]
@@ -61,8 +72,6 @@ class ImagePipeline:
             for spec in specs.values()
             if spec.is_torch_module
         }
-        for name in ("transformer", "vae"):  # the components that run batched
-            pad_small_gemms(self.modules[name])
         self.weight_bytes = 0
         for module in self.modules.values():
             self.weight_bytes += arena.adopt(module, WEIGHTS)
@@ -77,7 +86,8 @@ class ImagePipeline:
         self.tokenizer = (
             load_tokenizer(self.folder, specs["tokenizer"]) if "tokenizer" in specs else None
         )
-        self.load_weights(self.folder, strict=True)
+        if load:  # not for a restart asleep at level 2: released at once, unread
+            self.load_weights(self.folder, strict=True)
 
     # -- components -----------------------------------------------------------------------
 
@@ -138,13 +148,16 @@ class ImagePipeline:
 
     # -- weights --------------------------------------------------------------------------
 
-    def load_weights(self, path: str | Path, strict: bool = True) -> int:
+    def load_weights(
+        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
+    ) -> int:
         """Copy a weight source (see the module docstring) into the adopted tensors in place.
 
-        Every name and shape is checked before any byte is copied, so a bad source leaves
-        the weights untouched. Unknown tensors always raise ``CheckpointError``; missing ones
-        only with ``strict`` (a partial update may cover some components or tensors).
-        Returns the bytes copied.
+        Every name and shape (and with ``check_finite`` every value: NaN, Inf or overflow
+        of the weights' dtype is refused) is checked before any byte is copied, so a bad
+        source leaves the weights untouched. Unknown tensors always raise
+        ``CheckpointError``; missing ones only with ``strict`` (a partial update may cover
+        some components or tensors). Returns the bytes copied.
         """
         source = Path(path)
         targets = {
@@ -152,36 +165,36 @@ class ImagePipeline:
             for name, module in self.modules.items()
             for key, tensor in module_targets(module).items()
         }
-        if source.is_dir():
+        if checkpoint_is_folder(source):
             files = self._folder_files(source, strict)
-        elif source.suffix == ".safetensors" and source.is_file():
+        elif source.suffix == ".safetensors":
             files = [(source, "")]
         else:
             raise CheckpointError(
-                f"{source} is neither a diffusers pipeline folder nor a .safetensors file"
+                f"{shown(source)} is neither a diffusers pipeline folder nor a .safetensors file"
             )
-        opened = [(SafetensorsFile(file), prefix) for file, prefix in files]
-        try:
-            pairs = self._plan_copies(opened, targets, strict, source)
-            with torch.no_grad():
-                for dest, src in pairs:
-                    dest.copy_(src)
-            copied = sum(dest.numel() * dest.element_size() for dest, _ in pairs)
-            pairs.clear()  # drop the views so the mappings can close
-        finally:
-            for st, _ in opened:
-                st.close()
-        return copied
+        with open_files(file for file, _ in files) as mapped:
+            opened = [(st, prefix) for st, (_, prefix) in zip(mapped, files, strict=True)]
+            return self._plan_copies(opened, targets, strict, source, check_finite).run()
 
     def _folder_files(self, folder: Path, strict: bool) -> list[tuple[Path, str]]:
-        specs = read_model_index(folder)
         files = []
-        for name in self.modules:
-            if name not in specs:
-                if strict:
-                    raise CheckpointError(f"{folder} has no {name!r} component")
-                continue
-            files += [(f, f"{name}.") for f in component_weight_files(folder / name)]
+        try:
+            specs = read_model_index(folder)
+            for name in self.modules:
+                if name not in specs:
+                    if strict:
+                        raise CheckpointError(f"{folder} has no {name!r} component")
+                    continue
+                component = folder / name
+                files += [
+                    (require_inside(component, file), f"{name}.")  # index entries like '../x'
+                    for file in component_weight_files(component)
+                ]
+        except (OSError, RecursionError) as exc:  # a path too long once joined; absurd JSON
+            raise CheckpointError(
+                f"cannot read the pipeline folder {shown(folder)}: {exc}"
+            ) from exc
         return files
 
     @staticmethod
@@ -190,37 +203,21 @@ class ImagePipeline:
         targets: dict[str, torch.Tensor],
         strict: bool,
         source: Path,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        unexpected: list[str] = []
-        loaded_ptrs: set[int] = set()
-        for st, prefix in opened:
-            for key in st.keys():  # noqa: SIM118 - not a dict
-                name = prefix + key
-                dest = targets.get(name)
-                if dest is None:
-                    unexpected.append(name)
-                    continue
-                src = st.tensor(key)
-                if tuple(src.shape) != tuple(dest.shape):
-                    raise CheckpointError(
-                        f"shape mismatch for {name}: checkpoint {tuple(src.shape)}, "
-                        f"model {tuple(dest.shape)}"
-                    )
-                pairs.append((dest, src))
-                loaded_ptrs.add(dest.data_ptr())
-        if unexpected:
-            raise CheckpointError(
-                f"{source} has tensors this pipeline does not: {unexpected[:8]}"
-                f"{'...' if len(unexpected) > 8 else ''} (names are '<component>.<tensor>')"
-            )
-        missing = [k for k, t in targets.items() if t.data_ptr() not in loaded_ptrs]
-        if strict and missing:
-            raise CheckpointError(
-                f"{source} lacks tensors of this pipeline: {missing[:8]}"
-                f"{'...' if len(missing) > 8 else ''}"
-            )
-        return pairs
+        check_finite: bool = False,
+    ) -> CopyPlan:
+        sources = [
+            (prefix + key, st, key)
+            for st, prefix in opened
+            for key in st.keys()  # noqa: SIM118 - not a dict
+        ]
+        return plan_copies(
+            sources,
+            targets,
+            source,
+            strict=strict,
+            check_finite=check_finite,
+            hint=" (names are '<component>.<tensor>')",
+        )
 
 
 def _move_derived_buffers(module: nn.Module, device: torch.device) -> None:

@@ -15,56 +15,96 @@ import pytest
 from omnistage.config import PipelineConfig, StageConfig
 from omnistage.engine.admission import AdmissionGate
 from omnistage.engine.async_omni import AsyncOmni
-from omnistage.engine.stage_client import _StageClientBase
-from omnistage.errors import OmnistageError, StageAsleepError, StageBusyError
-from omnistage.stage.messages import AbortRequest, ToStage, UtilityCall, UtilityResult
-from omnistage.stage.sleep_control import make_ack
+from omnistage.errors import StageAsleepError, StageBusyError, StageDeadError
+from omnistage.models.tiny import ensure_preset
+from omnistage.pipelines import cache_dir
+from omnistage.stage.diffusion.params import PipelineLimits
+from omnistage.stage.messages import (
+    AbortRequest,
+    AddRequest,
+    ARStageInfo,
+    DiffusionStageInfo,
+    OutputMessage,
+    StageInfo,
+    StageRequest,
+    ToStage,
+    UtilityCall,
+    make_ack,
+)
 
 
-class FakeStage(_StageClientBase):
+class FakeStage:
+    """A stage client (the public ``EngineStageClient`` protocol) that runs no stage."""
+
     pid = None
 
-    def __init__(self, config: StageConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: StageConfig, info: StageInfo) -> None:
+        self.config = config
+        self.stage_id = config.stage_id
+        self.kind: str = config.kind
+        self.info: StageInfo | None = info
+        self.is_dead = False
+        self.death_reason = ""
         self.sent: list[ToStage] = []
         self.hold: set[str] = set()
-        self.held: list[UtilityCall] = []
+        self.held: list[tuple[UtilityCall, asyncio.Future[Any]]] = []
         self.fail: set[str] = set()
+        self.queues: dict[str, asyncio.Queue[OutputMessage]] = {}
+        self._call_ids = iter(range(1, 10**9))
 
-    def start(self) -> None: ...
-    def wait_ready(self) -> None: ...
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.queues)
+
+    def on_death(self, callback: Any) -> None: ...
+    def attach(self) -> None: ...
+    async def restart(self, options: Any) -> None: ...
     def shutdown(self) -> None: ...
 
-    def _send(self, msg: ToStage) -> None:
-        self.sent.append(msg)
-        if isinstance(msg, UtilityCall):
-            if msg.method in self.hold:
-                self.held.append(msg)
-            else:
-                asyncio.get_running_loop().call_soon(self._reply, msg)
+    def add_request(self, request_id: str, request: StageRequest) -> asyncio.Queue[OutputMessage]:
+        if self.is_dead:
+            raise StageDeadError(self.stage_id, self.death_reason)
+        self.sent.append(AddRequest(request_id=request_id, request=request))
+        self.queues[request_id] = asyncio.Queue()
+        return self.queues[request_id]
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.sent.append(AbortRequest(request_ids=request_ids))
+
+    async def call(self, method: str, **args: Any) -> Any:
+        call = UtilityCall(call_id=next(self._call_ids), method=method, args=args)
+        self.sent.append(call)
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if method in self.hold:
+            self.held.append((call, fut))
+        else:
+            asyncio.get_running_loop().call_soon(self._reply, call, fut)
+        return await fut
 
     def release(self, method: str) -> None:
-        for call in [c for c in self.held if c.method == method]:
-            self.held.remove(call)
-            self._reply(call)
+        for call, fut in [(c, f) for c, f in self.held if c.method == method]:
+            self.held.remove((call, fut))
+            self._reply(call, fut)
 
     def calls(self, method: str) -> list[UtilityCall]:
         return [m for m in self.sent if isinstance(m, UtilityCall) and m.method == method]
 
-    def _reply(self, call: UtilityCall) -> None:
+    def _reply(self, call: UtilityCall, fut: asyncio.Future[Any]) -> None:
+        if fut.done():
+            return
         if call.method in self.fail:
-            result = UtilityResult(call.call_id, error_type="RuntimeError", error_message="boom")
+            fut.set_exception(RuntimeError("boom"))
         elif call.method in ("sleep", "wake_up"):
-            result = UtilityResult(call.call_id, result=make_ack(self.stage_id))
+            fut.set_result(make_ack(self.stage_id))
         else:
-            result = UtilityResult(call.call_id, result=None)
-        self._dispatch(result)
+            fut.set_result(None)
 
 
 def make_omni(**options: Any) -> tuple[AsyncOmni, list[FakeStage]]:
+    thinker = ensure_preset("demo", cache_dir() / "demo")
     config = PipelineConfig(
         stages=[
-            StageConfig(stage_id=0, kind="ar", model="unused", enable_sleep_mode=True),
+            StageConfig(stage_id=0, kind="ar", model=str(thinker), enable_sleep_mode=True),
             StageConfig(
                 stage_id=1,
                 kind="diffusion",
@@ -75,7 +115,12 @@ def make_omni(**options: Any) -> tuple[AsyncOmni, list[FakeStage]]:
             ),
         ]
     )
-    stages = [FakeStage(s) for s in config.stages]
+    limits = PipelineLimits(size_multiple=8, embedding_dim=256, has_text_encoder=False)
+    infos: list[StageInfo] = [
+        ARStageInfo(vocab_size=512, max_model_len=512),
+        DiffusionStageInfo(limits=limits),
+    ]
+    stages = [FakeStage(s, info) for s, info in zip(config.stages, infos, strict=True)]
     return AsyncOmni(config, stages, **options), stages
 
 
@@ -104,7 +149,7 @@ async def test_a_failed_resume_after_wake_leaves_no_stage_waking():
     omni, stages = make_omni(resume_after_wake=True)
     await omni.sleep([0, 1], level=1)
     stages[0].fail = {"resume"}
-    with pytest.raises(OmnistageError, match="boom"):
+    with pytest.raises(RuntimeError, match="boom"):
         await omni.wake_up([0, 1])
     assert omni.sleeping_stage_ids() == set()
     assert (await omni.sleep([1], level=1))[0]["status"] == "SUCCESS"  # not busy "waking"
@@ -135,8 +180,10 @@ async def test_waking_a_merely_paused_diffusion_stage_keeps_it_paused():
 async def test_a_caller_cancelled_right_after_submitting_aborts_its_request():
     omni, stages = make_omni()
     step = asyncio.ensure_future(anext(omni.generate("hi", modalities=["text"], request_id="r")))
-    await asyncio.sleep(0)  # submitted; leaving admission
-    step.cancel()
+    async with asyncio.timeout(5):  # the prompt is tokenized on a worker thread first
+        while not any(isinstance(m, AddRequest) for m in stages[0].sent):
+            await asyncio.sleep(0)
+    step.cancel()  # submitted; leaving admission
     with contextlib.suppress(asyncio.CancelledError):
         await step
     assert AbortRequest(request_ids=["r"]) in stages[0].sent
@@ -172,3 +219,23 @@ async def test_a_wakeup_racing_a_sleep_meets_the_transition():
         await omni.wake_up([1])
     stages[1].release("sleep")
     await sleep
+
+
+async def test_a_mixed_set_of_stages_sleeps_and_wakes_concurrently():
+    """An AR and a diffusion stage that both take long: both calls are out at once."""
+    omni, stages = make_omni()
+    for stage in stages:
+        stage.hold = {"sleep", "wake_up"}
+    sleep = asyncio.ensure_future(omni.sleep([0, 1], level=1))
+    await turns()
+    assert [len(s.calls("sleep")) for s in stages] == [1, 1]  # neither waits for the other
+    for stage in stages:
+        stage.release("sleep")
+    assert [ack["status"] for ack in await sleep] == ["SUCCESS", "SUCCESS"]
+    wake = asyncio.ensure_future(omni.wake_up([0, 1]))
+    await turns()
+    assert [len(s.calls("wake_up")) for s in stages] == [1, 1]
+    for stage in stages:
+        stage.release("wake_up")
+    await wake
+    assert omni.sleeping_stage_ids() == set()

@@ -8,10 +8,18 @@ import pytest
 import pytest_asyncio
 
 from omnistage.config import StageConfig
-from omnistage.engine.stage_client import InProcStageClient
+from omnistage.engine.launcher import InProcessLauncher
+from omnistage.engine.stage_client import StageClient
 from omnistage.errors import InvalidRequestError, StageDeadError
 from omnistage.pipelines import cache_dir, ensure_models, load_pipeline
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.messages import ARStageRequest, DiffusionStageRequest
 from omnistage.stage.types import StageOutput
+
+
+def ar_request(max_tokens: int, ignore_eos: bool = False, ids=(1, 2, 3)) -> ARStageRequest:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    return ARStageRequest(prompt_token_ids=list(ids), sampling_params=params)
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -19,8 +27,9 @@ async def client():
     pipeline = load_pipeline("tiny-chat", enable_sleep_mode=True)
     ensure_models(pipeline)
     stage: StageConfig = pipeline.stages[0].model_copy(update={"drain_timeout_s": 0.5})
-    c = InProcStageClient(stage)
+    c = StageClient(stage, InProcessLauncher())
     c.start()
+    c.wait_ready()
     yield c
     c.shutdown()
 
@@ -35,19 +44,17 @@ async def drain(queue):
 
 
 async def test_request_streams_to_completion(client):
-    q = client.add_request(
-        "r1", {"prompt": "hi", "sampling_params": {"temperature": 0.0, "max_tokens": 5}}
-    )
+    q = client.add_request("r1", ar_request(max_tokens=5))
     outputs = await drain(q)
     assert outputs[-1].finish_reason == "length"
     assert sum(len(o.new_token_ids) for o in outputs) == 5
 
 
 async def test_bad_request_fails_with_the_field_named(client):
-    q = client.add_request("bad", {"prompt": "hi", "sampling_params": {"temperature": -3}})
+    q = client.add_request("bad", ar_request(max_tokens=5, ids=[1, 10**9]))
     (out,) = await drain(q)
-    assert out.finish_reason == "error" and out.error_type == "InvalidRequestError"
-    assert "temperature" in out.error
+    assert out.finish_reason == "error" and out.error.type == "InvalidRequestError"
+    assert out.error.field == "prompt" and "token ids" in out.error.message
 
 
 async def test_utility_errors_cross_as_data(client):
@@ -59,32 +66,20 @@ async def test_utility_errors_cross_as_data(client):
 
 
 async def test_sleep_with_wait_replies_after_the_drain(client):
-    q = client.add_request(
-        "long",
-        {
-            "prompt": "go",
-            "sampling_params": {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True},
-        },
-    )
+    q = client.add_request("long", ar_request(max_tokens=24, ignore_eos=True))
     ack = await client.call("sleep", level=1, mode="wait", drain_timeout_s=60)
     assert q.qsize() > 0  # the request's outputs arrived before the reply
     outputs = []
     while not q.empty():
         outputs.append(q.get_nowait())
     assert outputs[-1].finished and outputs[-1].finish_reason == "length"
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["mode"] == "wait"
+    assert ack.status == "SUCCESS" and ack.metadata.mode == "wait"
     await client.call("wake_up")
     await client.call("resume")
 
 
 async def test_wait_drain_gives_up_after_the_timeout_and_resumes(client):
-    q = client.add_request(
-        "slow",
-        {
-            "prompt": "go",
-            "sampling_params": {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True},
-        },
-    )
+    q = client.add_request("slow", ar_request(max_tokens=400, ignore_eos=True))
     with pytest.raises(TimeoutError, match="drain_timeout_s"):
         await client.call("sleep", level=1, mode="wait", drain_timeout_s=0.05)
     status = await client.call("status")
@@ -106,13 +101,13 @@ async def test_a_sleep_failing_after_the_pause_does_not_strand_later_requests(mo
 
     omni = AsyncOmni.from_pipeline("tiny-chat", enable_sleep_mode=True, in_process=True)
     try:
-        engine = omni.clients[0]._engine
+        engine = omni.clients[0]._handle.engine
 
         def out_of_host_memory(*args, **kwargs):
             raise MemoryError("no room for the host backup")
 
         # The AR engine pauses, then its memory layer fails.
-        monkeypatch.setattr(engine.controller, "sleep", out_of_host_memory)
+        monkeypatch.setattr(engine.sleep_control, "sleep", out_of_host_memory)
         (ack,) = await omni.sleep([0], level=1)
         assert ack["status"] == "ERROR" and "host backup" in ack["error_msg"]
         sampling = {"temperature": 0.0, "max_tokens": 4}
@@ -132,11 +127,13 @@ class SlowEngine:
         self.is_stepping = False
         self.shut_down_mid_step: bool | None = None
 
-    def status(self) -> dict[str, Any]:
-        return {}
+    is_paused = False
 
-    def add_request(self, request: Any) -> None:
-        self.waiting.append(request)
+    def info(self) -> Any:
+        return None
+
+    def add_wire_request(self, request_id: str, request: Any) -> None:
+        self.waiting.append(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
@@ -146,25 +143,26 @@ class SlowEngine:
         time.sleep(self.step_s)
         self.is_stepping = False
         done, self.waiting = self.waiting, []
-        return [StageOutput(r.request_id, finished=True, finish_reason="stop") for r in done]
+        return [StageOutput(rid, finished=True, finish_reason="stop") for rid in done]
 
     def shutdown(self) -> None:
         self.shut_down_mid_step = self.is_stepping
 
 
-def slow_client(step_s: float) -> tuple[InProcStageClient, SlowEngine]:
+def slow_client(step_s: float) -> tuple[StageClient, SlowEngine]:
     engine = SlowEngine(step_s)
     config = StageConfig(stage_id=0, kind="diffusion", model="unused")
-    client = InProcStageClient(config, engine=engine)
+    client = StageClient(config, InProcessLauncher({0: engine}))
     client.start()
+    client.wait_ready()
     return client, engine
 
 
 async def test_shutdown_never_frees_the_engine_under_a_running_step():
     client, engine = slow_client(step_s=0.5)
-    client.add_request("r", {"prompt": "x"})
+    client.add_request("r", DiffusionStageRequest(prompt="x"))
     await asyncio.sleep(0.1)  # the step is running
-    client.shutdown(timeout_s=0.05)
+    client._handle.shutdown(timeout_s=0.05)
     deadline = time.monotonic() + 5
     while engine.shut_down_mid_step is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
@@ -175,19 +173,18 @@ async def test_requests_after_shutdown_fail_instead_of_waiting_forever():
     client, _ = slow_client(step_s=0.0)
     client.shutdown()
     with pytest.raises(StageDeadError):
-        client.add_request("late", {"prompt": "x"})
+        client.add_request("late", DiffusionStageRequest(prompt="x"))
 
 
 async def test_deepening_a_kept_sleep_with_wait_does_not_drain_or_resume(client):
-    sampling = {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True}
-    q = client.add_request("kept", {"prompt": "go on", "sampling_params": sampling})
+    q = client.add_request("kept", ar_request(max_tokens=40, ignore_eos=True))
     await asyncio.wait_for(q.get(), 30)  # it is running
     first = await client.call("sleep", level=1, mode="keep")
-    assert first["metadata"]["preempted"] >= 1
+    assert first.metadata.preempted >= 1
     deeper = await asyncio.wait_for(
         client.call("sleep", level=2, mode="wait", drain_timeout_s=30), 5
     )
-    assert deeper["status"] == "SUCCESS" and deeper["metadata"]["mode"] == "keep"
+    assert deeper.status == "SUCCESS" and deeper.metadata.mode == "keep"
     status = await client.call("status")
     assert status["is_sleeping"] and status["pause_mode"] == "keep"
     await client.call("wake_up")

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from omnistage.entrypoints import ctl
-from omnistage.stage.sleep_control import make_ack
+from omnistage.stage.messages import make_ack
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -17,7 +17,9 @@ def parse(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize(("status", "code"), [("SUCCESS", 0), ("SKIPPED", 0), ("ERROR", 1)])
 def test_exit_status_follows_the_operation_status(monkeypatch, capsys, status, code):
-    ack = make_ack(0, status="ERROR" if status == "ERROR" else "SUCCESS", error_msg="boom")
+    ack = make_ack(
+        0, status="ERROR" if status == "ERROR" else "SUCCESS", error_msg="boom"
+    ).to_dict()
     reply = {"status": status, "acks": [ack]}
     monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(200, json=reply))
     for argv in (("sleep", "0"), ("--json", "sleep", "0")):

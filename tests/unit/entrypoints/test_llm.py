@@ -88,7 +88,7 @@ def test_sleep_wait_that_fails_does_not_leave_the_llm_paused(llm):
     with pytest.raises(InvalidRequestError) as info:
         llm.sleep(level=3, mode="wait")
     assert info.value.field == "level"
-    assert not llm.status()["paused"] and not llm.is_sleeping()
+    assert not llm.status()["is_paused"] and not llm.is_sleeping()
     assert len(llm.generate("Hello there", GREEDY)) == 1
 
 

@@ -1,4 +1,5 @@
 import json
+import struct
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from omnistage.memory import Arena
-from omnistage.models.loader import CheckpointError, checkpoint_files, load_module
+from omnistage.models.loader import CheckpointError, checkpoint_files, load_into, load_module
 
 
 def make_model() -> nn.Module:
@@ -124,3 +125,73 @@ def test_partial_update_with_unknown_names_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"module\.1\.weight"):
         load_module(model, tmp_path / "update.safetensors", strict=False)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_every_supported_dtype_and_an_empty_tensor_round_trip(tmp_path):
+    torch.manual_seed(0)
+    state = {
+        "f64": torch.randn(3, 2, dtype=torch.float64),
+        "f32": torch.randn(5),
+        "f16": torch.randn(4).half(),
+        "bf16": torch.randn(4).bfloat16(),
+        "f8e4m3": torch.randn(4).to(torch.float8_e4m3fn),
+        "f8e5m2": torch.randn(4).to(torch.float8_e5m2),
+        "i64": torch.arange(3),
+        "i32": torch.arange(3, dtype=torch.int32),
+        "i16": torch.arange(3, dtype=torch.int16),
+        "i8": torch.arange(-1, 2, dtype=torch.int8),
+        "u8": torch.arange(3, dtype=torch.uint8),
+        "bool": torch.tensor([True, False]),
+        "empty": torch.zeros(0, 4),
+    }
+    save_file(state, str(tmp_path / "m.safetensors"), metadata={"format": "pt"})
+    targets = {k: torch.zeros_like(v) for k, v in state.items()}
+    report = load_into(targets, tmp_path / "m.safetensors", check_finite=True)
+    assert report.num_tensors == len(state)
+    for name, value in state.items():
+        assert torch.equal(targets[name].view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_tensor_data_need_not_be_aligned(tmp_path):
+    values = torch.arange(4, dtype=torch.float32)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}) + " "
+    assert (8 + len(header)) % 4 != 0
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header.encode() + values.numpy().tobytes())
+    target = {"w": torch.zeros(4)}
+    load_into(target, path)
+    assert torch.equal(target["w"], values)
+
+
+def test_index_shards_may_be_symlinks_out_of_the_folder_or_in_a_subfolder(tmp_path):
+    """A Hugging Face snapshot links each shard to ``../../blobs/<hash>``: the index names a
+    file inside the folder, and where the link leads is the folder owner's choice."""
+    model = make_model()
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    (tmp_path / "blobs").mkdir()
+    snapshot = tmp_path / "snapshots" / "abc"
+    (snapshot / "sub").mkdir(parents=True)
+    names = sorted(state)
+    save_file({k: state[k] for k in names[:2]}, str(tmp_path / "blobs" / "1234"))
+    (snapshot / "a.safetensors").symlink_to("../../blobs/1234")
+    save_file({k: state[k] for k in names[2:]}, str(snapshot / "sub" / "b.safetensors"))
+    weight_map = {k: "a.safetensors" for k in names[:2]}
+    weight_map |= {k: "sub/b.safetensors" for k in names[2:]}
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    target = make_model()
+    for t in target.state_dict().values():
+        t.zero_()
+    assert load_module(target, snapshot).num_tensors == len(state)
+    assert all(torch.equal(v, state[k]) for k, v in target.state_dict().items())
+
+
+def test_finite_weights_pass_the_check_and_report_what_they_copied(tmp_path):
+    model = make_model()
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "m.safetensors")
+    )
+    report = load_module(make_model(), tmp_path, check_finite=True)
+    assert report.num_bytes == sum(
+        v.numel() * v.element_size() for v in model.state_dict().values()
+    )
+    assert report.files == [str(tmp_path / "m.safetensors")] and report.missing == []

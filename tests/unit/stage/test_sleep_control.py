@@ -21,7 +21,10 @@ def stage(tmp_path):
     arena.adopt(model)
     arena.empty((4096,), torch.float32, "kv_cache")
     control = SleepController(
-        arena, 3, tmp_path, lambda path, strict: load_module(model, path, strict=strict)
+        arena,
+        3,
+        tmp_path,
+        lambda path, strict, check_finite: load_module(model, path, strict=strict),
     )
     return model, control, tmp_path
 
@@ -30,30 +33,30 @@ def test_level2_wake_reloads_same_weights(stage):
     model, control, _ = stage
     expected = model.weight.detach().clone()
     ack = control.sleep(2)
-    assert ack["status"] == "SUCCESS" and ack["stage_id"] == 3
-    assert sorted(ack["metadata"]["tags"]) == ["kv_cache", "weights"]
+    assert ack.status == "SUCCESS" and ack.stage_id == 3
+    assert sorted(ack.metadata.tags) == ["kv_cache", "weights"]
     assert not control.weights_valid and control.is_sleeping
     with pytest.raises(WeightsInvalidError):
         control.check_can_generate()
     wake = control.wake_up()
-    assert wake["status"] == "SUCCESS" and control.weights_valid and not control.is_sleeping
+    assert wake.status == "SUCCESS" and control.weights_valid and not control.is_sleeping
     assert torch.equal(model.weight, expected)
 
 
 def test_level1_keeps_host_backup_and_repeats_are_skipped(stage):
     _, control, _ = stage
     ack = control.sleep(1)
-    assert ack["metadata"]["host_backup_bytes"] > 0 and control.level == 1
-    assert control.sleep(1)["status"] == "SKIPPED"
-    assert control.wake_up()["status"] == "SUCCESS"
-    assert control.wake_up()["status"] == "SKIPPED"
+    assert ack.metadata.host_backup_bytes > 0 and control.level == 1
+    assert control.sleep(1).status == "SKIPPED"
+    assert control.wake_up().status == "SUCCESS"
+    assert control.wake_up().status == "SKIPPED"
 
 
 def test_wake_without_reload_refuses_until_update(stage, tmp_path):
     model, control, folder = stage
     control.sleep(2)
     ack = control.wake_up(tags=["weights"], reload=False)
-    assert ack["metadata"]["weights_valid"] is False
+    assert ack.metadata.weights_valid is False
     with pytest.raises(WeightsInvalidError, match="update_weights"):
         control.check_can_generate()
     new = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
@@ -81,7 +84,7 @@ def test_wake_with_reload_after_a_wake_without_reload_reloads(stage):
     control.sleep(2)
     control.wake_up(reload=False)
     ack = control.wake_up(reload=True)
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["weights_valid"] is True
+    assert ack.status == "SUCCESS" and ack.metadata.weights_valid is True
     control.check_can_generate()
     assert torch.equal(model.weight, expected)
 
@@ -92,11 +95,11 @@ def test_failed_reload_is_an_error_ack_and_stays_asleep_until_a_retry(stage):
     control.sleep(2)
     (folder / "model.safetensors").rename(folder / "moved.bin")
     ack = control.wake_up()
-    assert ack["status"] == "ERROR" and "CheckpointError" in ack["error_msg"]
+    assert ack.status == "ERROR" and "CheckpointError" in ack.error_msg
     assert control.is_sleeping and sorted(control.sleeping_tags) == ["kv_cache", "weights"]
     assert control.level == 2
     (folder / "moved.bin").rename(folder / "model.safetensors")
-    assert control.wake_up()["status"] == "SUCCESS"
+    assert control.wake_up().status == "SUCCESS"
     assert not control.is_sleeping and torch.equal(model.weight, expected)
 
 
@@ -106,7 +109,7 @@ def test_sleep_on_cuda_empties_the_torch_cache(monkeypatch):
     monkeypatch.setattr("omnistage.stage.sleep_control.device_used_bytes", lambda device: 0)
     arena = Arena("cuda:0", backend=HostBackend())  # a CUDA arena as far as the stage can tell
     arena.empty((1024,), torch.float32, "weights")
-    control = SleepController(arena, 0, "unused", lambda path, strict: None)
+    control = SleepController(arena, 0, "unused", lambda path, strict, check_finite: None)
     control.sleep(0)
     assert not calls
     control.sleep(2)
@@ -134,10 +137,10 @@ def test_sleep_failing_half_way_is_an_error_ack_that_reports_what_went_down(tmp_
     arena.adopt(model)
     arena.empty((1024,), torch.float32, "weights")  # a second region under the same tag
     control = SleepController(
-        arena, 0, tmp_path, lambda p, strict: load_module(model, p, strict=False)
+        arena, 0, tmp_path, lambda p, strict, check_finite: load_module(model, p, strict=False)
     )
     ack = control.sleep(2)
-    assert ack["status"] == "ERROR" and "injected" in ack["error_msg"]
-    assert ack["metadata"]["sleeping_tags"] == ["weights"]
-    assert control.wake_up()["status"] == "SUCCESS"
+    assert ack.status == "ERROR" and "injected" in ack.error_msg
+    assert ack.metadata.sleeping_tags == ["weights"]
+    assert control.wake_up().status == "SUCCESS"
     assert torch.equal(model.weight, expected)

@@ -1,10 +1,10 @@
 """The control operations behind ``/v1/omni/*`` and vLLM's ``/sleep`` family.
 
 The HTTP layer only validates, forwards and aggregates ACKs; the engine client does the work.
-Two rules from the seed shape this module:
+Two rules from vLLM-Omni's serving code shape this module:
 
-- Capability is probed with ``hasattr`` (501 when missing), and a body holding only the seed's
-  fields produces exactly the seed's engine call (``sleep(stage_ids=, level=)``,
+- Capability is probed with ``hasattr`` (501 when missing), and a body holding only vLLM-Omni's
+  fields produces exactly vLLM-Omni's engine call (``sleep(stage_ids=, level=)``,
   ``wake_up(stage_ids=)``); extension fields are passed only when the client sent them.
 - ``sleeping`` (``app.state.sleeping_stages``) is the set the wakeup route consults to answer
   SKIPPED without calling the engine. It is updated from the ACKs (a stage whose ACK says ERROR

@@ -3,7 +3,7 @@
 ``OmniSleepRequest`` and ``OmniWakeupRequest`` are vLLM-Omni's models (``stage_ids`` and
 ``level: int = 2``) with omnistage's optional extension fields. Every extension field defaults
 to ``None``, meaning "not sent": the routes pass only the fields a client really sent on to the
-engine client, so a body with just the seed's fields produces exactly the seed's engine call.
+engine client, so a body with just vLLM-Omni's fields produces exactly vLLM-Omni's engine call.
 
 Validation is strict (``"2"``, ``1.5`` or ``true`` are not integers; ``"true"`` is not a boolean)
 so that a malformed body is refused with the field named instead of being guessed at.
@@ -93,7 +93,7 @@ class OmniControlResponse(BaseModel):
 
     ``status`` is ``ERROR`` when any ACK reports ``ERROR`` (the HTTP status is still 200: the
     operation ran and the ACKs say per stage what happened; ``reason`` names the failed stages).
-    Routes serialise it without ``None`` fields so the seed's exact bodies come out.
+    Routes serialise it without ``None`` fields so vLLM-Omni's exact bodies come out.
     """
 
     status: AckStatus

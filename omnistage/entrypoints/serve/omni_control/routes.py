@@ -1,7 +1,7 @@
 """The ``/v1/omni/*`` control routes (vLLM-Omni's ``sleep`` and ``wakeup`` plus extensions).
 
 Each route depends only on ``app.state.engine_client`` and ``app.state.sleeping_stages`` and
-demands the control key. Bodies holding only the seed's fields produce exactly the seed's engine
+demands the control key. Bodies holding only vLLM-Omni's fields produce exactly vLLM-Omni's engine
 calls; see :mod:`.operations` for the bookkeeping. Engine exceptions reach the app's handlers.
 
 Status codes: 200 with ``status`` SUCCESS, SKIPPED or ERROR (ERROR: some stage's ACK reports a

@@ -21,7 +21,7 @@ from omnistage.entrypoints.serve.auth import require_api_key
 from omnistage.entrypoints.serve.errors import register_exception_handlers
 from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
 from omnistage.errors import StageBusyError
-from omnistage.stage.sleep_control import make_ack
+from omnistage.stage.messages import make_ack
 
 
 class SeedEngine:

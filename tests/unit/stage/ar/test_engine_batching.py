@@ -42,7 +42,7 @@ def test_32_concurrent_requests_match_each_alone(micro, requests, alone):
 def test_tiny_kv_cache_preempts_and_still_matches(micro, requests, alone):
     # 48 blocks of 4 tokens: a quarter of what 32 requests need at once.
     engine = make_engine(micro, block_size=4, max_model_len=96, kv_cache_bytes=49 * 2048)
-    assert engine.runner.num_kv_blocks == 48
+    assert engine.worker.runner.num_kv_blocks == 48
     results = generate(engine, requests)
     assert engine.status()["num_preemptions"] > 0
     assert {rid: res.token_ids for rid, res in results.items()} == alone
@@ -65,7 +65,7 @@ def test_hidden_states_cover_every_processed_token(micro):
     hidden = result.final.payload["hidden_states"]
     tokens = prompt + result.token_ids[:-1]
     with torch.no_grad():
-        expected = engine.runner.model(torch.tensor(tokens), torch.arange(len(tokens)))
+        expected = engine.worker.runner.model(torch.tensor(tokens), torch.arange(len(tokens)))
     assert hidden.shape == (len(tokens), 64)
     torch.testing.assert_close(hidden, expected, atol=1e-5, rtol=1e-5)
 

@@ -64,8 +64,8 @@ def start_decoding(engine, tag: str, steps: int = 4) -> dict:
 def test_sleep_abort_ends_running_requests_with_abort(engine):
     results = start_decoding(engine, "abort")
     ack = engine.sleep(level=1, mode="abort")
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["aborted"] == NUM_REQUESTS
-    assert ack["metadata"]["mode"] == "abort"
+    assert ack.status == "SUCCESS" and ack.metadata.aborted == NUM_REQUESTS
+    assert ack.metadata.mode == "abort"
     run_to_completion(engine, results)
     assert [results[f"abort{i}"].finish_reason for i in range(NUM_REQUESTS)] == [
         "abort"
@@ -80,7 +80,7 @@ def test_sleep_wait_refuses_until_drained_then_requests_finish_normally(engine, 
     while not engine.is_drained():
         collect(engine.step(), results)
     ack = engine.sleep(level=2, mode="wait")
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["aborted"] == 0
+    assert ack.status == "SUCCESS" and ack.metadata.aborted == 0
     assert [results[f"wait{i}"].token_ids for i in range(NUM_REQUESTS)] == reference
     assert {r.finish_reason for r in results.values()} == {"length"}
 
@@ -88,8 +88,8 @@ def test_sleep_wait_refuses_until_drained_then_requests_finish_normally(engine, 
 def test_sleep_keep_continues_after_wake_and_resume_with_same_tokens(engine, reference):
     results = start_decoding(engine, "keep")
     ack = engine.sleep(level=2, mode="keep")
-    assert ack["metadata"]["preempted"] == NUM_REQUESTS and engine.is_sleeping()
-    assert engine.wake_up()["status"] == "SUCCESS"
+    assert ack.metadata.preempted == NUM_REQUESTS and engine.is_sleeping()
+    assert engine.wake_up().status == "SUCCESS"
     assert engine.step() == [] and engine.has_unfinished_requests()  # paused until resume
     engine.resume()
     run_to_completion(engine, results)
@@ -127,7 +127,7 @@ def test_wake_without_reload_never_runs_on_invalid_weights(engine, reference):
     start_decoding(engine, "inv", steps=2)
     engine.sleep(level=2, mode="keep")
     ack = engine.wake_up(reload=False)
-    assert ack["metadata"]["weights_valid"] is False
+    assert ack.metadata.weights_valid is False
     with pytest.raises(WeightsInvalidError, match="update_weights"):
         engine.add_request(ARRequest("x", [1, 2], greedy(2)))
     engine.resume()
@@ -142,19 +142,19 @@ def test_wake_without_reload_never_runs_on_invalid_weights(engine, reference):
 
 
 def test_repeated_sleep_is_skipped_and_deeper_sleep_drops_host_copy(engine):
-    assert engine.sleep(level=1)["metadata"]["host_backup_bytes"] > 0
-    assert engine.sleep(level=1)["status"] == "SKIPPED"
+    assert engine.sleep(level=1).metadata.host_backup_bytes > 0
+    assert engine.sleep(level=1).status == "SKIPPED"
     deeper = engine.sleep(level=2)
-    assert deeper["status"] == "SUCCESS" and deeper["metadata"]["host_backup_bytes"] == 0
+    assert deeper.status == "SUCCESS" and deeper.metadata.host_backup_bytes == 0
     wake = engine.wake_up()
-    assert wake["status"] == "SUCCESS" and wake["metadata"]["cuda_graph_recalled"] is False
-    assert engine.wake_up()["status"] == "SKIPPED"
+    assert wake.status == "SUCCESS" and wake.metadata.cuda_graph_recalled is False
+    assert engine.wake_up().status == "SKIPPED"
 
 
 def test_status_reports_pause_sleep_and_memory(engine):
     engine.sleep(level=1, mode="keep")
     status = engine.status()
-    assert status["paused"] and status["is_sleeping"] and status["level"] == 1
+    assert status["is_paused"] and status["is_sleeping"] and status["level"] == 1
     assert sorted(status["sleeping_tags"]) == ["kv_cache", "weights"]
     assert status["memory"]["tags"]["weights"]["resident_bytes"] == 0
 

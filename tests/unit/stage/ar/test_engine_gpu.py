@@ -29,7 +29,7 @@ def test_graph_decode_matches_eager_decode(micro):
     engine = make_engine(micro, device="cuda", max_num_seqs=8)
     assert engine.status()["cuda_graphs"]
     with_graphs = ids(generate(engine, batch("g")), "g")
-    engine.runner.decode_graphs = None
+    engine.worker.runner.decode_graphs = None
     assert ids(generate(engine, batch("e")), "e") == with_graphs
     engine.shutdown()
 
@@ -38,9 +38,9 @@ def test_graph_decode_matches_eager_decode(micro):
 def test_graphs_are_recalled_after_wake(micro, level):
     engine = make_engine(micro, device="cuda", max_num_seqs=8)
     before = ids(generate(engine, batch("a")), "a")
-    assert engine.sleep(level=level)["status"] == "SUCCESS"
+    assert engine.sleep(level=level).status == "SUCCESS"
     ack = engine.wake_up()
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["cuda_graph_recalled"] is True
+    assert ack.status == "SUCCESS" and ack.metadata.cuda_graph_recalled is True
     engine.resume()
     assert ids(generate(engine, batch("b")), "b") == before
     engine.shutdown()

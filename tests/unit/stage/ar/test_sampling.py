@@ -112,7 +112,7 @@ def test_eos_stops_unless_ignored_and_min_tokens_delays_it(engine):
     eos = min(engine.eos_token_ids)
     bias = torch.zeros(engine.model_config.vocab_size)
     bias[eos] = 100.0  # make eos the certain next token
-    head = engine.runner.model.lm_head
+    head = engine.worker.runner.model.lm_head
     head.bias = torch.nn.Parameter(bias, requires_grad=False)
     try:
         plain = SamplingParams(temperature=0, max_tokens=8)

@@ -60,12 +60,12 @@ def test_different_prompts_and_seeds_give_different_images(engine, reference_png
 @pytest.mark.parametrize("level", [1, 2])
 def test_same_png_after_sleep_and_wake(engine, reference_png, level):
     ack = engine.sleep(level=level)
-    assert ack["status"] == "SUCCESS" and ack["metadata"]["level"] == level
+    assert ack.status == "SUCCESS" and ack.metadata.level == level
     assert engine.is_sleeping()
     with pytest.raises(StageAsleepError):
         engine.add_request(DiffusionRequest("asleep", prompt="a red cat", params=PARAMS))
     wake = engine.wake_up()
-    assert wake["status"] == "SUCCESS" and not engine.is_sleeping() and not engine.is_paused
+    assert wake.status == "SUCCESS" and not engine.is_sleeping() and not engine.is_paused
     assert one_png(engine, f"after-{level}") == reference_png
 
 
@@ -109,7 +109,7 @@ def test_ddim_is_selectable(engine, reference_png):
 def test_discarded_weights_refuse_until_updated(engine, image_folder, reference_png, tmp_path):
     engine.sleep(level=2)
     ack = engine.wake_up(reload=False)
-    assert ack["metadata"]["weights_valid"] is False
+    assert ack.metadata.weights_valid is False
     with pytest.raises(WeightsInvalidError, match="update_weights"):
         engine.add_request(DiffusionRequest("garbage", prompt="a red cat", params=PARAMS))
     assert engine.step() == []  # nothing runs on discarded weights
@@ -129,7 +129,7 @@ def test_update_weights_from_prefixed_file_changes_images_like_a_fresh_load(
     update = tmp_path / "update.safetensors"
     save_file(changed, str(update))
     ack = engine.update_weights(update)
-    assert ack["status"] == "SUCCESS"
+    assert ack.status == "SUCCESS"
     updated_png = one_png(engine, "updated")
     assert updated_png != reference_png
     # A level-2 cycle reloads the original checkpoint and then replays the update.
@@ -175,7 +175,7 @@ def test_pause_wait_drains_old_requests_and_holds_new_ones(engine):
 def test_sleep_keep_holds_requests_until_wake(engine):
     engine.add_request(DiffusionRequest("kept", prompt="a", params=PARAMS))
     ack = engine.sleep(level=1, mode="keep")
-    assert ack["metadata"]["mode"] == "keep" and ack["metadata"]["aborted"] == 0
+    assert ack.metadata.mode == "keep" and ack.metadata.aborted == 0
     assert engine.step() == [] and engine.status()["num_waiting"] == 1
     engine.wake_up()
     assert [o.finish_reason for o in engine.step()] == ["stop"]
@@ -186,25 +186,25 @@ def test_sleep_wait_refuses_until_drained(engine):
     with pytest.raises(RuntimeError, match="is_drained"):
         engine.sleep(level=1, mode="wait")
     engine.step()
-    assert engine.sleep(level=1, mode="wait")["status"] == "SUCCESS"
+    assert engine.sleep(level=1, mode="wait").status == "SUCCESS"
     engine.wake_up()
 
 
 def test_level0_pauses_only_and_wake_resumes(engine):
     ack = engine.sleep(level=0)
-    assert ack["status"] == "SUCCESS" and engine.is_sleeping() and engine.is_paused
+    assert ack.status == "SUCCESS" and engine.is_sleeping() and engine.is_paused
     assert (
         engine.status()["memory"]["resident_bytes"] == engine.status()["memory"]["reserved_bytes"]
     )
-    assert engine.wake_up()["status"] == "SUCCESS"
+    assert engine.wake_up().status == "SUCCESS"
     assert not engine.is_sleeping() and not engine.is_paused
 
 
 def test_repeated_sleep_and_wake_are_skipped(engine):
     engine.sleep(level=1)
-    assert engine.sleep(level=1)["status"] == "SKIPPED"
-    assert engine.wake_up()["status"] == "SUCCESS"
-    assert engine.wake_up()["status"] == "SKIPPED"
+    assert engine.sleep(level=1).status == "SKIPPED"
+    assert engine.wake_up().status == "SUCCESS"
+    assert engine.wake_up().status == "SKIPPED"
 
 
 def test_status_reports_state(engine):
@@ -284,7 +284,7 @@ def test_transformer_config_without_out_channels_runs(image_cond_folder, tmp_pat
 def test_a_failed_build_frees_its_arena(image_cond_folder, tmp_path, monkeypatch):
     from omnistage.memory import Arena
     from omnistage.models.loader import CheckpointError
-    from omnistage.stage.diffusion import engine as engine_module
+    from omnistage.stage.diffusion import worker as worker_module
 
     folder = tmp_path / "dynamic-shift"
     shutil.copytree(image_cond_folder, folder)
@@ -299,7 +299,7 @@ def test_a_failed_build_frees_its_arena(image_cond_folder, tmp_path, monkeypatch
             closed_with_bytes.append(self.stats()["weights"].reserved_bytes)
             super().close()
 
-    monkeypatch.setattr(engine_module, "Arena", RecordedArena)
+    monkeypatch.setattr(worker_module, "Arena", RecordedArena)
     with pytest.raises(CheckpointError, match="use_dynamic_shifting"):
         DiffusionStageEngine(diffusion_config(folder))
     assert len(closed_with_bytes) == 1 and closed_with_bytes[0] > 0  # weights were adopted

@@ -18,7 +18,7 @@ def test_level2_sleep_releases_the_weights_from_resident_memory(tmp_path):
         ack = engine.sleep(level=2)
         after = process_resident_bytes()
         assert before - after >= 0.9 * weight_bytes
-        assert ack["freed_bytes"] >= 0.9 * weight_bytes
+        assert ack.freed_bytes >= 0.9 * weight_bytes
         assert engine.status()["memory"]["resident_bytes"] == 0
         engine.wake_up()
         assert engine.status()["weights_valid"]

@@ -1,0 +1,286 @@
+"""``StageControl``: orders every control operation over a pipeline's stages.
+
+Sleep: admission to the target stages closes, submits in progress finish (and, for mode
+``wait``, requests bound for them arrive), then one utility call per stage — all stages at
+once — and the ACKs settle each stage's state in the admission gate. Wake, pause, resume and
+weight updates follow the same shape. The whole of a sleep or wake runs shielded: a caller
+that gives up never leaves a stage half-transitioned. See ``docs/control-plane.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from omnistage.config import PipelineConfig
+from omnistage.engine import admission as adm
+from omnistage.engine.stage_client import EngineStageClient
+from omnistage.errors import SleepModeDisabledError, StageDeadError, StageRestartingError
+from omnistage.stage.kinds import stage_kind
+from omnistage.stage.messages import Ack, make_ack
+from omnistage.stage.sleep_args import check_level, check_mode, check_tags
+
+ControlListener = Callable[[str, list[Ack]], None]
+
+
+class StageControl:
+    def __init__(
+        self,
+        config: PipelineConfig,
+        clients: Sequence[EngineStageClient],
+        gate: adm.AdmissionGate,
+        *,
+        resume_after_wake: bool = False,
+    ) -> None:
+        self.config = config
+        self.clients = list(clients)
+        self.gate = gate
+        # The HTTP server wakes and resumes in one call; the Python API does not.
+        self.resume_after_wake = resume_after_wake
+        self._listeners: list[ControlListener] = []
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.clients)
+
+    def add_listener(self, listener: ControlListener) -> None:
+        """``listener(operation, acks)`` after every sleep, wake_up and update_weights."""
+        self._listeners.append(listener)
+
+    def _notify(self, operation: str, acks: list[Ack]) -> None:
+        for listener in self._listeners:
+            listener(operation, acks)
+
+    # -- argument checks ----------------------------------------------------------------
+
+    def check_stage_ids(self, stage_ids: Sequence[int] | None) -> list[int]:
+        if stage_ids is None:
+            return list(range(self.num_stages))
+        ids = list(dict.fromkeys(stage_ids))
+        bad = [sid for sid in ids if not isinstance(sid, int) or not 0 <= sid < self.num_stages]
+        if bad:
+            raise ValueError(
+                f"unknown stage ids {bad}; valid stage ids are 0..{self.num_stages - 1}"
+            )
+        return ids
+
+    def _check_sleep_mode(self, stage_ids: list[int]) -> None:
+        for sid in stage_ids:
+            if not self.config.stages[sid].enable_sleep_mode:
+                raise SleepModeDisabledError(sid)
+
+    async def _call_each(self, stage_ids: list[int], method: str, **args: Any) -> dict[int, Any]:
+        """One utility call per stage, all at once; exceptions are returned, not raised."""
+
+        async def one(sid: int) -> Any:
+            return await self.clients[sid].call(method, **args)
+
+        results = await asyncio.gather(*(one(sid) for sid in stage_ids), return_exceptions=True)
+        return dict(zip(stage_ids, results, strict=True))
+
+    # -- sleep / wake -------------------------------------------------------------------
+
+    async def sleep(
+        self,
+        stage_ids: Sequence[int],
+        level: int = 2,
+        mode: str = "abort",
+        tags: Sequence[str] | None = None,
+    ) -> list[Ack]:
+        ids = self.check_stage_ids(stage_ids)
+        check_level(level)
+        check_mode(mode)
+        chosen_tags = check_tags(tags)
+        self._check_sleep_mode(ids)
+        if not ids:
+            return []
+        previous = self.gate.begin_transition(ids, adm.SLEEPING, level=level)
+        was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
+        return await asyncio.shield(
+            self._sleep(ids, previous, was_paused, level=level, mode=mode, tags=chosen_tags)
+        )
+
+    async def _sleep(
+        self,
+        ids: list[int],
+        previous: dict[int, str],
+        was_paused: dict[int, bool],
+        *,
+        level: int,
+        mode: str,
+        tags: list[str] | None,
+    ) -> list[Ack]:
+        await self.gate.close_and_drain_admission(ids, sleep_mode=mode)
+        results: dict[int, Any] = {}
+        if mode == "wait":
+            timeout_s = max(self.config.stages[sid].drain_timeout_s for sid in ids)
+            try:
+                await self.gate.drain_bound(ids, timeout_s)
+            except TimeoutError as exc:
+                results = dict.fromkeys(ids, exc)
+        if not results:
+            results = await self._call_each(ids, "sleep", level=level, mode=mode, tags=tags)
+        acks = [as_ack(sid, results[sid], level=level, mode=mode) for sid in ids]
+        reopen = [
+            sid
+            for sid, ack in zip(ids, acks, strict=True)
+            if await self.gate.record_sleep_result(sid, ack, previous[sid], was_paused[sid], level)
+        ]
+        # A sleep that failed after its engine paused must not leave the engine paused behind
+        # an open gate: admitted requests would wait there for a resume nobody sends.
+        await self._call_each(reopen, "resume")
+        await self.gate.reopen(reopen)
+        self._notify("sleep", acks)
+        raise_if_gone(results)
+        return acks
+
+    async def wake_up(
+        self,
+        stage_ids: Sequence[int] | None = None,
+        tags: Sequence[str] | None = None,
+        reload: bool = True,
+        resume: bool | None = None,
+    ) -> list[Ack]:
+        ids = self.check_stage_ids(stage_ids)
+        chosen_tags = check_tags(tags)
+        self._check_sleep_mode(ids)
+        if not ids:
+            return []
+        previous = self.gate.begin_transition(ids, adm.WAKING)
+        should_resume = self.resume_after_wake if resume is None else resume
+        return await asyncio.shield(
+            self._wake_up(ids, previous, tags=chosen_tags, reload=reload, resume=should_resume)
+        )
+
+    async def _wake_up(
+        self,
+        ids: list[int],
+        previous: dict[int, str],
+        *,
+        tags: list[str] | None,
+        reload: bool,
+        resume: bool,
+    ) -> list[Ack]:
+        results = await self._call_each(ids, "wake_up", tags=tags, reload=reload)
+        acks = [as_ack(sid, results[sid]) for sid in ids]
+        to_resume = []
+        for sid, ack in zip(ids, acks, strict=True):
+            resumes_by_itself = stage_kind(self.config.stages[sid].kind).resumes_after_wake
+            if await self.gate.record_wake_result(sid, ack, previous[sid], resumes_by_itself):
+                to_resume.append(sid)
+        self._notify("wake_up", acks)
+        # Every stage is settled before resuming: a resume that fails must not leave the
+        # other stages marked as waking.
+        if resume and to_resume:
+            await self.resume(to_resume)
+        raise_if_gone(results)
+        return acks
+
+    # -- pause / resume / weights -----------------------------------------------------------
+
+    async def pause(self, stage_ids: Sequence[int] | None = None, mode: str = "abort") -> None:
+        ids = self.check_stage_ids(stage_ids)
+        check_mode(mode)
+        await self.gate.close_and_drain_admission(ids)
+        awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
+        raise_first(await self._call_each(awake, "pause", mode=mode))
+
+    async def resume(self, stage_ids: Sequence[int] | None = None) -> None:
+        ids = self.check_stage_ids(stage_ids)
+        awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
+        raise_first(await self._call_each(awake, "resume"))
+        await self.gate.reopen(awake)
+
+    async def update_weights(self, stage_id: int, path: str, check_finite: bool = True) -> Ack:
+        (sid,) = self.check_stage_ids([stage_id])
+        self.gate.check_alive(sid)
+        ack: Ack = await self.clients[sid].call(
+            "update_weights", path=str(path), check_finite=check_finite
+        )
+        if ack.status == "SUCCESS":
+            self.gate.set_weights_valid(sid, True)
+        self._notify("update_weights", [ack])
+        return ack
+
+    # -- state --------------------------------------------------------------------------
+
+    async def stage_status(self) -> list[dict[str, Any]]:
+        """Per stage: the gate's view (state, level, paused, restarts) and the engine's own
+        (memory, queues), the latter absent while the stage's process is gone."""
+        statuses = []
+        for sid, client in enumerate(self.clients):
+            s = self.gate.stages[sid]
+            engine: dict[str, Any] = {}
+            if s.state not in (adm.DEAD, adm.RESTARTING) and not client.is_dead:
+                try:
+                    engine = dict(await client.call("status"))
+                except (StageDeadError, StageRestartingError) as exc:
+                    engine = {"error": str(exc)}
+            statuses.append(
+                {
+                    "stage_id": sid,
+                    "kind": client.kind,
+                    "name": self.config.stages[sid].display_name,
+                    "state": s.state,
+                    "level": s.level,
+                    "paused": s.paused,
+                    "in_flight": client.num_in_flight,
+                    "pid": client.pid,
+                    "enable_sleep_mode": self.config.stages[sid].enable_sleep_mode,
+                    "restarts": s.restarts,
+                    "last_exit": s.last_exit or None,
+                    "detail": s.detail,
+                    **{
+                        k: v
+                        for k, v in engine.items()
+                        if k not in {"stage_id", "kind", "level", "is_paused"}
+                    },
+                }
+            )
+        return statuses
+
+    def sleeping_stage_ids(self) -> set[int]:
+        """Stages whose memory is (at least partly) asleep, or going there, and stages woken
+        without their weights (reload=false, not yet updated): the truth the HTTP layer
+        mirrors. A wakeup racing a sleep then meets the transition (409, not SKIPPED), and a
+        wakeup with reload=true reaches a stage whose weights are still missing."""
+        return {
+            sid
+            for sid, s in enumerate(self.gate.stages)
+            if s.state in adm.UNAVAILABLE or (s.state == adm.AWAKE and not s.weights_valid)
+        }
+
+    def is_paused(self, stage_id: int | None = None) -> bool:
+        ids = range(self.num_stages) if stage_id is None else [stage_id]
+        return any(self.gate.stages[sid].paused for sid in ids)
+
+    def dead_stage_ids(self) -> list[int]:
+        """Stages whose process is gone (dead for good, or being restarted)."""
+        return [
+            sid for sid, s in enumerate(self.gate.stages) if s.state in (adm.DEAD, adm.RESTARTING)
+        ]
+
+
+def as_ack(stage_id: int, result: Any, **metadata: Any) -> Ack:
+    """The ACK a stage answered, or an ERROR ACK for the exception its call raised."""
+    if isinstance(result, Ack):
+        return result
+    if isinstance(result, BaseException):
+        return make_ack(
+            stage_id, status="ERROR", error_msg=f"{type(result).__name__}: {result}", **metadata
+        )
+    raise TypeError(f"stage {stage_id} answered {type(result).__name__}, not an ACK")
+
+
+def raise_if_gone(results: dict[int, Any]) -> None:
+    """Re-raise the first ``StageDeadError``: the operation did not reach that stage."""
+    for result in results.values():
+        if isinstance(result, StageDeadError):
+            raise result
+
+
+def raise_first(results: dict[int, Any]) -> None:
+    for result in results.values():
+        if isinstance(result, BaseException):
+            raise result

@@ -1,0 +1,44 @@
+"""``DiffusionWorker``: what a diffusion stage's rank owns — its arena, the pipeline's modules
+adopted into it, and the sleep controller over them. The engine (queue, batching, the
+denoising loop) drives it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from omnistage.config import StageConfig
+from omnistage.memory import Arena
+from omnistage.models.tiny import ensure_preset
+from omnistage.stage.diffusion.components import MODEL_INDEX
+from omnistage.stage.diffusion.pipeline import ImagePipeline
+from omnistage.stage.messages import Ack
+from omnistage.stage.sleep_control import SleepController
+
+
+class DiffusionWorker:
+    def __init__(self, config: StageConfig, *, rank: int = 0, load_weights: bool = True) -> None:
+        folder = Path(config.model)
+        if config.preset is not None and not (folder / MODEL_INDEX).is_file():
+            ensure_preset(config.preset, folder)
+        self.arena = Arena(config.device)
+        try:
+            self.pipeline = ImagePipeline(folder, self.arena, config.dtype, load=load_weights)
+        except BaseException:
+            self.arena.close()  # nothing else frees device memory mapped by a failed build
+            raise
+        self.sleep_control = SleepController(
+            self.arena, config.stage_id, folder, self.pipeline.load_weights, rank=rank
+        )
+
+    def sleep(self, level: int, tags: Sequence[str] | None, **metadata: object) -> Ack:
+        return self.sleep_control.sleep(level, tags, **metadata)
+
+    def wake_up(self, tags: Sequence[str] | None, reload: bool) -> Ack:
+        return self.sleep_control.wake_up(tags, reload)
+
+    def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack:
+        return self.sleep_control.update_weights(path, check_finite=check_finite)
+
+    def close(self) -> None:
+        self.arena.close()

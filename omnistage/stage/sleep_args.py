@@ -1,0 +1,45 @@
+"""The control vocabulary, defined once: sleep levels, modes for requests in flight, and
+memory tags, with the checks every layer uses (the engine client before it touches any
+stage, each engine again at its own door). See ``docs/control-plane.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from omnistage.errors import InvalidRequestError
+
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+MEMORY_TAGS = (WEIGHTS, KV_CACHE)
+SLEEP_LEVELS = (0, 1, 2)
+SLEEP_MODES = ("abort", "wait", "keep")
+DEFAULT_SLEEP_LEVEL = 2
+DEFAULT_SLEEP_MODE = "abort"
+
+
+def check_level(level: object) -> int:
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise InvalidRequestError("level", f"must be one of {list(SLEEP_LEVELS)}, got {level!r}")
+    return int(level)  # type: ignore[call-overload]
+
+
+def check_mode(mode: object) -> str:
+    if mode not in SLEEP_MODES:
+        raise InvalidRequestError("mode", f"must be one of {list(SLEEP_MODES)}, got {mode!r}")
+    return str(mode)
+
+
+def check_tags(tags: Iterable[str] | None, known: Sequence[str] = MEMORY_TAGS) -> list[str] | None:
+    """``None`` (every tag) or the distinct tags asked for; empty or unknown tags are refused."""
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        raise InvalidRequestError("tags", f"must be a list of tags, got the string {tags!r}")
+    chosen = list(dict.fromkeys(tags))
+    if not chosen:
+        raise InvalidRequestError("tags", "must not be empty; leave it out for every tag")
+    unknown = [t for t in chosen if t not in known]
+    if unknown:
+        raise InvalidRequestError("tags", f"unknown tags {unknown}; known tags are {list(known)}")
+    return chosen

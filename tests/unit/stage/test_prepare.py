@@ -1,0 +1,104 @@
+"""Request preparation in the API process: user prompts -> validated wire requests."""
+
+import pytest
+import torch
+
+from omnistage.config import StageConfig
+from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.models.tiny import ensure_preset
+from omnistage.pipelines import cache_dir
+from omnistage.stage.ar.prepare import ARRequestPreparer
+from omnistage.stage.diffusion.params import DiffusionParams, PipelineLimits
+from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
+from omnistage.stage.messages import ARStageInfo, DiffusionStageInfo
+from omnistage.stage.prepare import HIDDEN_STATES, RequestOptions, prompt_fields
+
+NOTHING: frozenset[str] = frozenset()
+LIMITS = PipelineLimits(
+    size_multiple=16, embedding_dim=8, has_text_encoder=True, native_size=64,
+    max_inference_steps=100, max_image_pixels=128 * 128,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ar():
+    folder = ensure_preset("demo", cache_dir() / "demo")
+    config = StageConfig(stage_id=0, kind="ar", model=str(folder))
+    return ARRequestPreparer(config, ARStageInfo(vocab_size=512, max_model_len=64))
+
+
+@pytest.fixture(scope="module")
+def diffusion():
+    config = StageConfig(stage_id=1, kind="diffusion", model="unused")
+    return DiffusionRequestPreparer(config, DiffusionStageInfo(limits=LIMITS))
+
+
+def prepare(preparer, prompt, wants=NOTHING, **options):
+    return preparer.prepare(prompt_fields(prompt), RequestOptions(**options), wants)
+
+
+def test_text_and_chat_prompts_are_tokenized(ar):
+    text = prepare(ar, "hello", sampling_params={"max_tokens": 3})
+    assert text.prompt_token_ids and text.sampling_params.max_tokens == 3
+    chat = prepare(ar, {"messages": [{"role": "user", "content": "hello"}]})
+    assert len(chat.prompt_token_ids) > len(text.prompt_token_ids)  # the template adds roles
+
+
+def test_hidden_states_are_asked_for_when_the_next_stage_wants_them(ar):
+    assert prepare(ar, "hi", frozenset({HIDDEN_STATES})).return_hidden_states
+    assert not prepare(ar, "hi").return_hidden_states
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "field"),
+    [
+        ({}, {}, "prompt"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, {}, "prompt"),
+        ({"prompt_token_ids": [1, True]}, {}, "prompt_token_ids"),
+        ({"prompt_token_ids": "1 2"}, {}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 512]}, {}, "prompt"),
+        ({"prompt": 5}, {}, "prompt"),
+        ({"messages": "hi"}, {}, "messages"),
+        ({"messages": [{"content": "hi"}]}, {}, "messages.0"),
+        ({"prompt": "x"}, {"sampling_params": {"temprature": 0}}, "sampling_params.temprature"),
+        ({"prompt": "x"}, {"sampling_params": [1]}, "sampling_params"),
+        ({"prompt": "x"}, {"sampling_params": {"top_p": 0.0}}, "sampling_params.top_p"),
+        ({"prompt": "x", "colour": "red"}, {}, "colour"),
+    ],
+)
+def test_bad_ar_requests_name_the_field(ar, prompt, options, field):
+    with pytest.raises(InvalidRequestError) as info:
+        prepare(ar, prompt, **options)
+    assert info.value.field == field
+
+
+def test_a_prompt_that_leaves_no_room_is_too_large(ar):
+    with pytest.raises(RequestTooLargeError) as info:
+        prepare(ar, {"prompt_token_ids": [1] * 64})
+    assert info.value.field == "prompt"
+
+
+def test_image_params_and_negative_prompt_are_taken(diffusion):
+    request = prepare(
+        diffusion, {"prompt": "a cat", "negative_prompt": "blur"}, image_params={"seed": 3}
+    )
+    assert request.params == DiffusionParams(seed=3, negative_prompt="blur")
+
+
+@pytest.mark.parametrize(
+    ("prompt", "image_params", "field"),
+    [
+        ("a cat", "seed=3", "image_params"),
+        ("a cat", [1, 2], "image_params"),
+        ("a cat", {"colour": 1}, "image_params.colour"),
+        ("a cat", {"height": 4096, "width": 4096}, "size"),
+        ("a cat", {"num_inference_steps": 101}, "num_inference_steps"),
+        ({"prompt_embeds": torch.zeros(3, 7)}, {}, "prompt_embeds"),
+        ({"prompt_embeds": torch.full((3, 8), float("nan"))}, {}, "prompt_embeds"),
+        ({"prompt": "x", "prompt_embeds": torch.zeros(3, 8)}, {}, "prompt"),
+    ],
+)
+def test_bad_diffusion_requests_name_the_field(diffusion, prompt, image_params, field):
+    with pytest.raises(InvalidRequestError) as info:
+        prepare(diffusion, prompt, image_params=image_params)
+    assert info.value.field == field
