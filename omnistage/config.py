@@ -57,6 +57,12 @@ class StageConfig(_Frozen):
     max_batch_size: int = Field(
         default=4, gt=0, description="Diffusion: most images denoised at once."
     )
+    max_active_batches: int = Field(
+        default=2,
+        gt=0,
+        le=16,
+        description="Diffusion: batches denoised at once, taking turns step by step.",
+    )
     max_image_pixels: int | None = Field(
         default=None,
         gt=0,

@@ -214,7 +214,9 @@ class StageCore:
             made_progress = False
             if self.has_work():
                 replies = self.step()
-                made_progress = bool(replies)
+                # A multi-step batch mid-way has nothing to send yet but is progressing.
+                runnable = getattr(self.engine, "has_runnable_work", None)
+                made_progress = bool(replies) or (runnable is not None and runnable())
                 for reply in replies:
                     channel.send(reply)
 

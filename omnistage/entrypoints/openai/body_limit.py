@@ -4,10 +4,16 @@ ASGI middleware: a declared ``Content-Length`` above the limit is refused at onc
 sent without one (chunked) is read up to the limit and refused as soon as it goes past it.
 Accepted bodies are replayed to the app unchanged, so routes and the disconnect watcher
 (``disconnect.py``) see the same messages they would without it.
+
+A refused body is read and dropped before the 413 goes out (bounded in bytes and time):
+closing a connection whose client is still sending makes the kernel reset it, and the
+client would see a broken connection instead of the 413.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -48,6 +54,7 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        await _discard_body(receive)
         response = error_response(
             413,
             f"body: request body of {size} bytes or more exceeds the limit of {self.max_bytes} "
@@ -58,6 +65,26 @@ class BodySizeLimit:
             headers={"Connection": "close"},
         )
         await response(scope, receive, send)
+
+
+_DISCARD_BYTES = 1 << 30
+_DISCARD_S = 5.0
+
+
+async def _discard_body(receive: Receive) -> None:
+    """Read what the client is still sending, up to ``_DISCARD_BYTES`` / ``_DISCARD_S``."""
+    deadline = time.monotonic() + _DISCARD_S
+    dropped = 0
+    while dropped < _DISCARD_BYTES and time.monotonic() < deadline:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+        except TimeoutError:
+            return
+        if message["type"] != "http.request":
+            return
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -1,9 +1,14 @@
-"""The denoising loop for one batch of compatible requests, written to match diffusers' PixArt.
+"""The denoising loop, one step at a time, written to match diffusers' PixArt.
 
-Per request: conditioning (text or given embeddings), a CPU ``torch.Generator`` seeded with the
-request's seed drawing its own ``[1, C, h, w]`` latents (what diffusers' ``randn_tensor`` does
-with a list of generators), and its own guidance scale. The batch shares the image size, step
-count, scheduler and whether guidance runs, so one scheduler instance steps all of it; the
+A ``DenoiseJob`` is a batch of compatible requests (same image size, step count, scheduler,
+and whether guidance runs) that ``advance()`` moves one denoising step: one transformer call
+for the whole batch, then each request's own scheduler step. The engine interleaves the
+steps of several jobs and checks for aborts between them, so a large request never holds the
+stage for its whole run, and an aborted request leaves its batch at the next step.
+
+Per request: conditioning (text or given embeddings), a CPU ``torch.Generator`` seeded with
+the request's seed drawing its own ``[1, C, h, w]`` latents (what diffusers' ``randn_tensor``
+does with a list of generators), its own guidance scale and its own scheduler instance. The
 scheduler's update is elementwise, so a request's image does not depend on its batch-mates.
 """
 
@@ -106,7 +111,7 @@ def micro_conditions(
 
 
 def make_scheduler(pipeline: ImagePipeline, class_name: str) -> Any:
-    """A fresh scheduler per batch: diffusers schedulers keep per-run state (step index)."""
+    """A fresh scheduler per request: diffusers schedulers keep per-run state (step index)."""
     return getattr(diffusers, class_name).from_config(pipeline.scheduler_config)
 
 
@@ -118,45 +123,82 @@ def to_png(pixels: torch.Tensor) -> bytes:
     return buffer.getvalue()
 
 
-@torch.inference_mode()
-def denoise_batch(
-    pipeline: ImagePipeline,
-    requests: list[DiffusionRequest],
-    seeds: list[int],
-    conds: list[tuple[Conditioning, Conditioning | None]],
-) -> list[ImageOutput]:
-    """Generate one image per request; all requests must share one ``batch_key``."""
-    height, width, num_steps, scheduler_name, guided = batch_key(pipeline, requests[0])
-    device, dtype = pipeline.device, pipeline.dtype
-    scheduler = make_scheduler(pipeline, scheduler_name)
-    scheduler.set_timesteps(num_steps, device=device)
+@dataclass
+class _Item:
+    """One request's state inside a job."""
 
-    channels = int(pipeline.transformer.config.in_channels)
-    factor = pipeline.vae_scale_factor
-    shape = (1, channels, height // factor, width // factor)
-    latents = torch.cat(
-        [
-            torch.randn(shape, generator=torch.Generator("cpu").manual_seed(s), dtype=dtype)
-            for s in seeds
-        ]
-    ).to(device)
-    latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)
+    request: DiffusionRequest
+    seed: int
+    cond: Conditioning
+    uncond: Conditioning | None
+    scheduler: Any
+    latents: torch.Tensor  # [1, C, h, w]
 
-    rows = [c for c, _ in conds]
-    if guided:  # diffusers' order: every unconditional row first, then the conditional ones
-        rows = [u for _, u in conds if u is not None] + rows
-    embeds, mask = _stack(rows)
-    scales = torch.tensor([r.params.guidance_scale for r in requests], dtype=dtype, device=device)
-    scales = scales.view(-1, 1, 1, 1)
-    # A null out_channels means "same as in_channels" (what diffusers saves by default).
-    out_channels = pipeline.transformer.config.out_channels or channels
-    learned_sigma = int(out_channels) // 2 == channels
-    added_cond_kwargs = micro_conditions(pipeline, height, width, embeds.shape[0])
 
-    for t in scheduler.timesteps:
-        model_input = torch.cat([latents] * 2) if guided else latents
-        if hasattr(scheduler, "scale_model_input"):
-            model_input = scheduler.scale_model_input(model_input, t)
+class DenoiseJob:
+    """Compatible requests (one ``batch_key``) denoised together, one step per ``advance``."""
+
+    @torch.inference_mode()
+    def __init__(
+        self, pipeline: ImagePipeline, requests: list[DiffusionRequest], seeds: list[int]
+    ) -> None:
+        self.pipeline = pipeline
+        self.key = batch_key(pipeline, requests[0])
+        height, width, num_steps, scheduler_name, self.guided = self.key
+        self.height, self.width = height, width
+        device, dtype = pipeline.device, pipeline.dtype
+        channels = int(pipeline.transformer.config.in_channels)
+        factor = pipeline.vae_scale_factor
+        shape = (1, channels, height // factor, width // factor)
+        self.items: list[_Item] = []
+        for request, seed in zip(requests, seeds, strict=True):
+            scheduler = make_scheduler(pipeline, scheduler_name)
+            scheduler.set_timesteps(num_steps, device=device)
+            noise = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype)
+            latents = noise.to(device) * getattr(scheduler, "init_noise_sigma", 1.0)
+            self.items.append(
+                _Item(request, seed, *conditioning(pipeline, request), scheduler, latents)
+            )
+        self.timesteps = self.items[0].scheduler.timesteps
+        self.step_index = 0
+        # A null out_channels means "same as in_channels" (what diffusers saves by default).
+        out_channels = pipeline.transformer.config.out_channels or channels
+        self.learned_sigma = int(out_channels) // 2 == channels
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [item.request.request_id for item in self.items]
+
+    @property
+    def is_done(self) -> bool:
+        return self.step_index >= len(self.timesteps)
+
+    def drop(self, request_id: str) -> DiffusionRequest | None:
+        """Take a request out of the job (abort); the others carry on unchanged."""
+        for item in self.items:
+            if item.request.request_id == request_id:
+                self.items.remove(item)
+                return item.request
+        return None
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """One denoising step for every request of the job."""
+        pipeline, device = self.pipeline, self.pipeline.device
+        t = self.timesteps[self.step_index]
+        latents = torch.cat(
+            [
+                item.scheduler.scale_model_input(item.latents, t)
+                if hasattr(item.scheduler, "scale_model_input")
+                else item.latents
+                for item in self.items
+            ]
+        )
+        rows = [item.cond for item in self.items]
+        if self.guided:  # diffusers' order: every unconditional row first, then the conditional
+            rows = [item.uncond for item in self.items if item.uncond is not None] + rows
+        embeds, mask = _stack(rows)
+        model_input = torch.cat([latents] * 2) if self.guided else latents
         timestep = t[None].to(device).expand(model_input.shape[0])
         with batch_invariant_kernels(device):
             noise_pred = pipeline.transformer(
@@ -164,30 +206,53 @@ def denoise_batch(
                 encoder_hidden_states=embeds,
                 encoder_attention_mask=mask,
                 timestep=timestep,
-                added_cond_kwargs=added_cond_kwargs,
+                added_cond_kwargs=micro_conditions(
+                    pipeline, self.height, self.width, embeds.shape[0]
+                ),
                 return_dict=False,
             )[0]
-        if guided:
+        if self.guided:
             uncond, text = noise_pred.chunk(2)
+            scales = torch.tensor(
+                [item.request.params.guidance_scale for item in self.items],
+                dtype=pipeline.dtype,
+                device=device,
+            ).view(-1, 1, 1, 1)
             noise_pred = uncond + scales * (text - uncond)
-        if learned_sigma:
+        if self.learned_sigma:
             noise_pred = noise_pred.chunk(2, dim=1)[0]
-        latents = scheduler.step(noise_pred, t, latents, return_dict=False)[0]
+        for i, item in enumerate(self.items):
+            item.latents = item.scheduler.step(
+                noise_pred[i : i + 1], t, item.latents, return_dict=False
+            )[0]
+        self.step_index += 1
 
-    vae = pipeline.vae
-    latents = latents.to(vae.dtype) / vae.config.scaling_factor
-    # One image at a time: VAE kernels round differently per batch size (see batch_invariance).
-    images = torch.cat(
-        [vae.decode(latents[i : i + 1], return_dict=False)[0] for i in range(len(requests))]
-    )
-    pixels = (images * 0.5 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu()
-    return [
-        ImageOutput(
-            png=to_png(pixels[i]),
-            width=width,
-            height=height,
-            seed=seeds[i],
-            pixels=pixels[i].clone() if request.params.return_pixels else None,
-        )
-        for i, request in enumerate(requests)
-    ]
+    @torch.inference_mode()
+    def finish(self) -> list[tuple[DiffusionRequest, ImageOutput]]:
+        """Decode every request's image, one at a time (VAE kernels round differently per
+        batch size, see ``batch_invariance``)."""
+        vae = self.pipeline.vae
+        results = []
+        for item in self.items:
+            latents = item.latents.to(vae.dtype) / vae.config.scaling_factor
+            image = vae.decode(latents, return_dict=False)[0]
+            pixels = (image[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0).float().cpu()
+            output = ImageOutput(
+                png=to_png(pixels),
+                width=self.width,
+                height=self.height,
+                seed=item.seed,
+                pixels=pixels.clone() if item.request.params.return_pixels else None,
+            )
+            results.append((item.request, output))
+        return results
+
+
+def denoise_batch(
+    pipeline: ImagePipeline, requests: list[DiffusionRequest], seeds: list[int]
+) -> list[ImageOutput]:
+    """Generate one image per request, all steps at once; all must share one ``batch_key``."""
+    job = DenoiseJob(pipeline, requests, seeds)
+    while not job.is_done:
+        job.advance()
+    return [image for _, image in job.finish()]

@@ -1,11 +1,22 @@
 """The diffusion stage engine: batches image requests, and sleeps and wakes its weights.
 
+Scheduling: requests wait in arrival order; a batch forms around the oldest waiting request,
+of the waiting requests that can share its denoising loop (same size, steps, scheduler,
+guidance), up to ``max_batch_size``. Up to ``max_active_batches`` batches are in flight at
+once and take turns, one denoising step each per engine step, so a small request arriving
+behind a large one starts at once and finishes in about its own time times the number of
+batches in flight — no request waits for another's whole run. Aborts are handled between
+steps: an aborted request leaves its batch at the next step, the others carry on. Limits
+(``max_image_pixels``, ``max_inference_steps``) are checked in the API process before a
+request is queued, so no single request can hold the stage for long.
+
 A diffusion stage has no KV cache, so control is simpler than for an AR stage:
 
-- ``pause(mode)`` gates scheduling only. "abort" ends every waiting request with
-  finish_reason "abort"; "wait" lets the requests already in the engine run to completion
-  while new ones queue until ``resume()``; "keep" holds every request in the queue and they
-  run after resume. Requests arriving while paused are queued either way.
+- ``pause(mode)`` gates scheduling only. "abort" ends every request (queued or running)
+  with finish_reason "abort"; "wait" lets the requests already in the engine run to
+  completion while new ones queue until ``resume()``; "keep" holds every request where it is
+  — running batches keep their latents — and they continue after resume. Requests arriving
+  while paused are queued either way.
 - ``sleep(level, mode)`` pauses with ``mode`` (unless already paused) and releases the arena
   through the worker's ``SleepController``. Level 0 pauses only. With "keep", queued
   requests survive the sleep and run after wake.
@@ -36,7 +47,7 @@ from omnistage.errors import (
     StageInternalError,
 )
 from omnistage.memory import Arena
-from omnistage.stage.diffusion.denoise import batch_key, conditioning, denoise_batch
+from omnistage.stage.diffusion.denoise import DenoiseJob, batch_key
 from omnistage.stage.diffusion.params import (
     MAX_SEED,
     DiffusionRequest,
@@ -80,8 +91,10 @@ class DiffusionStageEngine:
         self._pause_mode: str | None = None
         self._drain_ids: set[str] = set()  # mode "wait": requests that still run while paused
         self._asleep_at_level0 = False
+        self._jobs: list[DenoiseJob] = []  # batches being denoised, a step at a time
         self.num_batches = 0
         self.last_batch_size = 0
+        self.num_steps = 0
 
     @property
     def stage_id(self) -> int:
@@ -116,7 +129,8 @@ class DiffusionStageEngine:
             raise StageAsleepError(self.stage_id)
         self.sleep_control.check_can_generate()
         validate_request(request, self.limits)
-        if any(r.request_id == request.request_id for r in self._waiting):
+        queued = any(r.request_id == request.request_id for r in self._waiting)
+        if queued or any(request.request_id in job.request_ids for job in self._jobs):
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already queued")
         self._waiting.append(request)
 
@@ -138,65 +152,103 @@ class DiffusionStageEngine:
         )
 
     def abort(self, request_id: str) -> None:
-        """End a queued request with finish_reason "abort" (reported by the next step)."""
+        """End a request with finish_reason "abort" (reported by the next step): a queued one,
+        or one in a running batch, which the others of its batch finish without."""
         for request in list(self._waiting):
             if request.request_id == request_id:
                 self._waiting.remove(request)
                 self._finish_aborted(request)
+        for job in list(self._jobs):
+            dropped = job.drop(request_id)
+            if dropped is not None:
+                self._finish_aborted(dropped)
+                if not job.items:
+                    self._jobs.remove(job)
 
     def step(self) -> list[StageOutput]:
-        """Deliver queued outputs, then denoise one batch if anything may run."""
+        """Deliver queued outputs, start a batch if there is room, then advance one batch by
+        one denoising step (batches take turns)."""
+        if self.sleep_control.weights_valid:  # asleep, or not reloaded: never run on garbage
+            if len(self._jobs) < self.config.max_active_batches:
+                self._start_job()
+            runnable = [job for job in self._jobs if self._may_run(job.request_ids)]
+            if runnable:
+                self._advance(runnable[self.num_steps % len(runnable)])
         outputs, self._finished = self._finished, []
-        batch = self._next_batch()
-        if batch:
-            outputs += self._run(batch)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._finished)
+        return bool(self._waiting or self._jobs or self._finished)
 
-    def _may_run(self, request: DiffusionRequest) -> bool:
-        return self._pause_mode is None or request.request_id in self._drain_ids
-
-    def _next_batch(self) -> list[DiffusionRequest]:
+    def has_runnable_work(self) -> bool:
+        """Whether ``step()`` would make progress now (the stage loop does not wait then)."""
+        if self._finished:
+            return True
         if not self.sleep_control.weights_valid:
-            return []  # asleep, or discarded and not reloaded: never run on garbage
-        runnable = [r for r in self._waiting if self._may_run(r)]
+            return False
+        return any(self._may_run(job.request_ids) for job in self._jobs) or any(
+            self._may_run([r.request_id]) for r in self._waiting
+        )
+
+    def _may_run(self, request_ids: list[str]) -> bool:
+        if self._pause_mode is None:
+            return True
+        return self._pause_mode == "wait" and all(r in self._drain_ids for r in request_ids)
+
+    def _start_job(self) -> None:
+        """A batch around the oldest runnable request, of the requests that fit with it."""
+        runnable = [r for r in self._waiting if self._may_run([r.request_id])]
         if not runnable:
-            return []
+            return
         key = batch_key(self.pipeline, runnable[0])
         batch = [r for r in runnable if batch_key(self.pipeline, r) == key]
         batch = batch[: self.config.max_batch_size]
         for request in batch:
             self._waiting.remove(request)
-        return batch
-
-    def _run(self, batch: list[DiffusionRequest]) -> list[StageOutput]:
         seeds = [
             r.params.seed if r.params.seed is not None else secrets.randbelow(MAX_SEED)
             for r in batch
         ]
         self.num_batches += 1
         self.last_batch_size = len(batch)
-        self._drain_ids.difference_update(r.request_id for r in batch)
         try:
-            conds = [conditioning(self.pipeline, r) for r in batch]
-            images = denoise_batch(self.pipeline, batch, seeds, conds)
-        except Exception as exc:  # a failed batch fails its requests, not the stage
-            if is_process_fault(exc):
-                raise
-            logger.exception("diffusion batch failed")
-            error = StageInternalError(f"{type(exc).__name__}: {exc}")
-            return [
-                StageOutput(r.request_id, finished=True, finish_reason="error", error=error)
-                for r in batch
-            ]
-        return [
-            StageOutput(
-                r.request_id, finished=True, finish_reason="stop", payload={"images": [image]}
+            self._jobs.append(DenoiseJob(self.pipeline, batch, seeds))
+        except Exception as exc:
+            self._fail(batch, exc)
+
+    def _advance(self, job: DenoiseJob) -> None:
+        self.num_steps += 1
+        try:
+            job.advance()
+            if not job.is_done:
+                return
+            self._jobs.remove(job)
+            for request, image in job.finish():
+                self._drain_ids.discard(request.request_id)
+                self._finished.append(
+                    StageOutput(
+                        request.request_id,
+                        finished=True,
+                        finish_reason="stop",
+                        payload={"images": [image]},
+                    )
+                )
+        except Exception as exc:
+            if job in self._jobs:
+                self._jobs.remove(job)
+            self._fail([item.request for item in job.items], exc)
+
+    def _fail(self, batch: list[DiffusionRequest], exc: Exception) -> None:
+        """A failed batch fails its requests, not the stage (a process fault propagates)."""
+        if is_process_fault(exc):
+            raise exc
+        logger.exception("stage %d: a batch of %d requests failed", self.stage_id, len(batch))
+        error = StageInternalError(f"{type(exc).__name__}: {exc}")
+        for request in batch:
+            self._drain_ids.discard(request.request_id)
+            self._finished.append(
+                StageOutput(request.request_id, finished=True, finish_reason="error", error=error)
             )
-            for r, image in zip(batch, images, strict=True)
-        ]
 
     def _finish_aborted(self, request: DiffusionRequest) -> None:
         self._drain_ids.discard(request.request_id)
@@ -208,14 +260,14 @@ class DiffusionStageEngine:
         """Stop scheduling (see the module docstring); returns the number of aborted requests."""
         check_mode(mode)
         self._pause_mode = mode
-        self._drain_ids = {r.request_id for r in self._waiting} if mode == "wait" else set()
+        running = [r for job in self._jobs for r in job.request_ids]
+        queued = [r.request_id for r in self._waiting]
+        self._drain_ids = set(running + queued) if mode == "wait" else set()
         if mode != "abort":
             return 0
-        aborted = list(self._waiting)
-        self._waiting.clear()
-        for request in aborted:
-            self._finish_aborted(request)
-        return len(aborted)
+        for request_id in running + queued:
+            self.abort(request_id)
+        return len(running) + len(queued)
 
     def resume(self) -> None:
         self._pause_mode = None
@@ -291,7 +343,8 @@ class DiffusionStageEngine:
             "weights_valid": control.weights_valid,
             "weight_sources": control.weight_sources,
             "num_waiting": len(self._waiting),
-            "num_running": 0,  # batches run to completion inside step()
+            "num_running": sum(len(job.items) for job in self._jobs),
+            "num_active_batches": len(self._jobs),
             "num_batches": self.num_batches,
             "weight_bytes": self.pipeline.weight_bytes,
             "memory": control.memory_stats(),

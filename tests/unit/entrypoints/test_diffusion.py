@@ -77,16 +77,16 @@ def test_generate_at_level0_sleep_raises_instead_of_waiting_forever(pipe):
 
 
 def test_a_failed_request_leaves_no_other_request_queued(pipe, monkeypatch):
-    from omnistage.stage.diffusion import engine as engine_module
+    from omnistage.stage.diffusion.denoise import DenoiseJob
 
-    real_denoise = engine_module.denoise_batch
+    real_advance = DenoiseJob.advance
 
-    def fail_small_images(pipeline, requests, seeds, conds):
-        if requests[0].params.height == 32:
+    def fail_small_images(job):
+        if job.height == 32:
             raise RuntimeError("boom")
-        return real_denoise(pipeline, requests, seeds, conds)
+        return real_advance(job)
 
-    monkeypatch.setattr(engine_module, "denoise_batch", fail_small_images)
+    monkeypatch.setattr(DenoiseJob, "advance", fail_small_images)
     small = DiffusionParams(seed=4, num_inference_steps=3, height=32)
     with pytest.raises(RuntimeError, match="boom"):
         pipe.generate(["a red cat", "a blue dog"], [small, PARAMS])  # two batches

@@ -46,6 +46,16 @@ def run_all(engine, requests) -> dict:
     return outputs
 
 
+def step_until_output(engine, max_steps: int = 1000) -> list:
+    """Step the engine until a step returns outputs (a request runs one denoising step per
+    engine step); returns them."""
+    for _ in range(max_steps):
+        outputs = engine.step()
+        if outputs:
+            return outputs
+    raise AssertionError(f"no output after {max_steps} steps")
+
+
 def png_of(output) -> bytes:
     assert output.finish_reason == "stop", output.error
     return output.payload["images"][0].png

@@ -13,7 +13,12 @@ from omnistage.errors import (
 )
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
 from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest
-from tests.unit.stage.diffusion.conftest import diffusion_config, png_of, run_all
+from tests.unit.stage.diffusion.conftest import (
+    diffusion_config,
+    png_of,
+    run_all,
+    step_until_output,
+)
 
 PARAMS = DiffusionParams(seed=11, num_inference_steps=4)
 
@@ -166,10 +171,10 @@ def test_pause_wait_drains_old_requests_and_holds_new_ones(engine):
         DiffusionRequest("new", prompt="b", params=DiffusionParams(seed=1, num_inference_steps=4))
     )
     assert not engine.is_drained()
-    assert [o.request_id for o in engine.step()] == ["old"]
+    assert [o.request_id for o in step_until_output(engine)] == ["old"]
     assert engine.is_drained() and engine.step() == []
     engine.resume()
-    assert [o.request_id for o in engine.step()] == ["new"]
+    assert [o.request_id for o in step_until_output(engine)] == ["new"]
 
 
 def test_sleep_keep_holds_requests_until_wake(engine):
@@ -178,14 +183,14 @@ def test_sleep_keep_holds_requests_until_wake(engine):
     assert ack.metadata.mode == "keep" and ack.metadata.aborted == 0
     assert engine.step() == [] and engine.status()["num_waiting"] == 1
     engine.wake_up()
-    assert [o.finish_reason for o in engine.step()] == ["stop"]
+    assert [o.finish_reason for o in step_until_output(engine)] == ["stop"]
 
 
 def test_sleep_wait_refuses_until_drained(engine):
     engine.add_request(DiffusionRequest("drain", prompt="a", params=PARAMS))
     with pytest.raises(RuntimeError, match="is_drained"):
         engine.sleep(level=1, mode="wait")
-    engine.step()
+    step_until_output(engine)
     assert engine.sleep(level=1, mode="wait").status == "SUCCESS"
     engine.wake_up()
 
@@ -258,7 +263,7 @@ def test_refused_sleep_does_not_touch_requests(engine):
     with pytest.raises(InvalidRequestError) as info:
         engine.sleep(level=3)
     assert info.value.field == "level"
-    assert [o.request_id for o in engine.step()] == ["survivor"]
+    assert [o.request_id for o in step_until_output(engine)] == ["survivor"]
 
 
 def test_transformer_config_without_out_channels_runs(image_cond_folder, tmp_path):
@@ -303,3 +308,44 @@ def test_a_failed_build_frees_its_arena(image_cond_folder, tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match="use_dynamic_shifting"):
         DiffusionStageEngine(diffusion_config(folder))
     assert len(closed_with_bytes) == 1 and closed_with_bytes[0] > 0  # weights were adopted
+
+
+def test_an_aborted_request_leaves_its_batch_at_the_next_step(engine):
+    params = DiffusionParams(seed=2, num_inference_steps=6)
+    alone = png_of(
+        run_all(engine, [DiffusionRequest("b-alone", prompt="dog", params=params)])["b-alone"]
+    )
+    engine.add_request(DiffusionRequest("a", prompt="a red cat", params=params))
+    engine.add_request(DiffusionRequest("b", prompt="dog", params=params))
+    engine.step()
+    engine.step()  # both are mid-way through one batch
+    assert engine.status()["num_running"] == 2
+    engine.abort("a")
+    assert [(o.request_id, o.finish_reason) for o in engine.step()] == [("a", "abort")]
+    outputs = {o.request_id: o for o in step_until_output(engine)}
+    assert png_of(outputs["b"]) == alone  # the survivor's image is untouched
+
+
+def test_a_small_request_is_not_held_behind_a_long_one(engine):
+    engine.add_request(
+        DiffusionRequest("long", prompt="a", params=DiffusionParams(seed=1, num_inference_steps=40))
+    )
+    engine.step()  # the long one is running
+    engine.add_request(
+        DiffusionRequest(
+            "short", prompt="b", params=DiffusionParams(seed=1, num_inference_steps=2, height=32)
+        )
+    )
+    finished = [o.request_id for o in step_until_output(engine)]
+    assert finished == ["short"] and engine.status()["num_running"] == 1
+    assert [o.request_id for o in step_until_output(engine)] == ["long"]
+
+
+def test_a_kept_batch_continues_after_a_level2_sleep_with_the_same_image(engine, reference_png):
+    engine.add_request(DiffusionRequest("kept-mid", prompt="a red cat", params=PARAMS))
+    engine.step()
+    engine.step()  # mid-way
+    ack = engine.sleep(level=2, mode="keep")
+    assert ack.status == "SUCCESS" and engine.step() == []
+    engine.wake_up()
+    assert png_of(step_until_output(engine)[0]) == reference_png
