@@ -30,7 +30,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
     p.add_argument(
         "name",
-        choices=["arena", "ar", "diffusion", "control", "all"],
+        choices=["arena", "ar", "diffusion", "control", "robustness", "all"],
         help="Which benchmark to run.",
     )
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
@@ -45,7 +45,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ["arena", "ar", "diffusion", "control"] if args.name == "all" else [args.name]
+    names = ["arena", "ar", "diffusion", "control", "robustness"]
+    names = names if args.name == "all" else [args.name]
     for name in names:
         module = importlib.import_module(f"omnistage.bench.{name}")
         if name == "arena":

@@ -35,3 +35,45 @@ def test_model_path_becomes_one_ar_stage(tmp_path):
     pipeline = ServerConfig(model=str(tmp_path), enable_sleep_mode=True).pipeline_config()
     (stage,) = pipeline.stages
     assert stage.kind == "ar" and stage.model == str(tmp_path) and stage.enable_sleep_mode
+
+
+@pytest.mark.parametrize("key", ["", " ", "secret "])
+@pytest.mark.parametrize("field", ["api_key", "control_api_key"])
+def test_blank_keys_are_refused_instead_of_disabling_auth(field, key):
+    with pytest.raises(ValidationError, match=field):
+        ServerConfig(pipeline="tiny-chat", **{field: key})
+
+
+def test_an_empty_api_key_flag_fails_with_one_line(capsys):
+    from omnistage.cli import main
+
+    assert main(["serve", "--pipeline", "tiny-chat", "--api-key", ""]) == 2
+    assert "--api-key" in capsys.readouterr().err
+
+
+def _app_client(**settings):
+    from fastapi.testclient import TestClient
+
+    from omnistage.entrypoints.openai.api_server import build_app
+    from tests.unit.entrypoints.serve.conftest import FakeEngine
+
+    config = ServerConfig(pipeline="tiny-chat", **settings)
+    return TestClient(build_app(config, engine_client=FakeEngine()))
+
+
+def test_the_schema_follows_the_data_key_and_no_cdn_pages_are_served():
+    with _app_client(api_key="data-key") as client:
+        assert client.get("/openapi.json").status_code == 401
+        schema = client.get("/openapi.json", headers={"Authorization": "Bearer data-key"})
+        assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
+        assert client.get("/docs").status_code == 404
+        assert client.get("/redoc").status_code == 404
+
+
+def test_bodies_over_the_limit_are_413_naming_the_setting():
+    with _app_client(max_request_body_bytes=1000) as client:
+        reply = client.post("/v1/chat/completions", content=b"x" * 1001)
+        assert reply.status_code == 413
+        assert "--max-request-body-bytes" in reply.json()["error"]["message"]
+        small = client.post("/v1/chat/completions", content=b"{not json")
+        assert small.status_code == 400  # under the limit: the route's own validation answers

@@ -1,0 +1,179 @@
+"""What robustness costs and buys, through a real ``omnistage serve`` over HTTP.
+
+- Fairness: the latency of a 4-token chat alone, beside 64 concurrent chat clients, and
+  beside those clients plus hostile requests (a 4096x4096 image, a 50 MB body — both refused
+  up front). The baseline is the same chat on an idle server, in the same run.
+- Restart: a stage killed with SIGKILL, until the server has it back and until it answers
+  again, against a cold start of the whole server to its first answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from omnistage.bench.report import write_results
+
+COLUMNS = ["case", "p50_ms", "p90_ms", "max_ms", "vs_idle", "statuses"]
+RESTART_COLUMNS = ["stage", "back_ms", "first_answer_ms", "cold_start_ms", "vs_cold_start"]
+NUM_CLIENTS = 64
+PROBES = 20
+CHAT = {"max_tokens": 4, "temperature": 0.0}
+
+
+class Server:
+    """``omnistage serve`` on a free port, stopped on exit."""
+
+    def __init__(self, *args: str) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(port), *args]
+        self.process = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+
+    def __enter__(self) -> Server:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}")
+            time.sleep(0.05)
+        raise RuntimeError("server not ready after 300 s")
+
+    def __exit__(self, *exc: object) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def stages(self) -> list[dict[str, Any]]:
+        return list(httpx.get(self.url + "/v1/omni/stages", timeout=30).json()["stages"])
+
+    def chat_ms(self, text: str = "how long?") -> float:
+        start = time.perf_counter()
+        body = {"messages": [{"role": "user", "content": text}], **CHAT}
+        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+        r.raise_for_status()
+        return (time.perf_counter() - start) * 1e3
+
+
+async def _probe(url: str, background: bool, hostile: bool) -> tuple[list[float], list[int]]:
+    done = asyncio.Event()
+    limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
+        async def chat(text: str, max_tokens: int) -> float:
+            body = {"messages": [{"role": "user", "content": text}], **CHAT}
+            body["max_tokens"] = max_tokens
+            start = time.perf_counter()
+            headers = {"Connection": "close"}
+            r = await client.post(url + "/v1/chat/completions", json=body, headers=headers)
+            r.raise_for_status()
+            return (time.perf_counter() - start) * 1e3
+
+        async def keep_talking(i: int) -> None:
+            while not done.is_set():
+                await chat(f"client {i}", 16)
+
+        count = NUM_CLIENTS if background else 0
+        workers = [asyncio.ensure_future(keep_talking(i)) for i in range(count)]
+        await asyncio.sleep(1.0 if background else 0)
+        statuses: list[int] = []
+        if hostile:
+            huge = {"prompt": "a huge cat", "size": "4096x4096", "num_inference_steps": 200}
+            body = json.dumps({"messages": [{"role": "user", "content": "x" * 50_000_000}]})
+            replies = await asyncio.gather(
+                client.post(url + "/v1/images/generations", json=huge),
+                client.post(url + "/v1/chat/completions", content=body.encode()),
+            )
+            statuses = [r.status_code for r in replies]
+        latencies = [await chat(f"probe {i}", 4) for i in range(PROBES)]
+        done.set()
+        await asyncio.gather(*workers)
+    return latencies, statuses
+
+
+def _row(case: str, latencies: list[float], idle_p50: float, statuses: list[int]) -> dict:
+    ordered = sorted(latencies)
+    p50 = statistics.median(ordered)
+    return {
+        "case": case,
+        "p50_ms": p50,
+        "p90_ms": ordered[int(0.9 * (len(ordered) - 1))],
+        "max_ms": ordered[-1],
+        "vs_idle": p50 / idle_p50,
+        "statuses": ",".join(map(str, statuses)) or "-",
+    }
+
+
+def bench_fairness(server: Server) -> list[dict[str, Any]]:
+    idle, _ = asyncio.run(_probe(server.url, background=False, hostile=False))
+    idle_p50 = statistics.median(idle)
+    busy, _ = asyncio.run(_probe(server.url, background=True, hostile=False))
+    hostile, statuses = asyncio.run(_probe(server.url, background=True, hostile=True))
+    return [
+        _row("idle server", idle, idle_p50, []),
+        _row(f"beside {NUM_CLIENTS} clients", busy, idle_p50, []),
+        _row(f"beside {NUM_CLIENTS} clients + 4096x4096 image + 50 MB body", hostile, idle_p50,
+             statuses),
+    ]  # fmt: skip
+
+
+def bench_restart(server: Server, cold_start_ms: float) -> list[dict[str, Any]]:
+    rows = []
+    for stage in server.stages():
+        sid, restarts = stage["stage_id"], stage["restarts"]
+        os.kill(stage["pid"], signal.SIGKILL)
+        killed = time.perf_counter()
+        while server.stages()[sid]["restarts"] == restarts:
+            time.sleep(0.01)
+        back = (time.perf_counter() - killed) * 1e3
+        extra = {} if sid == 0 else {"modalities": ["text", "image"], "num_inference_steps": 2}
+        start = time.perf_counter()
+        body = {"messages": [{"role": "user", "content": "back?"}], **CHAT, **extra}
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).raise_for_status()
+        first = back + (time.perf_counter() - start) * 1e3
+        rows.append(
+            {
+                "stage": f"{sid} ({stage['name']})",
+                "back_ms": back,
+                "first_answer_ms": first,
+                "cold_start_ms": cold_start_ms,
+                "vs_cold_start": cold_start_ms / first,
+            }
+        )
+    return rows
+
+
+def run(out_dir: str, device: str = "cpu") -> str:
+    args = ("--pipeline", "tiny-omni", "--device", device, "--max-stage-restarts", "5")
+    start = time.perf_counter()
+    with Server(*args) as server:
+        server.chat_ms()
+        cold_start_ms = (time.perf_counter() - start) * 1e3
+        fairness = bench_fairness(server)
+        restart = bench_restart(server, cold_start_ms)
+    name = device.replace(":", "")
+    tables = [
+        write_results(out_dir, f"fairness-{name}", fairness, COLUMNS),
+        write_results(out_dir, f"restart-{name}", restart, RESTART_COLUMNS),
+    ]
+    return "\n\n".join(tables)
