@@ -16,16 +16,17 @@ Sapphire/Emerald Rapids (AVX-512), torch 2.13 (MKL 2024.2, oneDNN 3.12), fp32:
   sets it in the environment (``enable_strict_cnr``): stage processes are spawned, import
   omnistage before torch does any math, and pass the environment on to their children. In
   a process that ran a GEMM before importing omnistage, MKL stays in its default mode.
-  Cost: most shapes run as fast as before (or faster), but single-row GEMMs lose MKL's
-  multi-threaded path: one row through an LM-head-sized 896 x 151936 GEMM took 34 ms
-  instead of 17 ms on 2 threads. ``OMNISTAGE_BATCH_INVARIANT=0`` (or any ``MKL_CBWR`` of the
-  user's own, which is left alone) keeps MKL's default mode and that speed, and gives up
-  bit-identity.
+  Cost: GEMMs of two or more rows run about as fast as before (some faster), but single-row
+  GEMMs take about twice as long (one row through an LM-head-sized 896 x 151936 GEMM: 66 ms
+  instead of 34 ms on one thread, 35 ms instead of 17 ms on two; no other CNR branch is
+  faster). Decoding the tiny demo model, 32 sequences at once ran 1-7% slower, one sequence
+  alone 22% slower. ``OMNISTAGE_BATCH_INVARIANT=0`` (or any ``MKL_CBWR`` of the user's own,
+  which is left alone) keeps MKL's default mode and that speed, and gives up bit-identity.
 - **AR decode attention** (``omnistage/models/ar_attention.py``). The CPU SDPA kernel splits
   keys into 512-slot chunks and its sums change with the length of the last chunk, masked
   slots included; a batch padded to its widest block table changed a 1000-token sequence's
-  result. On the CPU each sequence attends over a width that depends on its own length only
-  (the next power of two of its block count); prefill already attends per sequence.
+  result. On the CPU each sequence attends over exactly its own blocks (sequences with as
+  many blocks share a call); prefill already attends per sequence.
 - **silu** (``omnistage/models/qwen2.py``). ATen splits elementwise ops into one chunk per
   thread whose last partial SIMD step takes the scalar function; silu's scalar ``std::exp``
   rounds differently from the SIMD one, and where chunks end depends on the number of

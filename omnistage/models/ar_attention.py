@@ -5,11 +5,18 @@ head_dim]``; a token's *slot* is ``block_id * block_size + offset``. Prefill att
 freshly computed k/v of each sequence (no prefix is ever cached, so a prefill always starts at
 position 0); decode gathers each sequence's blocks through its block table and masks the
 slots past its length. Correct and simple first: no custom kernels.
+
+On the CPU a sequence's attention never depends on what else is in the batch (see
+``omnistage/batch_invariance.py``): prefill attends over each sequence alone, and decode
+attends over exactly the sequence's own blocks, never over the widest block table of the batch
+— the CPU kernel splits keys into 512-slot chunks and its sums change with the length of the
+last chunk, masked slots included. Sequences with as many blocks share one call
+(``DecodeGroup``); the groups are worked out once per step and shared by every layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +39,26 @@ class AttentionContext:
     cu_seqlens: list[int] | None = None
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
+    _decode_groups: list[DecodeGroup] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def decode_groups(self, block_size: int) -> list[DecodeGroup]:
+        """The CPU decode groups of this step (``decode_groups``), made on first use."""
+        if self.block_tables is None or self.context_lens is None:
+            raise ValueError("decode needs block_tables and context_lens")
+        if self._decode_groups is None:
+            self._decode_groups = decode_groups(self.block_tables, self.context_lens, block_size)
+        return self._decode_groups
+
+
+@dataclass
+class DecodeGroup:
+    """Sequences of one decode step with the same number of blocks, attended in one call."""
+
+    rows: torch.Tensor | None  # their rows in the batch; None: every row
+    block_tables: torch.Tensor  # [n, blocks]: exactly their blocks
+    mask: torch.Tensor  # [n, 1, 1, blocks * block_size]: True for the slots they hold
 
 
 def store_kv(kv_cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -71,17 +98,94 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its cached tokens.
 
-    ``q`` is ``[B, num_heads, head_dim]``; the new token's k/v must already be stored.
-    Shapes depend only on ``block_tables``' shape, so the call can be captured in a graph.
+    ``q`` is ``[B, num_heads, head_dim]``; the new token's k/v must already be stored. On the
+    CPU each sequence attends over exactly its own blocks (``decode_groups``), so its result
+    does not depend on the batch. Elsewhere it is one call over the batch's padded block
+    tables, whose shapes depend only on ``block_tables``' shape, so the call can be captured
+    in a CUDA graph. ``decode_attention`` does the same with the groups kept per step.
     """
-    k_cache, v_cache = kv_cache
+    if q.device.type != "cpu":
+        return _padded_decode_attention(q, kv_cache, block_tables, context_lens, scale)
+    groups = decode_groups(block_tables, context_lens, kv_cache[0].shape[1])
+    return _grouped_decode_attention(q, kv_cache, groups, scale)
+
+
+def decode_attention(
+    q: torch.Tensor, kv_cache: KVCacheLayer, context: AttentionContext, scale: float
+) -> torch.Tensor:
+    """``paged_decode_attention`` for a decode ``context``, whose CPU groups every layer of the
+    step shares."""
+    if context.block_tables is None or context.context_lens is None:
+        raise ValueError("decode needs block_tables and context_lens")
+    if q.device.type != "cpu":
+        return _padded_decode_attention(
+            q, kv_cache, context.block_tables, context.context_lens, scale
+        )
+    groups = context.decode_groups(kv_cache[0].shape[1])
+    return _grouped_decode_attention(q, kv_cache, groups, scale)
+
+
+def decode_groups(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> list[DecodeGroup]:
+    """Group a decode batch by each sequence's own number of blocks.
+
+    A sequence then attends over its length rounded up to a block, whatever else is in the
+    batch: a function of the sequence alone, which bit-identity needs, at no more work than
+    its own blocks. (Exact lengths would give as many calls as distinct lengths; padding to a
+    power of two doubles the work of a batch of equal lengths: both measured slower.)
+    """
+    by_blocks: dict[int, list[int]] = {}
+    for i, length in enumerate(context_lens.tolist()):
+        by_blocks.setdefault(-(-length // block_size), []).append(i)
+    groups = []
+    for num_blocks, rows in by_blocks.items():
+        index = None if len(by_blocks) == 1 else torch.tensor(rows, device=block_tables.device)
+        tables = block_tables if index is None else block_tables[index]
+        lens = context_lens if index is None else context_lens[index]
+        slots = torch.arange(num_blocks * block_size, device=block_tables.device)
+        mask = (slots[None, :] < lens[:, None]).view(len(rows), 1, 1, -1)
+        groups.append(DecodeGroup(index, tables[:, :num_blocks], mask))
+    return groups
+
+
+def _grouped_decode_attention(
+    q: torch.Tensor, kv_cache: KVCacheLayer, groups: list[DecodeGroup], scale: float
+) -> torch.Tensor:
+    if len(groups) == 1 and groups[0].rows is None:
+        return _attend(q, kv_cache, groups[0].block_tables, groups[0].mask, scale)
+    out = torch.empty_like(q)
+    for group in groups:
+        out[group.rows] = _attend(q[group.rows], kv_cache, group.block_tables, group.mask, scale)
+    return out
+
+
+def _padded_decode_attention(
+    q: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One call over every sequence's ``block_tables`` row, slots past its length masked."""
     batch, max_blocks = block_tables.shape
-    max_len = max_blocks * k_cache.shape[1]
+    positions = torch.arange(max_blocks * kv_cache[0].shape[1], device=q.device)
+    mask = (positions[None, :] < context_lens[:, None]).view(batch, 1, 1, -1)
+    return _attend(q, kv_cache, block_tables, mask, scale)
+
+
+def _attend(
+    q: torch.Tensor,
+    kv_cache: KVCacheLayer,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """SDPA of ``q`` (``[B, heads, dim]``) over the blocks of ``block_tables`` where ``mask``."""
+    k_cache, v_cache = kv_cache
     # [B, blocks, block_size, kv_heads, dim] -> [B, kv_heads, blocks * block_size, dim]
     k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
-    positions = torch.arange(max_len, device=q.device)
-    mask = (positions[None, :] < context_lens[:, None]).view(batch, 1, 1, max_len)
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )

@@ -5,11 +5,18 @@ the loader fills the model without renaming. The forward pass takes a flat batch
 (``input_ids`` and ``positions`` of shape ``[T]``) and returns the final hidden states (after
 the last norm); ``compute_logits`` turns the rows it is given into vocabulary logits. Numerics
 follow transformers (RMSNorm in fp32, rotary tables computed per call in fp32).
+
+On the CPU a token's hidden state does not depend on the other tokens of the batch, bit for bit
+(see ``omnistage/batch_invariance.py``): GEMM rows are made invariant by MKL's strict CNR mode,
+attention by ``ar_attention``, and silu, which rounds differently on its SIMD and scalar paths,
+runs through ``rowwise``. (cos, sin and exp take the SIMD path for every element already.)
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +26,54 @@ from omnistage.models.ar_attention import (
     AttentionContext,
     KVCacheLayer,
     causal_attention,
-    paged_decode_attention,
+    decode_attention,
     store_kv,
 )
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
+
+# ATen runs an elementwise CPU op on one thread below this many elements
+# (at::internal::GRAIN_SIZE).
+_GRAIN_SIZE = 32768
+# Elements per step of ATen's SIMD loop: two vectors (32 fp32 with AVX-512; 64 also covers
+# two AVX-512 vectors of bf16/fp16).
+_SIMD_STEP = 64
+
+
+@functools.lru_cache(maxsize=4096)
+def rowwise_rows(rows: int, row_numel: int, threads: int) -> int:
+    """Rows (>= ``rows``) to run an elementwise CPU op on so that every element takes the SIMD
+    path, whatever the number of rows.
+
+    ATen splits an elementwise op into one contiguous chunk per thread (``divup(numel, n)``
+    elements for ``n = min(threads, divup(numel, GRAIN_SIZE))`` threads) and runs each chunk
+    in SIMD steps; the chunk's last partial step takes the scalar function, which for some
+    functions (silu: ``std::exp`` against Sleef's exp) rounds differently from the SIMD one.
+    Where chunks end depends on the total size, so a token's row would differ in the last bits
+    with the rest of the batch, unless the rows are padded until every chunk is a whole number
+    of steps.
+    """
+    padded = rows
+    while True:
+        numel = padded * row_numel
+        chunks = (
+            1 if threads == 1 or numel < _GRAIN_SIZE else min(threads, -(-numel // _GRAIN_SIZE))
+        )
+        if numel % (_SIMD_STEP * chunks) == 0:
+            return padded
+        padded += 1
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn`` and a contiguous ``x`` whose first dim is tokens, each
+    row computed alike however many rows there are (see ``rowwise_rows``; CPU only)."""
+    if x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0:
+        return fn(x)
+    rows = x.shape[0]
+    padded = rowwise_rows(rows, x.numel() // rows, torch.get_num_threads())
+    if padded == rows:
+        return fn(x)
+    pad = x.new_zeros(padded - rows, *x.shape[1:])
+    return fn(torch.cat((x, pad)))[:rows]
 
 
 class RMSNorm(nn.Module):
@@ -127,9 +178,7 @@ class Attention(nn.Module):
             else:
                 if kv_cache is None or context.block_tables is None or context.context_lens is None:
                     raise ValueError("decode needs a KV cache, block_tables and context_lens")
-                out = paged_decode_attention(
-                    q, kv_cache, context.block_tables, context.context_lens, self.scale
-                )
+                out = decode_attention(q, kv_cache, context, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -142,7 +191,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

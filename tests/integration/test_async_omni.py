@@ -211,3 +211,26 @@ async def test_stage_woken_without_weights_counts_as_sleeping_until_reloaded(tin
     await tiny_omni.resume_generation([0])
     assert tiny_omni.sleeping_stage_ids() == set()
     assert (await collect(tiny_omni, "weights please", ["text"])).token_ids == before.token_ids
+
+
+async def test_a_text_and_image_request_gives_the_same_png_under_any_load(tiny_omni):
+    """The thinker's hidden states handed to the image stage do not depend on batch-mates."""
+    image = {"seed": 4, "num_inference_steps": 4}
+    alone = await collect(tiny_omni, "draw a quiet lake", ["text", "image"], image=image)
+    texts = [
+        collect(
+            tiny_omni,
+            "talk " * (1 + i % 9) + str(i),
+            ["text"],
+            {"temperature": 0.0, "max_tokens": 4 + i % 13},
+        )
+        for i in range(63)
+    ]
+    others = [
+        collect(tiny_omni, f"another picture {i}", ["text", "image"], image={"seed": i})
+        for i in range(3)
+    ]
+    target = collect(tiny_omni, "draw a quiet lake", ["text", "image"], image=image)
+    loaded, *_ = await asyncio.gather(target, *texts, *others)
+    assert loaded.token_ids == alone.token_ids
+    assert loaded.pngs == alone.pngs

@@ -154,7 +154,9 @@ class DenoiseJob:
         for request, seed in zip(requests, seeds, strict=True):
             scheduler = make_scheduler(pipeline, scheduler_name)
             scheduler.set_timesteps(num_steps, device=device)
-            noise = torch.randn(shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype)
+            noise = torch.randn(
+                shape, generator=torch.Generator("cpu").manual_seed(seed), dtype=dtype
+            )
             latents = noise.to(device) * getattr(scheduler, "init_noise_sigma", 1.0)
             self.items.append(
                 _Item(request, seed, *conditioning(pipeline, request), scheduler, latents)
