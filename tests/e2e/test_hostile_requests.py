@@ -8,6 +8,7 @@ output as before. Each numbered case of the robustness review has its own regres
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -288,3 +289,20 @@ def test_case2_nan_weights_are_refused_and_the_old_ones_keep_serving(omni_server
     )
     assert r.status_code == 400 and "non-finite" in r.json()["error"]["message"], r.text
     assert greedy_text(omni_server) == before
+
+
+def test_case5_a_request_whose_client_left_stops_at_the_next_step(omni_server):
+    """The image stage drops a request at the next denoising step once its client is gone."""
+    body = {"prompt": "a slow cat", "size": "256x256", "num_inference_steps": 200}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(omni_server.url + "/v1/images/generations", json=body, timeout=1.5)
+    gone = time.monotonic()
+
+    def image_stage() -> dict:
+        r = httpx.get(omni_server.url + "/v1/omni/stages", headers=control_headers(), timeout=30)
+        return r.json()["stages"][1]
+
+    while image_stage()["num_running"] or image_stage()["in_flight"]:
+        assert time.monotonic() - gone < 5.0, "the batch kept running for a client that left"
+        time.sleep(0.05)
+    assert image_stage()["num_batches"] >= 1  # it was running, and stopped

@@ -77,13 +77,14 @@ def test_a_stage_killed_under_streaming_load_comes_back_serving_the_same(server,
         started = [asyncio.Event() for _ in range(6)]
         async with httpx.AsyncClient(timeout=60) as client:
             body = {"messages": [{"role": "user", "content": "load"}], "stream": True, **long}
-            if stage_id == 1:
-                body.update(IMAGE)
+            if stage_id == 1:  # long enough to be killed mid-way (seconds)
+                body.update(IMAGE, num_inference_steps=200, size="192x192")
             tasks = [asyncio.ensure_future(stream(client, server.url, body, e)) for e in started]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            pid = stages(server)[stage_id]["pid"]
             while stage_id == 1 and not stages(server)[1]["in_flight"]:
                 await asyncio.sleep(0.02)  # the text is done, the images are being made
-            os.kill(stages(server)[stage_id]["pid"], signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             outcomes = await asyncio.gather(*tasks)
             return outcomes, time.monotonic() - killed
@@ -101,6 +102,7 @@ def test_a_stage_killed_under_streaming_load_comes_back_serving_the_same(server,
 
 def test_a_stage_killed_asleep_comes_back_asleep_and_wakes_to_the_same(server):
     headers = {"Content-Type": "application/json"}
+    wait_for(lambda: all(s["state"] == "awake" for s in stages(server)), 60, "all awake")
     before = chat(server, "asleep when killed", **IMAGE)
     r = httpx.post(
         server.url + "/v1/omni/sleep", json={"stage_ids": [1], "level": 2}, headers=headers

@@ -124,3 +124,17 @@ def test_only_the_admission_module_writes_the_gate_state():
             if isinstance(node, ast.Assign | ast.AugAssign) and _writes_gate_state(node):
                 writers.append(f"{name}:{node.lineno}")
     assert not writers, writers
+
+
+def test_the_control_vocabulary_is_defined_once():
+    """The HTTP models' literals (pydantic needs them spelled out) equal the one definition."""
+    from typing import get_args
+
+    from omnistage.entrypoints.serve.omni_control import protocol
+    from omnistage.stage import sleep_args
+
+    assert get_args(protocol.SleepMode) == sleep_args.SLEEP_MODES
+    assert get_args(protocol.MemoryTag) == sleep_args.MEMORY_TAGS
+    assert protocol.ALL_MEMORY_TAGS == frozenset(sleep_args.MEMORY_TAGS)
+    level = protocol.OmniSleepRequest.model_fields["level"]
+    assert level.default == sleep_args.DEFAULT_SLEEP_LEVEL
