@@ -38,8 +38,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sizes-mib", default="64,256,1024", help="Arena sizes to measure, comma-separated."
     )
-    p.add_argument("--repeats", type=int, default=3, help="Cycles per measurement (median taken).")
+    p.add_argument(
+        "--pipelines",
+        default="tiny-chat,bench",
+        help="Pipelines for the control benchmark, comma-separated.",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="Cycles per measurement (median taken), for the arena and control benchmarks.",
+    )
     p.set_defaults(func=_run_bench)
+
+
+def _bench_list(text: str, flag: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise SystemExit(f"omnistage bench: {flag} needs at least one value, got {text!r}")
+    return items
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -47,11 +64,23 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     names = ["arena", "ar", "diffusion", "control", "robustness"]
     names = names if args.name == "all" else [args.name]
+    if args.repeats < 1:
+        raise SystemExit(f"omnistage bench: --repeats must be at least 1, got {args.repeats}")
+    try:
+        sizes = tuple(int(s) for s in _bench_list(args.sizes_mib, "--sizes-mib"))
+    except ValueError:
+        raise SystemExit(
+            f"omnistage bench: --sizes-mib takes integers, got {args.sizes_mib!r}"
+        ) from None
+    pipelines = tuple(_bench_list(args.pipelines, "--pipelines"))
     for name in names:
         module = importlib.import_module(f"omnistage.bench.{name}")
         if name == "arena":
-            sizes = tuple(int(s) for s in args.sizes_mib.split(","))
             print(module.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
+        elif name == "control":
+            print(
+                module.run(args.out, device=args.device, pipelines=pipelines, repeats=args.repeats)
+            )
         else:
             print(module.run(args.out, device=args.device))
     return 0

@@ -19,10 +19,16 @@
 #   WHEELS   .whl      folder of wheels to install; missing or empty: install step skipped
 #   PYTHON   python3
 #   ARENA_SIZES, ARENA_REPEATS   arena benchmark sizes (MiB, comma-separated) and cycles
-#                                (cpu: 16 and 1; cuda: 256,1024,4096 and 5)
+#                                (cpu: 16 and 1; cuda: 256,1024,4096 and 3)
 #   CONTROL_PIPELINES, CONTROL_REPEATS   control benchmark pipelines (comma-separated) and
-#                                cycles (cpu: tiny-chat and 1; cuda: unset, i.e. the plain
-#                                `omnistage bench control` with its defaults: tiny-chat,bench, 3)
+#                                cycles (cpu: tiny-chat and 1; cuda: tiny-chat,bench and 3)
+#
+# What the benchmarks report on CUDA (see docs/benchmarks.md, "GPU"): the arena's level-1
+# sleep and wake GB/s against a synchronized device -> pinned-host and pinned-host -> device
+# copy of the same bytes, level-2 release/remap times, device memory freed
+# (torch.cuda.mem_get_info); per pipeline and level, sleep/wake latency, first token after
+# wake, freed memory from the sleep ACK, cuda_graph_recalled from the wake ACK, and whether
+# a greedy decode gives the same tokens before the sleep and after the wake.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 ROOT="$PWD"
@@ -32,10 +38,10 @@ WHEELS="${WHEELS:-.whl}"
 PYTHON="${PYTHON:-python3}"
 if [[ "$DEVICE" == cpu ]]; then # a dry run: small and quick
   ARENA_SIZES="${ARENA_SIZES:-16}" ARENA_REPEATS="${ARENA_REPEATS:-1}"
-  CONTROL_PIPELINES="${CONTROL_PIPELINES-tiny-chat}" CONTROL_REPEATS="${CONTROL_REPEATS:-1}"
+  CONTROL_PIPELINES="${CONTROL_PIPELINES:-tiny-chat}" CONTROL_REPEATS="${CONTROL_REPEATS:-1}"
 else
-  ARENA_SIZES="${ARENA_SIZES:-256,1024,4096}" ARENA_REPEATS="${ARENA_REPEATS:-5}"
-  CONTROL_PIPELINES="${CONTROL_PIPELINES-}" CONTROL_REPEATS="${CONTROL_REPEATS:-3}"
+  ARENA_SIZES="${ARENA_SIZES:-256,1024,4096}" ARENA_REPEATS="${ARENA_REPEATS:-3}"
+  CONTROL_PIPELINES="${CONTROL_PIPELINES:-tiny-chat,bench}" CONTROL_REPEATS="${CONTROL_REPEATS:-3}"
 fi
 TAG="${DEVICE//:/}" # the benchmarks name their files <bench>-<device without ':'>
 
@@ -43,7 +49,7 @@ TAG="${DEVICE//:/}" # the benchmarks name their files <bench>-<device without ':
 # also cut to what is left of TOTAL_S, so the whole run ends within 8 minutes (the control
 # benchmark, last, gets what is left up to its own limit); GRACE_S: from SIGTERM to SIGKILL.
 TOTAL_S=480 GRACE_S=3
-T_INSTALL=45 T_VERSIONS=60 T_SMI=15 T_TESTS=130 T_ARENA=60 T_CONTROL=240
+T_INSTALL=45 T_VERSIONS=60 T_SMI=15 T_TESTS=130 T_ARENA=90 T_CONTROL=240
 deadline=$((SECONDS + TOTAL_S))
 
 # Offline: nothing below may reach a package index or a model hub.
@@ -171,18 +177,12 @@ fi
 # 3. The GPU-marked tests (they skip cleanly without CUDA).
 part gpu-tests "$T_TESTS" "$TESTS" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests -rs
 
-# 4. Benchmarks on the device; each writes <name>-<dev>.json and .md into $OUT.
+# 4. Benchmarks on the device; each writes <name>-<dev>.json and .md into $OUT, rewritten after
+# every arena size and control pipeline, so a part cut short by its timeout keeps what it did.
 part bench-arena "$T_ARENA" "$BENCH" "$PYTHON" -m omnistage.cli bench arena --device "$DEVICE" \
   --out "$OUT" --sizes-mib "$ARENA_SIZES" --repeats "$ARENA_REPEATS"
-if [[ -z "$CONTROL_PIPELINES" ]]; then # the benchmark's own pipelines (tiny-chat, bench)
-  part bench-control "$T_CONTROL" "$BENCH" "$PYTHON" -m omnistage.cli bench control \
-    --device "$DEVICE" --out "$OUT"
-else # the CLI has no flag for these: call the same run() it calls, with them
-  part bench-control "$T_CONTROL" "$BENCH" "$PYTHON" -c \
-    'import sys; from omnistage.bench import control
-print(control.run(sys.argv[1], device=sys.argv[2], pipelines=tuple(sys.argv[3].split(",")),
-                  repeats=int(sys.argv[4])))' "$OUT" "$DEVICE" "$CONTROL_PIPELINES" "$CONTROL_REPEATS"
-fi
+part bench-control "$T_CONTROL" "$BENCH" "$PYTHON" -m omnistage.cli bench control --device "$DEVICE" \
+  --out "$OUT" --pipelines "$CONTROL_PIPELINES" --repeats "$CONTROL_REPEATS"
 
 {
   echo

@@ -1,72 +1,219 @@
-"""Arena sleep/wake throughput against a plain torch copy of the same bytes, same run."""
+"""Arena sleep/wake throughput against a plain copy of the same bytes, measured in the same run.
+
+For each size, one arena tensor under the tag ``weights`` goes through:
+
+- the **baseline**: a plain ``copy_`` of the same bytes, in both directions, between the arena
+  tensor and a second buffer. What that buffer is depends on the device:
+
+  - ``cuda:N``: a *pinned host* buffer, so ``copy_out_gbps`` is a synchronized device →
+    pinned-host copy (what a level-1 sleep must do) and ``copy_in_gbps`` a synchronized
+    pinned-host → device copy (what a level-1 wake must do);
+  - ``cpu``: a second resident host buffer, so both are resident → resident copies. On the
+    host backend a level-1 offload never leaves host memory: its backup is another host
+    mapping, and the sleep and wake are compared with a plain host copy.
+
+- **level 1** (``offload_*``): ``sleep(offload=["weights"])`` copies the bytes to the host
+  backup and releases the memory; ``wake()`` maps memory again and copies them back.
+  ``sleep_vs_copy`` = ``offload_sleep_gbps / copy_out_gbps``, ``wake_vs_copy`` =
+  ``offload_wake_gbps / copy_in_gbps``. ``bit_exact`` says every wake gave the bytes back.
+  One untimed warm-up cycle comes first (it allocates the host backup, which the arena then
+  keeps between cycles: pinned on CUDA); its sleep is reported as ``first_sleep_ms``.
+- **level 2** (``discard_*``): release without a copy and map fresh memory on wake (a
+  reload from disk is not included).
+- **freed memory** around the level-1 sleep and the level-2 sleep: on CUDA device memory
+  freed, from ``torch.cuda.mem_get_info`` (``device_freed_mib``,
+  ``discard_device_freed_mib``); on the host the drop of this process's RSS
+  (``rss_freed_mib``, ``discard_rss_freed_mib``) — ~0 for level 1 by design, since the
+  host backup lives in the same process.
+
+Every timing is a median of ``repeats`` cycles, and on CUDA the device is synchronized
+before each timing starts and before it stops. Results are written after each size, so a
+run cut short still leaves the sizes it finished.
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from omnistage.bench.report import write_results
-from omnistage.memory import Arena, process_resident_bytes
+from omnistage.memory import Arena, device_used_bytes, process_resident_bytes
 
 MiB = 1024 * 1024
-COLUMNS = [
+_COMMON_COLUMNS = [
     "size_mib",
-    "copy_gbps",
+    "copy_out_gbps",
     "offload_sleep_gbps",
+    "sleep_vs_copy",
+    "copy_in_gbps",
     "offload_wake_gbps",
     "wake_vs_copy",
+    "first_sleep_ms",
+    "bit_exact",
     "discard_sleep_ms",
     "discard_wake_ms",
-    "rss_freed_mib",
 ]
+CPU_COLUMNS = [*_COMMON_COLUMNS, "rss_freed_mib", "discard_rss_freed_mib"]
+CUDA_COLUMNS = [*_COMMON_COLUMNS, "device_freed_mib", "discard_device_freed_mib"]
+
+Clock = Callable[[], float]
 
 
-def _timed(fn: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - start, result
+def is_cuda(device: str) -> bool:
+    return str(device).startswith("cuda")
 
 
-def bench_size(nbytes: int, device: str, repeats: int) -> dict[str, Any]:
-    arena = Arena(device)
+def columns(device: str) -> list[str]:
+    """The table's columns: freed memory is device memory on CUDA, process RSS on the host."""
+    return CUDA_COLUMNS if is_cuda(device) else CPU_COLUMNS
+
+
+@dataclass
+class DeviceOps:
+    """What differs between devices; ``device_ops`` builds the real ones, tests stand-ins."""
+
+    device: str
+    cuda: bool
+    synchronize: Callable[[], None]
+    used_bytes: Callable[[], int]  # device memory in use (CUDA) or process RSS (host)
+    baseline_buffer: Callable[[int], torch.Tensor]  # the other end of the plain copy
+    new_arena: Callable[[], Arena]
+    cleanup: Callable[[], None]  # after each size: give cached memory back
+
+    @property
+    def freed_key(self) -> str:
+        return "device_freed_mib" if self.cuda else "rss_freed_mib"
+
+
+def _empty_host_cache() -> None:
+    empty = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()
+
+
+def device_ops(device: str) -> DeviceOps:
+    if is_cuda(device):
+        dev = torch.device(device)
+
+        def cuda_cleanup() -> None:
+            torch.cuda.synchronize(dev)
+            torch.cuda.empty_cache()
+            _empty_host_cache()  # pinned blocks, so the next size pins its own
+
+        return DeviceOps(
+            device=device,
+            cuda=True,
+            synchronize=lambda: torch.cuda.synchronize(dev),
+            used_bytes=lambda: device_used_bytes(dev),  # torch.cuda.mem_get_info
+            baseline_buffer=lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True),
+            new_arena=lambda: Arena(dev),
+            cleanup=cuda_cleanup,
+        )
+    return DeviceOps(
+        device=device,
+        cuda=False,
+        synchronize=lambda: None,
+        used_bytes=process_resident_bytes,
+        baseline_buffer=lambda n: torch.empty(n, dtype=torch.uint8),
+        new_arena=lambda: Arena(device),
+        cleanup=lambda: None,
+    )
+
+
+def timed(fn: Callable[[], Any], synchronize: Callable[[], None], clock: Clock) -> float:
+    """Seconds ``fn`` took, the device synchronized before the start and before the stop
+    (so queued work before is not counted, and asynchronous work of ``fn`` is)."""
+    synchronize()
+    start = clock()
+    fn()
+    synchronize()
+    return clock() - start
+
+
+def _measure(
+    arena: Arena, nbytes: int, repeats: int, ops: DeviceOps, clock: Clock
+) -> dict[str, Any]:
+    """The raw timings (seconds) and readings (bytes); every tensor dies with this call."""
+    sync = ops.synchronize
     data = arena.empty((nbytes,), torch.uint8, "weights")
     data.random_(0, 255)
-    dst = torch.empty_like(data)
-    dst.copy_(data)  # fault the destination in before timing
-    copy_s = statistics.median(_timed(lambda: dst.copy_(data))[0] for _ in range(repeats))
-    sleep_s, wake_s, rss_freed = [], [], []
+    reference = data.clone()
+
+    # Baseline: copy the same bytes out of the arena tensor and back into it (the contents
+    # do not change), after one untimed copy each way (faults pages in).
+    other = ops.baseline_buffer(nbytes)
+    other.copy_(data)
+    data.copy_(other)
+    raw: dict[str, Any] = {
+        "copy_out": [timed(lambda: other.copy_(data), sync, clock) for _ in range(repeats)],
+        "copy_in": [timed(lambda: data.copy_(other), sync, clock) for _ in range(repeats)],
+    }
+
+    # Level 1: offload and restore. The warm-up cycle allocates the host backup.
+    raw["first_sleep"] = timed(lambda: arena.sleep(offload=["weights"]), sync, clock)
+    arena.wake()
+    sync()
+    bit_exact = bool(torch.equal(data, reference))
+    sleep_s, wake_s, freed = [], [], []
     for _ in range(repeats):
-        before = process_resident_bytes()
-        s, _ = _timed(lambda: arena.sleep(offload=["weights"]))
-        after = process_resident_bytes()
-        w, _ = _timed(arena.wake)
-        sleep_s.append(s)
-        wake_s.append(w)
-        rss_freed.append(before - after)
-    discard_sleep, discard_wake = [], []
+        before = ops.used_bytes()
+        sleep_s.append(timed(lambda: arena.sleep(offload=["weights"]), sync, clock))
+        freed.append(before - ops.used_bytes())
+        wake_s.append(timed(arena.wake, sync, clock))
+        bit_exact = bit_exact and bool(torch.equal(data, reference))
+    raw.update(sleep=sleep_s, wake=wake_s, freed=freed, bit_exact=bit_exact)
+
+    # Level 2: discard and map fresh memory.
+    discard_sleep, discard_wake, discard_freed = [], [], []
     for _ in range(repeats):
-        s, _ = _timed(lambda: arena.sleep(discard=["weights"]))
-        w, _ = _timed(arena.wake)
-        data.fill_(1)  # what a reload would do: fault the pages back in (not timed)
+        before = ops.used_bytes()
+        discard_sleep.append(timed(lambda: arena.sleep(discard=["weights"]), sync, clock))
+        discard_freed.append(before - ops.used_bytes())
+        discard_wake.append(timed(arena.wake, sync, clock))
+        data.fill_(1)  # what a reload would do: touch the memory again (not timed)
+        sync()
         arena.mark_valid("weights")
-        discard_sleep.append(s)
-        discard_wake.append(w)
-    arena.close()
+    raw.update(discard_sleep=discard_sleep, discard_wake=discard_wake, discard_freed=discard_freed)
+    return raw
+
+
+def bench_size(
+    nbytes: int, repeats: int, ops: DeviceOps, clock: Clock = time.perf_counter
+) -> dict[str, Any]:
+    """One table row for ``nbytes`` (see the module docstring)."""
+    arena = ops.new_arena()
+    try:
+        raw = _measure(arena, nbytes, repeats, ops, clock)
+    finally:
+        arena.close()
+        ops.cleanup()
+    med = statistics.median
     gb = nbytes / 1e9
-    copy_gbps = gb / copy_s
-    wake_gbps = gb / statistics.median(wake_s)
+    copy_out_gbps, copy_in_gbps = gb / med(raw["copy_out"]), gb / med(raw["copy_in"])
+    sleep_gbps, wake_gbps = gb / med(raw["sleep"]), gb / med(raw["wake"])
+    freed_key = ops.freed_key
     return {
         "size_mib": nbytes // MiB,
-        "copy_gbps": copy_gbps,
-        "offload_sleep_gbps": gb / statistics.median(sleep_s),
+        "copy_out_gbps": copy_out_gbps,
+        "offload_sleep_gbps": sleep_gbps,
+        "sleep_vs_copy": sleep_gbps / copy_out_gbps,
+        "copy_in_gbps": copy_in_gbps,
         "offload_wake_gbps": wake_gbps,
-        "wake_vs_copy": wake_gbps / copy_gbps,
-        "discard_sleep_ms": statistics.median(discard_sleep) * 1e3,
-        "discard_wake_ms": statistics.median(discard_wake) * 1e3,
-        "rss_freed_mib": statistics.median(rss_freed) / MiB,
+        "wake_vs_copy": wake_gbps / copy_in_gbps,
+        "first_sleep_ms": raw["first_sleep"] * 1e3,
+        "bit_exact": raw["bit_exact"],
+        "discard_sleep_ms": med(raw["discard_sleep"]) * 1e3,
+        "discard_wake_ms": med(raw["discard_wake"]) * 1e3,
+        freed_key: med(raw["freed"]) / MiB,
+        f"discard_{freed_key}": med(raw["discard_freed"]) / MiB,
+        "baseline": "pinned host <-> device" if ops.cuda else "resident host <-> host",
     }
 
 
@@ -76,5 +223,12 @@ def run(
     sizes_mib: tuple[int, ...] = (64, 256, 1024),
     repeats: int = 3,
 ) -> str:
-    rows = [bench_size(size * MiB, device, repeats) for size in sizes_mib]
-    return write_results(out_dir, f"arena-{device.replace(':', '')}", rows, COLUMNS)
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    ops = device_ops(device)
+    name, cols = f"arena-{device.replace(':', '')}", columns(device)
+    rows: list[dict[str, Any]] = []
+    for size in sizes_mib:
+        rows.append(bench_size(size * MiB, repeats, ops))
+        write_results(out_dir, name, rows, cols)  # after each size: a cut run keeps these
+    return write_results(out_dir, name, rows, cols)

@@ -175,12 +175,24 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     arena = json.loads((out / "arena-cpu.json").read_text())
     assert arena["env"]["torch"] and [r["size_mib"] for r in arena["rows"]] == [16]
     row = arena["rows"][0]
-    assert row["copy_gbps"] > 0 and row["offload_sleep_gbps"] > 0 and row["offload_wake_gbps"] > 0
+    for key in ("copy_out_gbps", "copy_in_gbps", "offload_sleep_gbps", "offload_wake_gbps"):
+        assert row[key] > 0, key
+    assert row["sleep_vs_copy"] > 0 and row["wake_vs_copy"] > 0
+    assert row["bit_exact"] is True and row["discard_rss_freed_mib"] > 0
+    assert {"rss_freed_mib", "discard_sleep_ms", "discard_wake_ms"} <= set(row)
+    arena_header = (out / "arena-cpu.md").read_text().splitlines()[0]
+    for column in ("copy_out_gbps", "sleep_vs_copy", "copy_in_gbps", "wake_vs_copy"):
+        assert f" {column} " in arena_header, column
     control = json.loads((out / "control-cpu.json").read_text())
     assert [(r["pipeline"], r["level"]) for r in control["rows"]] == [
         ("tiny-chat", 1),
         ("tiny-chat", 2),
     ]
     assert all(r["freed_mib"] > 0 and r["cold_start_ms"] > 0 for r in control["rows"])
+    # No CUDA graphs on the host; the greedy decode is the same before sleep and after wake.
+    assert all(r["cuda_graph_recalled"] is False for r in control["rows"])
+    assert all(r["same_output"] is True for r in control["rows"])
+    control_header = (out / "control-cpu.md").read_text().splitlines()[0]
+    assert " cuda_graph_recalled | same_output " in control_header
     assert "| tiny-chat | 1 |" in summary and "| 16 |" in summary
     print(f"gpu-check.sh dry run: {elapsed:.1f} s")

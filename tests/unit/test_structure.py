@@ -135,6 +135,6 @@ def test_the_control_vocabulary_is_defined_once():
 
     assert get_args(protocol.SleepMode) == sleep_args.SLEEP_MODES
     assert get_args(protocol.MemoryTag) == sleep_args.MEMORY_TAGS
-    assert protocol.ALL_MEMORY_TAGS == frozenset(sleep_args.MEMORY_TAGS)
+    assert frozenset(sleep_args.MEMORY_TAGS) == protocol.ALL_MEMORY_TAGS
     level = protocol.OmniSleepRequest.model_fields["level"]
     assert level.default == sleep_args.DEFAULT_SLEEP_LEVEL
