@@ -50,6 +50,14 @@ class StageConfig(_Frozen):
     )
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded at once.")
+    enable_prefix_caching: bool = Field(
+        default=True, description="AR: reuse the KV blocks of prompts that start alike."
+    )
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = Field(
+        default="raw_logprobs",
+        description="AR: logprobs of the model's raw distribution, or of the processed one "
+        "tokens are drawn from (temperature, top-k, top-p, bans applied).",
+    )
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
     max_model_len: int = Field(
         default=1024, gt=0, description="Longest prompt + output, in tokens."

@@ -121,6 +121,11 @@ class RequestRouter:
         wanted = list(modalities) if modalities else self.output_modalities()
         chain = self.plan(wanted)
         fields = prompt_fields(prompt)
+        num_samples = options.sampling_params.get("n", 1)
+        if num_samples != 1 and len(chain) > 1:
+            raise InvalidRequestError(
+                "n", "several samples are served for requests one stage answers (text only)"
+            )
         await self._prepare(chain)
         self.gate.check_available(chain)
         for stage_id in chain[1:]:  # every parameter is checked before any stage runs
@@ -136,16 +141,18 @@ class RequestRouter:
                 emit = self._modality(stage_id) in wanted
                 is_last = position == len(chain) - 1
                 result = StageResult()
+                samples = num_samples if position == 0 else 1
                 try:
-                    async for out in self._run_stage(stage_id, request_id, request, bound):
+                    stream = self._run_stage(stage_id, request_id, request, bound, samples)
+                    async for out, is_last_sample in stream:
                         if out.error is not None:
                             raise out.error.rebuild(stage_id)
                         result.text += out.text_delta
                         result.token_ids.extend(out.new_token_ids)
-                        ends_request = out.finished and (is_last or out.finish_reason == "abort")
+                        ends_request = is_last_sample and (is_last or out.finish_reason == "abort")
                         if emit or ends_request:
                             yield self._to_omni_output(request_id, stage, out, final=ends_request)
-                        if out.finished:
+                        if is_last_sample:
                             result.hidden_states = out.hidden_states
                             if out.finish_reason == "abort":
                                 return
@@ -173,13 +180,20 @@ class RequestRouter:
             self.gate.release_bound(bound)
 
     async def _run_stage(
-        self, stage_id: int, request_id: str, request: StageRequest, bound: set[int]
-    ) -> AsyncIterator[OutputMessage]:
-        """Submit to one stage and stream its outputs; ``bound`` holds the stages this request
-        has still to reach (this one leaves it once admitted)."""
+        self,
+        stage_id: int,
+        request_id: str,
+        request: StageRequest,
+        bound: set[int],
+        num_samples: int = 1,
+    ) -> AsyncIterator[tuple[OutputMessage, bool]]:
+        """Submit to one stage and stream its outputs, each with whether it ends the last of
+        its ``num_samples`` samples; ``bound`` holds the stages this request has still to
+        reach (this one leaves it once admitted)."""
         client = self.clients[stage_id]
         queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
+        unfinished = num_samples
         try:
             # The request counts as submitted inside the ``try``: a caller cancelled while
             # admission closes behind it still aborts the stage's work.
@@ -189,8 +203,9 @@ class RequestRouter:
                 self.active[request_id] = stage_id
             while True:
                 out = await queue.get()
-                finished = out.finished
-                yield out
+                unfinished -= out.finished
+                finished = unfinished == 0 or out.error is not None
+                yield out, finished
                 if finished:
                     return
         finally:
@@ -210,6 +225,7 @@ class RequestRouter:
             request_id=request_id,
             stage_id=stage.stage_id,
             modality=self._modality(stage.stage_id),
+            index=out.index,
             text_delta=out.text_delta,
             new_token_ids=list(out.new_token_ids),
             finished=out.finished,
@@ -218,6 +234,8 @@ class RequestRouter:
             images=images,
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     async def abort(self, request_id: str) -> None:

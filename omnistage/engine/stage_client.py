@@ -75,6 +75,7 @@ class StageClient:
         self._handle: StageHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[OutputMessage]] = {}
+        self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
         self._death_callbacks: list[Callable[[int], None]] = []
@@ -149,7 +150,9 @@ class StageClient:
                 if q is not None:
                     q.put_nowait(out)
                     if out.finished:
-                        del self._queues[out.request_id]
+                        self._unfinished[out.request_id] -= 1
+                        if not self._unfinished[out.request_id] or out.error is not None:
+                            del self._queues[out.request_id], self._unfinished[out.request_id]
         elif isinstance(msg, UtilityResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():
@@ -190,6 +193,7 @@ class StageClient:
                 )
             )
         self._queues.clear()
+        self._unfinished.clear()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(errors.StageDeadError(self.stage_id, reason))
@@ -212,12 +216,16 @@ class StageClient:
         self._handle.send(msg)
 
     def add_request(self, request_id: str, request: StageRequest) -> asyncio.Queue[OutputMessage]:
+        """Submit a request; its outputs arrive on the returned queue, the last one (of the
+        last of its samples, or an error) with ``finished``."""
         self._attach()
         if request_id in self._queues:
             raise errors.InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self._send(AddRequest(request_id=request_id, request=request))
         q: asyncio.Queue[OutputMessage] = asyncio.Queue()
         self._queues[request_id] = q
+        sampling = getattr(request, "sampling_params", None)
+        self._unfinished[request_id] = sampling.n if sampling is not None else 1
         return q
 
     def abort(self, request_ids: list[str]) -> None:

@@ -2,9 +2,10 @@
 
 The KV cache of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; a token's *slot* is ``block_id * block_size + offset``. Prefill attends over the
-freshly computed k/v of each sequence (no prefix is ever cached, so a prefill always starts at
-position 0); decode gathers each sequence's blocks through its block table and masks the
-slots past its length. Correct and simple first: no custom kernels.
+freshly computed k/v of each sequence — and, for a sequence whose first blocks were found in
+the prefix cache (``prefix_lens``), over those cached k/v too, gathered through its block
+table; decode gathers each sequence's blocks through its block table and masks the slots past
+its length. Correct and simple first: no custom kernels.
 
 On the CPU a sequence's attention never depends on what else is in the batch (see
 ``omnistage/batch_invariance.py``): prefill attends over each sequence alone, and decode
@@ -37,6 +38,10 @@ class AttentionContext:
     is_prefill: bool
     slot_mapping: torch.Tensor
     cu_seqlens: list[int] | None = None
+    # Prefill from the prefix cache: per sequence, the tokens already in the cache (the new
+    # ones start there) and its block table.
+    prefix_lens: list[int] | None = None
+    prefill_block_tables: list[torch.Tensor] | None = None
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     _decode_groups: list[DecodeGroup] | None = field(
@@ -82,6 +87,50 @@ def causal_attention(
             k[start:end].transpose(0, 1).unsqueeze(0),
             v[start:end].transpose(0, 1).unsqueeze(0),
             is_causal=True,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn[0].transpose(0, 1)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context: AttentionContext,
+    kv_cache: KVCacheLayer | None,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a prefill batch; a sequence with a cached prefix attends over the
+    cached k/v of its prefix and its new tokens (already stored in the cache)."""
+    if context.cu_seqlens is None:
+        raise ValueError("a prefill AttentionContext needs cu_seqlens")
+    prefix_lens = context.prefix_lens
+    if not prefix_lens or not any(prefix_lens):
+        return causal_attention(q, k, v, context.cu_seqlens, scale)
+    if kv_cache is None or context.prefill_block_tables is None:
+        raise ValueError("a prefill from the prefix cache needs the KV cache and block tables")
+    out = torch.empty_like(q)
+    bounds = zip(context.cu_seqlens[:-1], context.cu_seqlens[1:], strict=True)
+    for i, (start, end) in enumerate(bounds):
+        prefix = prefix_lens[i]
+        if not prefix:
+            out[start:end] = causal_attention(
+                q[start:end], k[start:end], v[start:end], [0, end - start], scale
+            )
+            continue
+        total = prefix + end - start
+        k_all, v_all = (c[context.prefill_block_tables[i]].flatten(0, 1)[:total] for c in kv_cache)
+        # New token j sits at position prefix + j and sees every position up to its own.
+        mask = torch.arange(total, device=q.device)[None, :] <= (
+            prefix + torch.arange(end - start, device=q.device)[:, None]
+        )
+        attn = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            k_all.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            v_all.to(q.dtype).transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )

@@ -27,6 +27,7 @@ from omnistage.models.ar_attention import (
     KVCacheLayer,
     causal_attention,
     decode_attention,
+    prefill_attention,
     store_kv,
 )
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
@@ -172,9 +173,7 @@ class Attention(nn.Module):
             if kv_cache is not None:
                 store_kv(kv_cache, k, v, context.slot_mapping)
             if context.is_prefill:
-                if context.cu_seqlens is None:
-                    raise ValueError("a prefill AttentionContext needs cu_seqlens")
-                out = causal_attention(q, k, v, context.cu_seqlens, self.scale)
+                out = prefill_attention(q, k, v, context, kv_cache, self.scale)
             else:
                 if kv_cache is None or context.block_tables is None or context.context_lens is None:
                     raise ValueError("decode needs a KV cache, block_tables and context_lens")

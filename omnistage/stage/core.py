@@ -38,7 +38,16 @@ from omnistage.stage.types import StageOutput
 logger = logging.getLogger(__name__)
 
 UTILITY_METHODS = frozenset(
-    {"sleep", "wake_up", "pause", "resume", "update_weights", "status", "is_sleeping"}
+    {
+        "sleep",
+        "wake_up",
+        "pause",
+        "resume",
+        "update_weights",
+        "status",
+        "is_sleeping",
+        "reset_prefix_cache",
+    }
 )
 
 
@@ -74,6 +83,7 @@ def to_output_message(out: StageOutput) -> OutputMessage:
     payload = out.payload or {}
     return OutputMessage(
         request_id=out.request_id,
+        index=out.index,
         text_delta=out.text_delta,
         new_token_ids=list(out.new_token_ids),
         finished=out.finished,
@@ -83,6 +93,8 @@ def to_output_message(out: StageOutput) -> OutputMessage:
         num_output_tokens=out.num_output_tokens,
         hidden_states=payload.get("hidden_states"),
         images=list(payload.get("images") or []),
+        logprobs=out.logprobs,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

@@ -160,11 +160,24 @@ class UtilityResult(msgspec.Struct, tag=True):
     error: WireError | None = None
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The logprobs at one position: the chosen token first (with its rank in the
+    distribution, 1 = most likely), then the top k in rank order; ``tokens`` are their texts."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    tokens: list[str]
+
+
 class OutputMessage(msgspec.Struct, tag=True):
-    """One update of one request; ``finished`` on its last. A finished AR request that asked
-    for them carries ``hidden_states``; a finished diffusion request carries ``images``."""
+    """One update of one sample (``index``) of a request; ``finished`` on its last. A
+    finished AR request that asked for them carries ``hidden_states``; a finished diffusion
+    request carries ``images``. ``logprobs`` has one entry per new token when asked for;
+    ``prompt_logprobs`` comes once, with the first output (``None`` for the first token)."""
 
     request_id: str
+    index: int = 0
     text_delta: str = ""
     new_token_ids: list[int] = []
     finished: bool = False
@@ -174,6 +187,8 @@ class OutputMessage(msgspec.Struct, tag=True):
     num_output_tokens: int = 0
     hidden_states: torch.Tensor | None = None
     images: list[ImageOutput] = []
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -185,6 +200,7 @@ class ARStageInfo(msgspec.Struct, tag="ar"):
 
     vocab_size: int
     max_model_len: int
+    max_num_seqs: int = 1
 
 
 class DiffusionStageInfo(msgspec.Struct, tag="diffusion"):

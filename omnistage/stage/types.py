@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from omnistage.stage.messages import TokenLogprobs
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -18,6 +20,7 @@ class StageOutput:
     """
 
     request_id: str
+    index: int = 0  # which of the request's samples (``n``) this output belongs to
     text_delta: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
@@ -26,3 +29,5 @@ class StageOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     payload: dict[str, Any] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output

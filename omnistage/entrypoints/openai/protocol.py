@@ -10,7 +10,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from omnistage.stage.ar.sampling import MAX_LOGPROBS, MAX_N
 
 
 class _Lenient(BaseModel):
@@ -49,12 +51,20 @@ class _SamplingFields(_Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
     stream: bool = False
     stream_options: StreamOptions | None = None
 
+    def token_logprobs(self) -> int | None:
+        """``SamplingParams.logprobs`` as this route's fields ask for it."""
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {
+            "n": self.n if self.n != 1 else None,
+            "logprobs": self.token_logprobs(),
+            "prompt_logprobs": self.prompt_logprobs,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -108,11 +118,32 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     modalities: list[Literal["text", "image"]] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] = Field(min_length=1)
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def token_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
+        params = super().sampling_params(max_tokens)
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs too
+            params.setdefault("prompt_logprobs", self.logprobs)
+        return params
 
 
 class ImageGenerationRequest(ImageFields):
@@ -138,6 +169,8 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -147,13 +180,15 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -163,6 +198,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    system_fingerprint: str | None = None
 
 
 class ImageData(BaseModel):

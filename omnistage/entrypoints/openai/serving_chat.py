@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions`` and ``POST /v1/completions``.
 
-Each route starts the request and hands its stream to a builder: a JSON reply (collected)
-or server-sent events (streamed). A request whose client hangs up is aborted in the stages.
+Each route starts the request and hands its stream to a builder: a JSON reply (collected,
+one choice per sample) or server-sent events (streamed, each chunk naming its choice). A
+request whose client hangs up is aborted in the stages.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.entrypoints.openai.choices import (
+    Collected,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs_json,
+)
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import (
@@ -25,7 +32,6 @@ from omnistage.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    Usage,
     new_id,
     now,
 )
@@ -44,28 +50,6 @@ def image_part(image: OmniImage) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-class _Collected:
-    def __init__(self) -> None:
-        self.text = ""
-        self.images: list[OmniImage] = []
-        self.finish_reason: str | None = None
-        self.usage = Usage()
-
-    def add(self, out: OmniRequestOutput) -> None:
-        if out.modality == "text":
-            self.text += out.text_delta
-            if out.finished:
-                self.usage = Usage(
-                    prompt_tokens=out.num_prompt_tokens,
-                    completion_tokens=out.num_output_tokens,
-                    total_tokens=out.num_prompt_tokens + out.num_output_tokens,
-                )
-                self.finish_reason = out.finish_reason
-        self.images.extend(out.images)
-        if out.final:
-            self.finish_reason = out.finish_reason
-
-
 async def _primed(stream: Stream) -> Stream:
     """Start the stream now so admission errors (stage asleep, bad params) become a status
     code instead of a broken 200 stream."""
@@ -79,8 +63,8 @@ async def _primed(stream: Stream) -> Stream:
     return rest()
 
 
-async def _collect(stream: Stream) -> _Collected:
-    collected = _Collected()
+async def _collect(stream: Stream) -> Collected:
+    collected = Collected()
     async for out in stream:
         collected.add(out)
     return collected
@@ -123,7 +107,9 @@ async def create_chat_completion(
     model = _model_name(request, body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _chat_events(request, stream, metrics, request_id, model, include_usage)
+        return await _chat_events(
+            request, stream, metrics, request_id, model, include_usage, modalities == ["text"]
+        )
     return await _chat_reply(request, stream, metrics, request_id, model, modalities)
 
 
@@ -138,21 +124,26 @@ async def _chat_reply(
     collected = await unless_disconnected(request, _collect(stream))
     if collected is None:
         return _client_gone(metrics, "chat")
-    content: str | list[dict[str, Any]] = collected.text
-    if collected.images:
-        parts = [{"type": "text", "text": collected.text}] if "text" in modalities else []
-        content = parts + [image_part(img) for img in collected.images]
+    choices = []
+    for c in collected.choices:
+        content: str | list[dict[str, Any]] = c.text
+        if c.images:
+            parts = [{"type": "text", "text": c.text}] if "text" in modalities else []
+            content = parts + [image_part(img) for img in c.images]
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=content),
+                finish_reason=c.finish_reason,
+                logprobs=chat_logprobs(c.logprobs) if c.logprobs else None,
+                prompt_logprobs=(
+                    prompt_logprobs_json(c.prompt_logprobs) if c.prompt_logprobs else None
+                ),
+            )
+        )
     metrics.requests.labels("chat", collected.finish_reason or "unknown").inc()
     return ChatCompletionResponse(
-        id=request_id,
-        created=now(),
-        model=model,
-        choices=[
-            ChatChoice(
-                message=AssistantMessage(content=content), finish_reason=collected.finish_reason
-            )
-        ],
-        usage=collected.usage,
+        id=request_id, created=now(), model=model, choices=choices, usage=collected.usage
     )
 
 
@@ -163,32 +154,39 @@ async def _chat_events(
     request_id: str,
     model: str,
     include_usage: bool,
+    text_only: bool,
 ) -> Response:
+    """Chunks per choice; a choice closes (its ``finish_reason`` chunk) when its sample is
+    done — for text only, when its text is; with images, when the whole request is."""
     primed = await unless_disconnected(request, _primed(stream))
     if primed is None:
         return _client_gone(metrics, "chat")
     base = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": model}
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> str:
-        return _sse(
-            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
-        )
+    def chunk(index: int, delta: dict[str, Any], **extra: Any) -> str:
+        choice = {"index": index, "delta": delta, "finish_reason": None, **extra}
+        return _sse({**base, "choices": [choice]})
 
     async def events() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""})
-        collected = _Collected()
+        collected = Collected()
         try:
             async for out in primed:
+                if out.index not in collected.by_index:
+                    yield chunk(out.index, {"role": "assistant", "content": ""})
                 collected.add(out)
                 delta: dict[str, Any] = {}
                 if out.modality == "text" and out.text_delta:
                     delta["content"] = out.text_delta
                 if out.images:
                     delta["content"] = [image_part(img) for img in out.images]
-                if delta:
-                    yield chunk(delta)
-                if out.final:
-                    yield chunk({}, out.finish_reason)
+                extra: dict[str, Any] = {}
+                if out.logprobs:
+                    extra["logprobs"] = chat_logprobs(out.logprobs)
+                if delta or extra:
+                    yield chunk(out.index, delta, **extra)
+                if out.final or (out.finished and text_only):
+                    reason = collected.choice(out.index).finish_reason
+                    yield chunk(out.index, {}, finish_reason=reason)
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end
             metrics.requests.labels("chat", "error").inc()
             yield _error_event(exc)
@@ -226,14 +224,26 @@ async def create_completion(
     if collected is None:
         return _client_gone(metrics, "completions")
     metrics.requests.labels("completions", collected.finish_reason or "unknown").inc()
+    choices = []
+    for c in collected.choices:
+        entries: list[Any] = list(c.logprobs)
+        if echo and c.prompt_logprobs:
+            entries = list(c.prompt_logprobs) + entries
+        choices.append(
+            CompletionChoice(
+                index=c.index,
+                text=echo + c.text,
+                finish_reason=c.finish_reason,
+                logprobs=completion_logprobs(entries) if body.logprobs is not None else None,
+                prompt_logprobs=(
+                    prompt_logprobs_json(c.prompt_logprobs)
+                    if c.prompt_logprobs and body.prompt_logprobs is not None
+                    else None
+                ),
+            )
+        )
     return CompletionResponse(
-        id=request_id,
-        created=now(),
-        model=model,
-        choices=[
-            CompletionChoice(text=echo + collected.text, finish_reason=collected.finish_reason)
-        ],
-        usage=collected.usage,
+        id=request_id, created=now(), model=model, choices=choices, usage=collected.usage
     )
 
 
@@ -245,18 +255,23 @@ async def _completion_events(
         return _client_gone(metrics, "completions")
     base = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
 
-    def chunk(text: str, finish_reason: str | None = None) -> str:
-        return _sse(
-            {**base, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}]}
-        )
+    def chunk(index: int, text: str, finish_reason: str | None = None, **extra: Any) -> str:
+        choice = {"index": index, "text": text, "finish_reason": finish_reason, **extra}
+        return _sse({**base, "choices": [choice]})
 
     async def events() -> AsyncIterator[str]:
-        if echo:
-            yield chunk(echo)
+        echoed: set[int] = set()
         try:
             async for out in primed:
-                if out.text_delta or out.final:
-                    yield chunk(out.text_delta, out.finish_reason if out.final else None)
+                if echo and out.index not in echoed:
+                    echoed.add(out.index)
+                    yield chunk(out.index, echo)
+                extra = (
+                    {"logprobs": completion_logprobs(list(out.logprobs))} if out.logprobs else {}
+                )
+                if out.text_delta or out.finished or extra:
+                    reason = out.finish_reason if out.finished else None
+                    yield chunk(out.index, out.text_delta, reason, **extra)
         except Exception as exc:
             metrics.requests.labels("completions", "error").inc()
             yield _error_event(exc)

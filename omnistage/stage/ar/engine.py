@@ -14,6 +14,7 @@ those requests with an error and the stage keeps serving; a fault of the process
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence as Seq
 
@@ -29,17 +30,18 @@ from omnistage.errors import (
 )
 from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import KV_CACHE_TAG
+from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.output import abort_output, append_token
+from omnistage.stage.ar.requests import RequestTable, from_wire
 from omnistage.stage.ar.sampler import Sampler
-from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.scheduler import Scheduler
 from omnistage.stage.ar.sequence import ARRequest, Sequence
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.faults import is_process_fault
-from omnistage.stage.messages import Ack, ARStageInfo, ARStageRequest
+from omnistage.stage.messages import Ack, ARStageInfo
 from omnistage.stage.sleep_args import check_level, check_mode
 from omnistage.stage.sleep_control import SleepController
 from omnistage.stage.types import StageOutput
@@ -69,7 +71,9 @@ class ARStageEngine:
         self.model_config = ARModelConfig.from_pretrained(config.model)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.worker = ARWorker(config, self.model_config, arena=arena, load_weights=load_weights)
-        self.block_manager = BlockManager(self.worker.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -80,10 +84,17 @@ class ARStageEngine:
             generator.seed()
         else:
             generator.manual_seed(seed)
-        self.sampler = Sampler(self.eos_token_ids, generator)
+        self.sampler = Sampler(
+            self.eos_token_ids, generator, config.logprobs_mode == "processed_logprobs"
+        )
         self._held: list[Sequence] = []  # arrived while paused; scheduled on resume
         self._queued_outputs: list[StageOutput] = []  # ended from outside (abort)
-        self._request_ids: set[str] = set()
+        self.requests = RequestTable(
+            config, self.tokenizer, self.model_config.vocab_size, self.device
+        )
+        self._decoded = functools.lru_cache(maxsize=1 << 16)(
+            lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
+        )
         self._pause_mode: str | None = None
         self._closed = False
 
@@ -98,83 +109,47 @@ class ARStageEngine:
     def info(self) -> ARStageInfo:
         """What the API process needs to validate requests before they reach this stage."""
         return ARStageInfo(
-            vocab_size=self.model_config.vocab_size, max_model_len=self.config.max_model_len
+            vocab_size=self.model_config.vocab_size,
+            max_model_len=self.config.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
         )
 
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request: ARRequest) -> None:
-        """Queue a request; raises ``InvalidRequestError`` naming a bad field,
-        ``StageAsleepError`` while asleep, ``WeightsInvalidError`` without valid weights."""
+        """Queue a request (its ``n`` samples: one is prefilled, the others fork from it);
+        raises ``InvalidRequestError`` naming a bad field, ``StageAsleepError`` while asleep,
+        ``WeightsInvalidError`` without valid weights."""
         if self._closed:
             raise RuntimeError(f"stage {self.stage_id} engine is shut down")
         if self.sleep_control.is_sleeping:
             raise StageAsleepError(self.stage_id)
         self.sleep_control.check_can_generate()
-        self._validate(request)
-        params = request.sampling_params
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
-        )
-        seq = Sequence(request, detokenizer, generator)
-        self._request_ids.add(request.request_id)
+        leader = self.requests.create(request)
         if self._pause_mode is not None:
-            self._held.append(seq)
+            self._held.append(leader)
         else:
-            self.scheduler.add(seq)
+            self.scheduler.add(leader)
 
     def add_wire_request(self, request_id: str, request: object) -> None:
         """``add_request`` for a request that came over the wire (``ARStageRequest``)."""
-        if not isinstance(request, ARStageRequest):
-            raise InvalidRequestError(
-                "request", f"an AR stage takes 'ar' requests, got {type(request).__name__}"
-            )
-        self.add_request(
-            ARRequest(
-                request_id,
-                list(request.prompt_token_ids),
-                request.sampling_params,
-                request.return_hidden_states,
-                request.prompt,
-            )
-        )
-
-    def _validate(self, request: ARRequest) -> None:
-        if not isinstance(request.request_id, str) or not request.request_id:
-            raise InvalidRequestError("request_id", "must be a non-empty string")
-        if request.request_id in self._request_ids:
-            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-        if not isinstance(request.sampling_params, SamplingParams):
-            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
-        ids = request.prompt_token_ids
-        vocab = self.model_config.vocab_size
-        if not isinstance(ids, list | tuple) or not ids:
-            raise InvalidRequestError("prompt", "must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
-            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(ids)} tokens leave no room to generate within "
-                f"max_model_len={self.config.max_model_len}",
-            )
+        self.add_request(from_wire(request_id, request))
 
     def abort(self, request_id: str) -> None:
-        """End a request with ``finish_reason="abort"`` (delivered by the next ``step()``)."""
-        seq = self.scheduler.remove(request_id)
-        if seq is None:
-            seq = next((s for s in self._held if s.request_id == request_id), None)
-            if seq is None:
-                return  # finished or unknown: nothing to do
-            self._held.remove(seq)
-        self._end(seq)
+        """End every sample of a request with ``finish_reason="abort"`` (delivered by the next
+        ``step()``)."""
+        for seq in self.requests.samples(request_id):
+            self.scheduler.remove_sequence(seq)
+            if seq in self._held:
+                self._held.remove(seq)
+            self._end(seq)
 
     def _end(self, seq: Sequence, error: Exception | None = None) -> None:
-        self._request_ids.discard(seq.request_id)
-        self._queued_outputs.append(abort_output(seq, "error" if error else "abort", error))
+        """Report ``seq`` (and the samples still to fork from it) ended from outside."""
+        for ended in [seq, *seq.pending_samples]:
+            self.requests.forget(ended)
+            self._queued_outputs.append(abort_output(ended, "error" if error else "abort", error))
+        seq.pending_samples = []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.has_unfinished() or self._held or self._queued_outputs)
@@ -198,30 +173,77 @@ class ARStageEngine:
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
         try:
             result = self.worker.execute(seqs, is_prefill)
-            token_ids = self.sampler(result.logits, seqs)
+            batch, rows = self._with_forks(seqs) if is_prefill else (seqs, None)
+            logits = result.logits if rows is None else result.logits[rows]
+            sampled = self.sampler(logits, batch)
         except Exception as exc:
             if is_process_fault(exc):
                 raise
             logger.exception("stage %d: a batch of %d requests failed", self.stage_id, len(seqs))
-            for seq in seqs:
-                self._fail(seq, StageInternalError(f"{type(exc).__name__}: {exc}"))
+            error = StageInternalError(f"{type(exc).__name__}: {exc}")
+            for request_id in dict.fromkeys(seq.request_id for seq in seqs):
+                for seq in self.requests.samples(request_id):
+                    self._fail(seq, error)
             return
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids, strict=True)):
+        for b, seq in enumerate(batch):
+            row = b if rows is None else rows[b]
+            token_id = sampled.token_ids[b]
             if token_id is None:
                 self._fail(seq, NonFiniteOutputError("the model produced NaN or infinite logits"))
                 continue
-            if i in result.hidden_states:
-                seq.record_hidden_states(result.hidden_states[i], is_prefill)
+            if row in result.hidden_states:
+                seq.record_hidden_states(result.hidden_states[row], is_prefill)
+            if row in result.prompt_logits and seq.prompt_logprobs is None:
+                seq.prompt_logprobs = prompt_logprobs(
+                    result.prompt_logits[row],
+                    seq.token_ids[: seq.num_prompt_tokens],
+                    seq.params.prompt_logprobs or 0,
+                    self.decode_token,
+                )
+            entry = None
+            if b in sampled.logprobs:
+                entry = position_logprobs(
+                    sampled.logprobs[b], token_id, seq.params.logprobs or 0, self.decode_token
+                )
             self._queued_outputs.append(
-                append_token(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+                append_token(seq, token_id, self.eos_token_ids, self.config.max_model_len, entry)
             )
+            self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
-                self._request_ids.discard(seq.request_id)
+                self.requests.forget(seq)
+
+    def _with_forks(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+        """After a prefill: the samples waiting on it fork (sharing its prompt's k/v) and
+        join the batch, each sampling from its leader's logits row."""
+        if not any(seq.pending_samples for seq in seqs):
+            return seqs, None
+        batch, rows = list(seqs), list(range(len(seqs)))
+        for i, leader in enumerate(seqs):
+            for sample in leader.pending_samples:
+                self._fork(leader, sample)
+                batch.append(sample)
+                rows.append(i)
+            leader.pending_samples = []
+        return batch, rows
+
+    def _fork(self, leader: Sequence, sample: Sequence) -> None:
+        copy = None
+        if leader.num_tokens % self.block_manager.block_size:  # the next token goes there
+            copy = self.block_manager.take_block()
+            self.worker.copy_kv_block(leader.block_table[-1], copy)
+        self.block_manager.share(leader, sample, copy)
+        sample.hidden_states = list(leader.hidden_states)
+        sample.prompt_logprobs = leader.prompt_logprobs
+        self.scheduler.add_running(sample)
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
-        self.scheduler.finish(seq)
+        self.scheduler.remove_sequence(seq)
         self._end(seq, error)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text, as logprob entries show it (special tokens included)."""
+        return self._decoded(token_id)
 
     # -- control ------------------------------------------------------------------------
 
@@ -305,8 +327,16 @@ class ARStageEngine:
         return ack
 
     def update_weights(self, path: str, check_finite: bool = True) -> Ack:
-        """Load a safetensors file or folder into the (awake) weights in place."""
-        return self.worker.update_weights(path, check_finite=check_finite)
+        """Load a safetensors file or folder into the (awake) weights in place; the prefix
+        cache is forgotten (its k/v came from the old weights)."""
+        ack = self.worker.update_weights(path, check_finite=check_finite)
+        self.block_manager.clear_cache()
+        return ack
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (blocks in use stay with their sequences)."""
+        self.block_manager.clear_cache()
+        return True
 
     def is_sleeping(self) -> bool:
         return self.sleep_control.is_sleeping
@@ -331,6 +361,14 @@ class ARStageEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_kv_blocks": self.worker.num_kv_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
+            "prefix_cache": {
+                "enabled": self.block_manager.enable_prefix_caching,
+                "cached_blocks": self.block_manager.num_cached_blocks,
+                "queried_tokens": self.block_manager.stats.queried_tokens,
+                "hit_tokens": self.block_manager.stats.hit_tokens,
+                "hit_rate": self.block_manager.stats.hit_rate,
+                "resets": self.block_manager.stats.resets,
+            },
             "cuda_graphs": self.worker.has_cuda_graphs,
             "memory": control.memory_stats(),
         }

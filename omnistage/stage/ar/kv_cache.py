@@ -93,6 +93,10 @@ class KVCache:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block ``dst`` of every layer becomes a copy of block ``src``."""
+        self.tensor[:, :, dst].copy_(self.tensor[:, :, src])
+
     def clear(self) -> None:
         """Zero the cache: masked slots then never hold NaN bit patterns (0 * NaN = NaN)."""
         self.tensor.zero_()

@@ -7,7 +7,7 @@ addresses across sleep and wake, which is what lets captured decode graphs be re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,10 +27,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 @dataclass
 class StepResult:
-    """Logits of each sequence's last token and, for those that asked, hidden-state rows."""
+    """Logits of each sequence's last token and, for those that asked, hidden-state rows and
+    the logits of every prompt position (prompt logprobs)."""
 
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]  # index into the scheduled list -> [rows, hidden]
+    prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -79,6 +81,10 @@ class ModelRunner:
     def has_cuda_graphs(self) -> bool:
         return self.decode_graphs is not None and bool(self.decode_graphs.graphs)
 
+    def copy_kv_block(self, src: int, dst: int) -> None:
+        """Copy one block's k/v of every layer (a forked sample's own copy of a shared block)."""
+        self.kv_cache.copy_block(src, dst)
+
     def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
         return load_module(
@@ -97,17 +103,27 @@ class ModelRunner:
         return self._prefill(seqs) if is_prefill else self._decode(seqs)
 
     def _prefill(self, seqs: list[Sequence]) -> StepResult:
+        """Compute each sequence's tokens from ``num_cached_tokens`` on (the ones before came
+        from the prefix cache)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         cu_seqlens = [0]
         for seq in seqs:
-            input_ids += seq.token_ids
-            positions += range(seq.num_tokens)
-            slots += self._slots(seq, 0, seq.num_tokens)
-            cu_seqlens.append(cu_seqlens[-1] + seq.num_tokens)
+            start = seq.num_cached_tokens
+            input_ids += seq.token_ids[start:]
+            positions += range(start, seq.num_tokens)
+            slots += self._slots(seq, start, seq.num_tokens)
+            cu_seqlens.append(cu_seqlens[-1] + seq.num_tokens - start)
+        prefix_lens = [seq.num_cached_tokens for seq in seqs]
         context = AttentionContext(
-            is_prefill=True, slot_mapping=self._tensor(slots), cu_seqlens=cu_seqlens
+            is_prefill=True,
+            slot_mapping=self._tensor(slots),
+            cu_seqlens=cu_seqlens,
+            prefix_lens=prefix_lens,
+            prefill_block_tables=(
+                [self._tensor(seq.block_table) for seq in seqs] if any(prefix_lens) else None
+            ),
         )
         hidden = self.model(
             self._tensor(input_ids), self._tensor(positions), context, self.kv_cache.layers
@@ -118,7 +134,12 @@ class ModelRunner:
             for i, seq in enumerate(seqs)
             if seq.return_hidden_states
         }
-        return StepResult(self.model.compute_logits(last_rows), wanted)
+        prompt_logits = {
+            i: self.model.compute_logits(hidden[cu_seqlens[i] : cu_seqlens[i + 1] - 1])
+            for i, seq in enumerate(seqs)
+            if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
+        }
+        return StepResult(self.model.compute_logits(last_rows), wanted, prompt_logits)
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
         input_ids = self._tensor([seq.last_token_id for seq in seqs])

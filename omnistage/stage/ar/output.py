@@ -11,6 +11,7 @@ from collections.abc import Collection
 import torch
 
 from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason, StageOutput
 
 
@@ -21,9 +22,14 @@ def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
 
 
 def append_token(
-    seq: Sequence, token_id: int, eos_token_ids: Collection[int], max_model_len: int
+    seq: Sequence,
+    token_id: int,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+    logprobs: TokenLogprobs | None = None,
 ) -> StageOutput:
-    """Add ``token_id`` to ``seq``; set ``seq.finish_reason`` when it ends; return the delta."""
+    """Add ``token_id`` to ``seq``; set ``seq.finish_reason`` when it ends; return the delta
+    (with the token's logprobs entry, and the prompt's on the sample's first output)."""
     params = seq.params
     seq.token_ids.append(token_id)
     reason: FinishReason | None = None
@@ -50,8 +56,11 @@ def append_token(
     delta = seq.output_text[seq.num_emitted_chars : max(emit_end, seq.num_emitted_chars)]
     seq.num_emitted_chars += len(delta)
     seq.finish_reason = reason
+    prompt_logprobs = None if seq.has_output else seq.prompt_logprobs
+    seq.has_output = True
     return StageOutput(
         request_id=seq.request_id,
+        index=seq.index,
         text_delta=delta,
         new_token_ids=[token_id],
         finished=reason is not None,
@@ -59,6 +68,8 @@ def append_token(
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
         payload=final_payload(seq) if reason is not None else None,
+        logprobs=[logprobs] if logprobs is not None else None,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -74,6 +85,7 @@ def abort_output(
     """The final output of a sequence ended from outside (abort, error)."""
     return StageOutput(
         request_id=seq.request_id,
+        index=seq.index,
         finished=True,
         finish_reason=reason,
         error=error,

@@ -1,4 +1,4 @@
-"""Picks the next token of each sequence from its logits.
+"""Picks the next token of each sequence from its logits, and its logprobs when asked.
 
 Greedy rows are one batched argmax. Sampled rows go one by one so that each draws from its
 own generator: a seeded request gets the same tokens whatever else shares the batch.
@@ -8,12 +8,17 @@ Every combination of parameters that passes validation samples: filtering runs i
 likely token always survives top-p, and a row whose every token is banned keeps its bans
 off. Rows whose logits are not finite (broken weights) get ``None``: the engine fails those
 requests, not the stage.
+
+Logprobs are the model's own (``log_softmax`` of the raw logits, before any processing, as
+vLLM's default) or, with ``processed_logprobs``, those of the distribution the token was
+drawn from (bans, temperature, top-k and top-p applied).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,10 +44,24 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+@dataclass
+class Sampled:
+    """Per row: the token (``None``: non-finite logits) and, when asked, the logprob vector."""
+
+    token_ids: list[int | None]
+    logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class Sampler:
-    def __init__(self, eos_token_ids: Collection[int], generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        eos_token_ids: Collection[int],
+        generator: torch.Generator,
+        processed_logprobs: bool = False,
+    ) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = generator  # for requests without a seed
+        self.processed_logprobs = processed_logprobs
 
     def _banned_ids(self, seq: Sequence, vocab_size: int) -> list[int]:
         """Ids that may not end the sequence yet (``min_tokens``)."""
@@ -53,21 +72,32 @@ class Sampler:
             banned.update(self.eos_token_ids)
         return sorted(t for t in banned if t < vocab_size)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int | None]:
-        logits = logits.float()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
+    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> Sampled:
+        raw = logits.float()
+        finite = torch.isfinite(raw).all(dim=-1).tolist()
+        processed = raw
         for i, seq in enumerate(seqs):
-            banned = self._banned_ids(seq, logits.shape[-1])
-            if banned and len(banned) < logits.shape[-1]:
-                logits[i, banned] = float("-inf")
-        token_ids: list[int | None] = list(logits.argmax(dim=-1).tolist())
+            banned = self._banned_ids(seq, raw.shape[-1])
+            if banned and len(banned) < raw.shape[-1]:
+                if processed is raw:
+                    processed = raw.clone()  # the raw logits stay as the model gave them
+                processed[i, banned] = float("-inf")
+        sampled = Sampled(list(processed.argmax(dim=-1).tolist()))
         for i, seq in enumerate(seqs):
             if not finite[i]:
-                token_ids[i] = None
-            elif not seq.params.is_greedy:
+                sampled.token_ids[i] = None
+                continue
+            filtered = None
+            if not seq.params.is_greedy:
+                filtered = filter_logits(processed[i], seq.params)
                 # float32 for the draw, as before: the most likely token's probability
                 # (at least 1 / vocab size) cannot underflow.
-                probs = torch.softmax(filter_logits(logits[i], seq.params), dim=-1).float()
+                probs = torch.softmax(filtered, dim=-1).float()
                 generator = seq.generator if seq.generator is not None else self.generator
-                token_ids[i] = int(torch.multinomial(probs, 1, generator=generator).item())
-        return token_ids
+                sampled.token_ids[i] = int(torch.multinomial(probs, 1, generator=generator).item())
+            if seq.params.logprobs is not None:
+                source = raw[i]
+                if self.processed_logprobs:
+                    source = (filtered if filtered is not None else processed[i]).float()
+                sampled.logprobs[i] = torch.log_softmax(source, dim=-1)
+        return sampled

@@ -19,6 +19,8 @@ from omnistage.errors import InvalidRequestError
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MAX_COUNT = 2**63 - 1  # the largest count a stage message carries
+MAX_LOGPROBS = 20  # top-k logprobs per position, as vLLM's default max_logprobs
+MAX_N = 128  # samples per request
 
 
 def _is_int(value: Any) -> bool:
@@ -32,6 +34,11 @@ def _is_number(value: Any) -> bool:
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Decoding parameters of one request.
 
+    ``n`` samples are drawn for the prompt, which is prefilled once: sample ``i`` draws with
+    seed ``seed + i`` (so a seeded request is reproducible, and sample ``i`` equals the same
+    request with ``n=1`` and that seed). ``logprobs=k`` returns, per generated token, the
+    logprob and rank of the sampled token and the top ``k`` (0: the sampled token only);
+    ``prompt_logprobs=k`` the same for each prompt token after the first.
     ``temperature`` 0 (or below ``GREEDY_TEMPERATURE``) is greedy. ``top_k`` 0 or -1 and
     ``top_p`` 1 disable those filters. ``max_tokens`` None means "until eos or
     ``max_model_len``". ``stop`` strings end the generation and are cut from the text;
@@ -51,10 +58,18 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError("n", f"only n=1 is supported, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequestError(
+                    name, f"must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}"
+                )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(
                 "temperature", f"must be a finite number >= 0, got {self.temperature!r}"
@@ -94,6 +109,13 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample ``index`` (``seed + index``, wrapped into the seed range)."""
+        if self.seed is None:
+            return None
+        seed = self.seed + index
+        return seed - 2**64 if seed >= SEED_RANGE[1] else seed
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -1,6 +1,9 @@
 """Continuous batching: each step is either a prefill of waiting sequences or one decode
 token for every running sequence; when the KV cache runs out, the newest running sequences
-are preempted (their blocks freed, their tokens kept) and later recomputed."""
+are preempted (their blocks freed, their tokens kept) and later recomputed.
+
+A sequence whose request asked for ``n`` samples is scheduled with room for the ``n - 1``
+samples that fork from it after its prefill (a sequence slot and a copied block each)."""
 
 from __future__ import annotations
 
@@ -31,12 +34,17 @@ class Scheduler:
         """The sequences to run now and whether this is a prefill step."""
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
-        while self.waiting and len(self.running) + len(scheduled) < self.max_num_seqs:
+        num_slots = len(self.running)
+        while self.waiting:
             seq = self.waiting[0]
+            forks = len(seq.pending_samples)
+            if num_slots + 1 + forks > self.max_num_seqs:
+                break
             # The first sequence always goes, so prompts longer than the budget still run.
             too_many = num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
-            if (scheduled and too_many) or not self.block_manager.can_allocate(seq):
+            if (scheduled and too_many) or not self.block_manager.can_allocate(seq, forks):
                 break
+            num_slots += 1 + forks
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             num_batched_tokens += seq.num_tokens
@@ -77,16 +85,20 @@ class Scheduler:
         self.block_manager.free(seq)
         self.running.remove(seq)
 
-    def remove(self, request_id: str) -> Sequence | None:
-        """Take a sequence out of the queues (abort), freeing its blocks."""
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that holds its blocks already (a fork) joins the running ones."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove_sequence(self, seq: Sequence) -> bool:
+        """Take ``seq`` out of the queues (abort), freeing its blocks; False if not there."""
         for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.block_manager.free(seq)
-                    seq.status = SequenceStatus.FINISHED
-                    return seq
-        return None
+            if seq in queue:
+                queue.remove(seq)
+                self.block_manager.free(seq)
+                seq.status = SequenceStatus.FINISHED
+                return True
+        return False
 
     def remove_all(self) -> list[Sequence]:
         seqs = [*self.running, *self.waiting]

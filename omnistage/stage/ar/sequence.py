@@ -9,6 +9,7 @@ import torch
 
 from omnistage.models.tokenizer import IncrementalDetokenizer
 from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason
 
 
@@ -42,17 +43,24 @@ class Sequence:
         request: ARRequest,
         detokenizer: IncrementalDetokenizer,
         generator: torch.Generator | None,
+        index: int = 0,
     ) -> None:
         self.request_id = request.request_id
+        self.index = index  # which of the request's ``n`` samples this is
         self.params = request.sampling_params
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.return_hidden_states = request.return_hidden_states
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.pending_samples: list[Sequence] = []  # forked from this one after its prefill
         self.detokenizer = detokenizer
         self.generator = generator  # None: the engine's shared generator
         self.hidden_states: list[torch.Tensor] = []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for
+        self.has_output = False  # prompt logprobs go out once, with the first output
         self.output_text = ""
         self.num_emitted_chars = 0
         self.finish_reason: FinishReason | None = None
@@ -79,6 +87,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def may_use_prefix_cache(self) -> bool:
+        """Whether its prefill may skip cached blocks: not when every prompt position's output
+        (hidden states, prompt logprobs) is asked for."""
+        return not self.return_hidden_states and self.params.prompt_logprobs is None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.request_id, self.index
 
     def record_hidden_states(self, rows: torch.Tensor, is_prefill: bool) -> None:
         # A prefill covers every token so far (recomputed after a preemption): it replaces.

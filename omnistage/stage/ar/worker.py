@@ -54,6 +54,9 @@ class ARWorker:
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         return self.runner.run(seqs, is_prefill)
 
+    def copy_kv_block(self, src: int, dst: int) -> None:
+        self.runner.copy_kv_block(src, dst)
+
     def sleep(self, level: int, tags: Seq[str] | None, **metadata: object) -> Ack:
         return self.sleep_control.sleep(level, tags, **metadata)
 

@@ -22,6 +22,7 @@ from omnistage.stage.messages import (
     Ready,
     Shutdown,
     StartupOptions,
+    TokenLogprobs,
     UtilityCall,
     UtilityResult,
     WireError,
@@ -58,7 +59,14 @@ FROM_STAGE = [
     OutputBatch(
         [
             OutputMessage(
-                "a", "hi", [5], finished=True, finish_reason="stop", hidden_states=torch.randn(4, 8)
+                "a",
+                text_delta="hi",
+                new_token_ids=[5],
+                finished=True,
+                finish_reason="stop",
+                hidden_states=torch.randn(4, 8),
+                logprobs=[TokenLogprobs([5, 7], [-0.5, -0.1], [2, 1], ["a", "b"])],
+                prompt_logprobs=[None, TokenLogprobs([3], [-1.0], [4], ["c"])],
             ),
             OutputMessage("d", finished=True, images=[ImageOutput(b"\x89PNG", 8, 8, 3)]),
         ]

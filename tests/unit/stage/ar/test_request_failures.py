@@ -61,7 +61,7 @@ def test_rows_with_non_finite_logits_get_no_token():
     seqs = [_seq(i) for i in range(3)]
     logits = torch.randn(3, 8)
     logits[1, 2] = float("nan")
-    tokens = sampler(logits, seqs)
+    tokens = sampler(logits, seqs).token_ids
     assert tokens[1] is None and tokens[0] is not None and tokens[2] is not None
 
 

@@ -36,7 +36,10 @@ def sampled(seed: int | None, max_tokens: int = 16, **kwargs) -> SamplingParams:
         ({"seed": -(2**63) - 1}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 10_000}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"ignore_eos": "yes"}, "ignore_eos"),
     ],
 )

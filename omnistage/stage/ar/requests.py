@@ -1,0 +1,106 @@
+"""``RequestTable``: the requests an AR engine holds, each as its live samples.
+
+A request with ``n`` samples arrives as ``n`` sequences: the first is prefilled, the others
+wait on it (``pending_samples``) and fork from it after its prefill. Sample ``i`` draws with
+its own generator seeded ``seed + i``. A sample leaves the table when it ends; the request
+when its last sample does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.config import StageConfig
+from omnistage.errors import InvalidRequestError
+from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.messages import ARStageRequest
+
+
+def from_wire(request_id: str, request: object) -> ARRequest:
+    """The engine request for an ``ARStageRequest`` that came over the wire."""
+    if not isinstance(request, ARStageRequest):
+        raise InvalidRequestError(
+            "request", f"an AR stage takes 'ar' requests, got {type(request).__name__}"
+        )
+    return ARRequest(
+        request_id,
+        list(request.prompt_token_ids),
+        request.sampling_params,
+        request.return_hidden_states,
+        request.prompt,
+    )
+
+
+class RequestTable:
+    def __init__(
+        self, config: StageConfig, tokenizer: Tokenizer, vocab_size: int, device: torch.device
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.device = device
+        self._samples: dict[str, list[Sequence]] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._samples
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def samples(self, request_id: str) -> list[Sequence]:
+        """The request's live samples (a copy: ending them changes the table)."""
+        return list(self._samples.get(request_id, ()))
+
+    def create(self, request: ARRequest) -> Sequence:
+        """Validate ``request`` and register its samples; returns the one to schedule."""
+        self.validate(request)
+        samples = [self._sample(request, i) for i in range(request.sampling_params.n)]
+        samples[0].pending_samples = samples[1:]
+        self._samples[request.request_id] = samples
+        return samples[0]
+
+    def _sample(self, request: ARRequest, index: int) -> Sequence:
+        params = request.sampling_params
+        seed = params.sample_seed(index)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+        )
+        return Sequence(request, detokenizer, generator, index)
+
+    def forget(self, seq: Sequence) -> None:
+        samples = self._samples.get(seq.request_id)
+        if samples is not None and seq in samples:
+            samples.remove(seq)
+            if not samples:
+                del self._samples[seq.request_id]
+
+    def validate(self, request: ARRequest) -> None:
+        """``InvalidRequestError`` naming the first field the engine cannot take."""
+        if not isinstance(request.request_id, str) or not request.request_id:
+            raise InvalidRequestError("request_id", "must be a non-empty string")
+        if request.request_id in self._samples:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        params = request.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(
+                "n", f"{params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
+            )
+        ids = request.prompt_token_ids
+        if not isinstance(ids, list | tuple) or not ids:
+            raise InvalidRequestError("prompt", "must be a non-empty list of token ids")
+        vocab = self.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.config.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(ids)} tokens leave no room to generate within "
+                f"max_model_len={self.config.max_model_len}",
+            )
