@@ -115,6 +115,11 @@ class WeightsInvalidError(StageError):
         self.stage_id = stage_id
 
 
+class WeightTransferError(StageError):
+    """A weight transfer from a trainer broke (the trainer went away, the group timed out);
+    the previous weights keep serving (HTTP 502)."""
+
+
 class NonFiniteOutputError(StageError):
     """The model produced NaN or infinite logits for a request (the request fails, HTTP 500
     in a reply or an in-band error in a stream; the stage keeps serving)."""
@@ -150,6 +155,7 @@ ERROR_CLASSES: dict[str, type[Exception]] = {
         StageInternalError,
         WeightsInvalidError,
         NonFiniteOutputError,
+        WeightTransferError,
         SleepModeDisabledError,
         ValueError,
         TypeError,

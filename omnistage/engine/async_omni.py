@@ -24,6 +24,7 @@ from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.router import RequestRouter
 from omnistage.engine.stage_client import EngineStageClient, StageClient
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
+from omnistage.engine.weights import WeightSyncClient
 from omnistage.stage.messages import Ack
 from omnistage.stage.prepare import RequestOptions
 
@@ -54,6 +55,7 @@ class AsyncOmni:
         )
         self.supervisor = Supervisor(self.clients, self.gate, restart_policy)
         self.control.add_listener(self.supervisor.observe_control)
+        self.weights = WeightSyncClient(self.control)
         self._attached = False
 
     # -- construction -------------------------------------------------------------------
@@ -221,6 +223,49 @@ class AsyncOmni:
         checked (names, shapes, and NaN/Inf unless ``check_finite`` is False) first."""
         self._attach()
         return (await self.control.update_weights(stage_id, path, check_finite)).to_dict()
+
+    # -- RL: weight sync without disk, prefix cache, abort (see weights.py) ----------------
+
+    async def init_weight_transfer(
+        self, stage_id: int, backend: str = "nccl", init_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Join a trainer for weight syncs (``nccl``: blocks until the trainer is there)."""
+        self._attach()
+        return await self.weights.init(stage_id, backend, init_info)
+
+    async def start_weight_update(
+        self, stage_id: int, update_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        self._attach()
+        return await self.weights.start(stage_id, update_info)
+
+    async def receive_weights(self, stage_id: int, update_info: dict[str, Any]) -> dict[str, Any]:
+        """One chunk of an update (the trainer broadcasts or shares it meanwhile)."""
+        self._attach()
+        return await self.weights.update(stage_id, update_info)
+
+    async def finish_weight_update(
+        self, stage_id: int, weight_version: str | int | None = None
+    ) -> dict[str, Any]:
+        """Apply the update in place, all or nothing; the ACK carries ``weight_version``."""
+        self._attach()
+        return (await self.weights.finish(stage_id, weight_version)).to_dict()
+
+    async def weights_checksum(self, stage_id: int) -> str:
+        self._attach()
+        return await self.weights.checksum(stage_id)
+
+    def weight_version(self, stage_id: int = 0) -> str | None:
+        return self.weights.versions.get(stage_id)
+
+    async def reset_prefix_cache(self, stage_ids: Sequence[int] | None = None) -> list[int]:
+        """Forget every AR stage's cached prefixes; returns the stages reset."""
+        self._attach()
+        return await self.control.reset_prefix_cache(stage_ids)
+
+    async def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            await self.router.abort(request_id)
 
     def add_control_listener(self, listener: AckListener) -> None:
         """``listener(operation, acks)`` after every sleep / wake_up / update_weights."""

@@ -48,7 +48,7 @@ class StageControl:
         """``listener(operation, acks)`` after every sleep, wake_up and update_weights."""
         self._listeners.append(listener)
 
-    def _notify(self, operation: str, acks: list[Ack]) -> None:
+    def notify(self, operation: str, acks: list[Ack]) -> None:
         for listener in self._listeners:
             listener(operation, acks)
 
@@ -131,7 +131,7 @@ class StageControl:
         # an open gate: admitted requests would wait there for a resume nobody sends.
         await self._call_each(reopen, "resume")
         await self.gate.reopen(reopen)
-        self._notify("sleep", acks)
+        self.notify("sleep", acks)
         raise_if_gone(results)
         return acks
 
@@ -169,7 +169,7 @@ class StageControl:
             resumes_by_itself = stage_kind(self.config.stages[sid].kind).resumes_after_wake
             if await self.gate.record_wake_result(sid, ack, previous[sid], resumes_by_itself):
                 to_resume.append(sid)
-        self._notify("wake_up", acks)
+        self.notify("wake_up", acks)
         # Every stage is settled before resuming: a resume that fails must not leave the
         # other stages marked as waking.
         if resume and to_resume:
@@ -200,8 +200,16 @@ class StageControl:
         )
         if ack.status == "SUCCESS":
             self.gate.set_weights_valid(sid, True)
-        self._notify("update_weights", [ack])
+        self.notify("update_weights", [ack])
         return ack
+
+    async def reset_prefix_cache(self, stage_ids: Sequence[int] | None = None) -> list[int]:
+        """Forget the cached prefixes of the AR stages among ``stage_ids``."""
+        ids = self.check_stage_ids(stage_ids)
+        cached = [sid for sid in ids if stage_kind(self.config.stages[sid].kind).has_prefix_cache]
+        awake = [sid for sid in cached if self.gate.stages[sid].state == adm.AWAKE]
+        raise_first(await self._call_each(awake, "reset_prefix_cache"))
+        return awake
 
     # -- state --------------------------------------------------------------------------
 

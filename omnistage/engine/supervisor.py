@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from omnistage.engine import admission as adm
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import StageStartupError
-from omnistage.stage.messages import Ack, StartupOptions
+from omnistage.stage.messages import SYNC_PREFIX, Ack, StartupOptions
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,10 @@ class Supervisor:
         """On the event loop, right after the client failed the stage's requests."""
         reason = self.clients[stage_id].death_reason
         level = self.gate.restart_level(stage_id)
+        if any(s.startswith(SYNC_PREFIX) for s in self._weight_sources[stage_id]):
+            # Weights a trainer pushed left with the process: come back without any, for
+            # the trainer to push again (a wake with reload=false), never with stale ones.
+            level = 2
         paused = self.gate.stages[stage_id].paused
         if not self._budget_left(stage_id):
             logger.error(

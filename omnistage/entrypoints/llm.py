@@ -22,21 +22,32 @@ from omnistage.config import offline_stage_config
 from omnistage.errors import StageAsleepError
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.engine import ARStageEngine
+from omnistage.stage.ar.logprobs import Logprob
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 PromptInput = str | dict[str, Any]
 
 
 @dataclass
 class CompletionOutput:
+    """One sample: its text, tokens, and — when asked — per token, token id -> ``Logprob``
+    (the sampled token and the top ``logprobs``), as vLLM's."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     hidden_states: torch.Tensor | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        if self.logprobs is None:
+            return None
+        return sum(entry[t].logprob for t, entry in zip(self.token_ids, self.logprobs, strict=True))
 
 
 @dataclass
@@ -46,6 +57,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLM:
@@ -146,7 +158,8 @@ class LLM:
             for (text, ids), p in zip(inputs, params, strict=True):
                 request_id = str(next(self._request_counter))
                 self.engine.add_request(ARRequest(request_id, ids, p, return_hidden_states, text))
-                results[request_id] = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
+                samples = [CompletionOutput(i) for i in range(p.n)]
+                results[request_id] = RequestOutput(request_id, text, ids, samples)
             self._drive(results)
         except BaseException:
             for request_id, result in results.items():

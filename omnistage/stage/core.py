@@ -49,6 +49,16 @@ UTILITY_METHODS = frozenset(
         "reset_prefix_cache",
     }
 )
+# The weight-transfer protocol, served by the engine's ``weight_sync``.
+WEIGHT_SYNC_METHODS = frozenset(
+    {
+        "init_weight_transfer",
+        "start_weight_update",
+        "receive_weights",
+        "finish_weight_update",
+        "weights_checksum",
+    }
+)
 
 
 class StageEngine(Protocol):
@@ -150,7 +160,7 @@ class StageCore:
         return []
 
     def _utility(self, call: UtilityCall) -> list[FromStage]:
-        if call.method not in UTILITY_METHODS:
+        if call.method not in UTILITY_METHODS | WEIGHT_SYNC_METHODS:
             return [
                 error_result(
                     call.call_id, InvalidRequestError("method", f"unknown utility {call.method!r}")
@@ -173,8 +183,9 @@ class StageCore:
                 call.call_id, args, time.monotonic() + drain_timeout_s, drain_timeout_s
             )
             return self._check_drain()
+        owner = self.engine.weight_sync if call.method in WEIGHT_SYNC_METHODS else self.engine
         try:
-            result = getattr(self.engine, call.method)(**args)
+            result = getattr(owner, call.method)(**args)
         except Exception as exc:
             return [*self._flush(), error_result(call.call_id, exc)]
         # Outputs the call produced (aborted requests) go out before its reply.

@@ -21,6 +21,7 @@ class StageKind:
     """``engine`` builds the stage engine from a ``StageConfig`` (in the stage process);
     ``preparer`` validates and builds wire requests in the API process; ``request_type`` is
     the wire request the engine takes; ``modality`` is what the stage outputs;
+    ``has_prefix_cache`` whether it keeps one (``reset_prefix_cache``);
     ``resumes_after_wake`` says whether a woken stage schedules again by itself (a diffusion
     stage) or waits for ``resume`` (an AR stage, whose caller decides when)."""
 
@@ -30,6 +31,7 @@ class StageKind:
     request_type: type
     modality: str
     resumes_after_wake: bool
+    has_prefix_cache: bool = False
 
     def build_engine(self, config: StageConfig, **options: Any) -> Any:
         return _load(self.engine)(config, **options)
@@ -51,6 +53,7 @@ STAGE_KINDS: dict[str, StageKind] = {
         request_type=ARStageRequest,
         modality="text",
         resumes_after_wake=False,
+        has_prefix_cache=True,
     ),
     "diffusion": StageKind(
         name="diffusion",

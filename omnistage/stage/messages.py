@@ -109,7 +109,11 @@ class AckMetadata(msgspec.Struct):
     preempted: int = 0
     sleeping_tags: list[str] = []
     weights_valid: bool = True
-    weight_sources: list[str] | None = None  # after update_weights: what a reload replays
+    weight_sources: list[str] | None = None  # after a weight update: what a reload replays
+    weight_version: str | None = None  # after a weight sync: the trainer's version
+
+
+SYNC_PREFIX = "sync:"  # how weights a trainer pushed show in ``weight_sources``
 
 
 class Ack(msgspec.Struct):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,7 +20,7 @@ import torch
 
 from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvalidError
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
-from omnistage.stage.messages import Ack, make_ack
+from omnistage.stage.messages import SYNC_PREFIX, Ack, make_ack
 from omnistage.stage.sleep_args import KV_CACHE, WEIGHTS, check_level
 
 __all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
@@ -50,6 +50,45 @@ class CheckpointSource:
 
     def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None:
         load_weights(self.path, strict=strict, check_finite=check_finite)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncedSource:
+    """Weights a trainer pushed (``weight_version``), kept in host memory so that a level-2
+    reload can replay them. Not replayable by a new process: ``tensors`` is then ``None``."""
+
+    version: str
+    tensors: Mapping[str, torch.Tensor] | None
+    targets: Callable[[], Mapping[str, torch.Tensor]] | None = None
+
+    @property
+    def description(self) -> str:
+        return f"{SYNC_PREFIX}{self.version}"
+
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None:
+        if self.tensors is None or self.targets is None:
+            raise CheckpointError(
+                f"weights version {self.version!r} came from a trainer and left with the process "
+                "that held them; wake with reload=false and push them again"
+            )
+        targets = self.targets()
+        if strict:
+            missing = self.missing()
+            if missing:
+                raise CheckpointError(
+                    f"a weight sync onto discarded weights must carry all of them; missing {missing[:8]}"
+                )
+        with torch.no_grad():
+            for name, tensor in self.tensors.items():
+                targets[name].copy_(tensor)
+
+    def missing(self) -> list[str]:
+        """Weights this source does not carry (tied weights count once)."""
+        if self.tensors is None or self.targets is None:
+            return []
+        targets = self.targets()
+        held = {t.data_ptr() for name, t in targets.items() if name in self.tensors}
+        return [n for n, t in targets.items() if t.data_ptr() not in held]
 
 
 def checkpoint_source(path: str | Path, field: str = "path") -> CheckpointSource:
@@ -258,7 +297,12 @@ class SleepController:
         now; without, they wait for the reload of the next wake."""
         if not sources:
             return
-        history = [CheckpointSource(Path(p)) for p in sources]
+        history: list[WeightSource] = [
+            SyncedSource(p.removeprefix(SYNC_PREFIX), None)
+            if p.startswith(SYNC_PREFIX)
+            else CheckpointSource(Path(p))
+            for p in sources
+        ]
         if load:
             missing = history[1:] if history[0] == self._weight_sources[0] else history
             for source in missing:
@@ -289,10 +333,36 @@ class SleepController:
             weight_sources=self.weight_sources,
         )  # fmt: skip
 
+    def apply_synced(
+        self,
+        tensors: dict[str, torch.Tensor],
+        targets: Callable[[], Mapping[str, torch.Tensor]],
+        version: str,
+    ) -> Ack:
+        """Copy checked tensors a trainer pushed into the awake weights, in place."""
+        if self.arena.is_asleep(WEIGHTS):
+            raise InvalidRequestError(
+                "weight_version",
+                "weights are asleep; wake them first (wake_up(tags=['weights'], reload=False))",
+            )
+        start = time.perf_counter()
+        try:
+            self._apply(SyncedSource(version, tensors, targets), check_finite=False)
+        except CheckpointError as exc:
+            raise InvalidRequestError("update_info", str(exc)) from exc
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return self._ack(
+            "SUCCESS", start, 0, restored_bytes=nbytes, tags=[WEIGHTS],
+            weight_sources=self.weight_sources, weight_version=version,
+        )  # fmt: skip
+
     def _apply(self, source: WeightSource, check_finite: bool) -> None:
         # Invalid weights need a complete checkpoint, which then replaces the history; valid
         # ones may take a partial update, replayed on top of the history by a later reload.
-        is_complete = not self.weights_valid
+        # A complete sync replaces the history too: each one holds the weights in host memory.
+        is_complete = not self.weights_valid or (
+            isinstance(source, SyncedSource) and not source.missing()
+        )
         source.load(self._load_weights, strict=is_complete, check_finite=check_finite)
         if is_complete:
             self._weight_sources = [source]

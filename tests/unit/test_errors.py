@@ -29,6 +29,7 @@ EXAMPLES: list[Exception] = [
     errors.StageInternalError("RuntimeError: shapes do not match"),
     errors.WeightsInvalidError(0),
     errors.NonFiniteOutputError("the model produced NaN or infinite logits"),
+    errors.WeightTransferError("the weight transfer broke: connection closed by peer"),
     errors.SleepModeDisabledError(0),
     ValueError("unknown stage ids [7]"),
     TypeError("sleep() got an unexpected keyword argument 'colour'"),

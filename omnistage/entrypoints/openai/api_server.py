@@ -72,7 +72,7 @@ def build_app(
     from omnistage.entrypoints.openai import serving_chat, serving_images
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.server_routes import health_router, models_router
-    from omnistage.entrypoints.serve import vllm_compat
+    from omnistage.entrypoints.serve import rl_routes, vllm_compat
     from omnistage.entrypoints.serve.auth import require_api_key
     from omnistage.entrypoints.serve.errors import register_exception_handlers
     from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
@@ -120,6 +120,7 @@ def build_app(
     app.include_router(health_router)
     app.include_router(omni_control_router)
     app.include_router(vllm_compat.router)
+    app.include_router(rl_routes.router)
     return app
 
 

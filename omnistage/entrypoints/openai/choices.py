@@ -17,6 +17,16 @@ def _bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
+def as_token_ids(entries: list[Any]) -> list[Any]:
+    """Entries whose token texts are ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``)."""
+    return [
+        None
+        if e is None
+        else TokenLogprobs(e.token_ids, e.logprobs, e.ranks, [f"token_id:{t}" for t in e.token_ids])
+        for e in entries
+    ]
+
+
 def chat_logprobs(entries: list[TokenLogprobs]) -> dict[str, Any]:
     """Chat's shape: per token, the chosen one and its ``top_logprobs``."""
     return {

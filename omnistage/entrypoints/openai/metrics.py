@@ -27,6 +27,18 @@ class ServerMetrics:
             ["stage_id"],
             registry=self.registry,
         )
+        self.prefix_cache_hit_rate = Gauge(
+            "omnistage_prefix_cache_hit_rate",
+            "Share of prompt tokens found in the prefix cache (AR stages).",
+            ["stage_id"],
+            registry=self.registry,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "omnistage_prefix_cache_tokens",
+            "Prompt tokens looked up in / found in the prefix cache (AR stages).",
+            ["stage_id", "kind"],
+            registry=self.registry,
+        )
         self.stage_in_flight = Gauge(
             "omnistage_stage_in_flight_requests",
             "Requests in flight per stage.",
@@ -72,8 +84,18 @@ class ServerMetrics:
             else:
                 self.wake_latency.labels(sid).observe(latency_s)
 
-    def render(self, engine: EngineClient) -> bytes:
-        """Refresh the per-stage gauges from the engine client's state, then export."""
+    def render(self, engine: EngineClient, statuses: list[dict[str, Any]] | None = None) -> bytes:
+        """Refresh the per-stage gauges from the engine client's state (and the stages' own
+        ``statuses``, when given), then export."""
+        for status in statuses or []:
+            cache = status.get("prefix_cache")
+            if isinstance(cache, dict):
+                label = str(status["stage_id"])
+                self.prefix_cache_hit_rate.labels(label).set(float(cache.get("hit_rate", 0.0)))
+                self.prefix_cache_tokens.labels(label, "queried").set(
+                    cache.get("queried_tokens", 0)
+                )
+                self.prefix_cache_tokens.labels(label, "hit").set(cache.get("hit_tokens", 0))
         for sid, stage in enumerate(engine.stage_states()):
             for state in STATES:
                 self.stage_state.labels(str(sid), state).set(1.0 if stage.state == state else 0.0)

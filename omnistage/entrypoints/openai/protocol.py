@@ -53,6 +53,8 @@ class _SamplingFields(_Lenient):
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=MAX_N)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
+    # vLLM's extra: logprob entries name tokens "token_id:<id>" instead of their text.
+    return_tokens_as_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 

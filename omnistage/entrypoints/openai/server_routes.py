@@ -48,5 +48,7 @@ async def health(request: Request) -> Any:
 
 @health_router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    body = request.app.state.metrics.render(request.app.state.engine_client)
+    engine = request.app.state.engine_client
+    statuses = await engine.stage_status() if hasattr(engine, "stage_status") else []
+    body = request.app.state.metrics.render(engine, statuses)
     return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -18,6 +18,7 @@ from fastapi.responses import Response, StreamingResponse
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
 from omnistage.entrypoints.openai.choices import (
     Collected,
+    as_token_ids,
     chat_logprobs,
     completion_logprobs,
     prompt_logprobs_json,
@@ -88,6 +89,12 @@ def _model_name(request: Request, asked: str | None) -> str:
     return asked or request.app.state.served_model_name
 
 
+def fingerprint(engine: Any) -> str | None:
+    """The weights that answered: ``weights-<version>`` after a trainer's weight sync."""
+    version = engine.weight_version(0) if hasattr(engine, "weight_version") else None
+    return f"weights-{version}" if version else None
+
+
 # -- chat ------------------------------------------------------------------------------------
 
 
@@ -110,7 +117,12 @@ async def create_chat_completion(
         return await _chat_events(
             request, stream, metrics, request_id, model, include_usage, modalities == ["text"]
         )
-    return await _chat_reply(request, stream, metrics, request_id, model, modalities)
+    reply = await _chat_reply(
+        request, stream, metrics, request_id, model, modalities, body.return_tokens_as_token_ids
+    )
+    if isinstance(reply, ChatCompletionResponse):
+        reply.system_fingerprint = fingerprint(engine)
+    return reply
 
 
 async def _chat_reply(
@@ -120,6 +132,7 @@ async def _chat_reply(
     request_id: str,
     model: str,
     modalities: list[str],
+    token_ids: bool = False,
 ) -> ChatCompletionResponse | Response:
     collected = await unless_disconnected(request, _collect(stream))
     if collected is None:
@@ -135,7 +148,11 @@ async def _chat_reply(
                 index=c.index,
                 message=AssistantMessage(content=content),
                 finish_reason=c.finish_reason,
-                logprobs=chat_logprobs(c.logprobs) if c.logprobs else None,
+                logprobs=(
+                    chat_logprobs(as_token_ids(c.logprobs) if token_ids else c.logprobs)
+                    if c.logprobs
+                    else None
+                ),
                 prompt_logprobs=(
                     prompt_logprobs_json(c.prompt_logprobs) if c.prompt_logprobs else None
                 ),
@@ -229,6 +246,8 @@ async def create_completion(
         entries: list[Any] = list(c.logprobs)
         if echo and c.prompt_logprobs:
             entries = list(c.prompt_logprobs) + entries
+        if body.return_tokens_as_token_ids:
+            entries = as_token_ids(entries)
         choices.append(
             CompletionChoice(
                 index=c.index,
@@ -243,7 +262,12 @@ async def create_completion(
             )
         )
     return CompletionResponse(
-        id=request_id, created=now(), model=model, choices=choices, usage=collected.usage
+        id=request_id,
+        created=now(),
+        model=model,
+        choices=choices,
+        usage=collected.usage,
+        system_fingerprint=fingerprint(engine),
     )
 
 

@@ -37,6 +37,7 @@ from omnistage.errors import (
     StageRestartingError,
     StageStartupError,
     WeightsInvalidError,
+    WeightTransferError,
 )
 
 
@@ -70,6 +71,7 @@ ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     SleepModeDisabledError: ErrorKind(501, "not_implemented_error", "sleep_mode_disabled"),
     TimeoutError: ErrorKind(504, "timeout_error", "timeout"),
     NonFiniteOutputError: ErrorKind(500, "server_error", "non_finite_output"),
+    WeightTransferError: ErrorKind(502, "server_error", "weight_transfer_failed"),
     StageInternalError: ErrorKind(500, "server_error", "stage_internal_error"),
 }
 

@@ -45,6 +45,7 @@ from omnistage.stage.messages import Ack, ARStageInfo
 from omnistage.stage.sleep_args import check_level, check_mode
 from omnistage.stage.sleep_control import SleepController
 from omnistage.stage.types import StageOutput
+from omnistage.stage.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,11 @@ class ARStageEngine:
         )
         self._pause_mode: str | None = None
         self._closed = False
+        self.num_prefill_tokens = 0  # tokens computed by prefills (not taken from the cache)
+        self.weight_version: str | None = None  # set by a trainer's weight sync
+        self.weight_sync = WeightSync(
+            self.stage_id, self.worker.weight_targets, self._apply_synced, self.device
+        )
 
     @property
     def sleep_control(self) -> SleepController:
@@ -171,6 +177,8 @@ class ARStageEngine:
         return outputs
 
     def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        if is_prefill:
+            self.num_prefill_tokens += sum(s.num_tokens - s.num_cached_tokens for s in seqs)
         try:
             result = self.worker.execute(seqs, is_prefill)
             batch, rows = self._with_forks(seqs) if is_prefill else (seqs, None)
@@ -333,6 +341,13 @@ class ARStageEngine:
         self.block_manager.clear_cache()
         return ack
 
+    def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
+        """A trainer's checked weights into the live ones; the prefix cache is forgotten."""
+        ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
+        self.block_manager.clear_cache()
+        self.weight_version = version
+        return ack
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
         self.block_manager.clear_cache()
@@ -356,9 +371,11 @@ class ARStageEngine:
             "pause_mode": self._pause_mode,
             "weights_valid": control.weights_valid,
             "weight_sources": control.weight_sources,
+            "weight_version": self.weight_version,
             "num_waiting": len(self.scheduler.waiting) + len(self._held),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_tokens": self.num_prefill_tokens,
             "num_kv_blocks": self.worker.num_kv_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
             "prefix_cache": {

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
+import torch
+
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.loader import module_targets
 from omnistage.stage.ar.kv_cache import KV_CACHE_TAG
 from omnistage.stage.ar.model_runner import ModelRunner, StepResult
 from omnistage.stage.ar.sequence import Sequence
@@ -53,6 +56,10 @@ class ARWorker:
 
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         return self.runner.run(seqs, is_prefill)
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The live weights by checkpoint name (what a trainer's state dict names them)."""
+        return module_targets(self.runner.model)
 
     def copy_kv_block(self, src: int, dst: int) -> None:
         self.runner.copy_kv_block(src, dst)

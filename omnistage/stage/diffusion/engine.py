@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from omnistage.config import StageConfig
 from omnistage.errors import (
@@ -60,6 +61,7 @@ from omnistage.stage.messages import Ack, DiffusionStageInfo, DiffusionStageRequ
 from omnistage.stage.sleep_args import check_level, check_mode
 from omnistage.stage.sleep_control import SleepController, make_ack
 from omnistage.stage.types import StageOutput
+from omnistage.stage.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +94,10 @@ class DiffusionStageEngine:
         self._drain_ids: set[str] = set()  # mode "wait": requests that still run while paused
         self._asleep_at_level0 = False
         self._jobs: list[DenoiseJob] = []  # batches being denoised, a step at a time
+        self.weight_version: str | None = None  # set by a trainer's weight sync
+        self.weight_sync = WeightSync(
+            self.stage_id, self.worker.weight_targets, self._apply_synced, self.arena.device
+        )
         self.num_batches = 0
         self.last_batch_size = 0
         self.num_steps = 0
@@ -327,6 +333,11 @@ class DiffusionStageEngine:
         (conventions in ``omnistage.stage.diffusion.pipeline``)."""
         return self.worker.update_weights(path, check_finite=check_finite)
 
+    def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
+        ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
+        self.weight_version = version
+        return ack
+
     def is_sleeping(self) -> bool:
         return self.sleep_control.is_sleeping or self._asleep_at_level0
 
@@ -342,6 +353,7 @@ class DiffusionStageEngine:
             "pause_mode": self._pause_mode,
             "weights_valid": control.weights_valid,
             "weight_sources": control.weight_sources,
+            "weight_version": self.weight_version,
             "num_waiting": len(self._waiting),
             "num_running": sum(len(job.items) for job in self._jobs),
             "num_active_batches": len(self._jobs),

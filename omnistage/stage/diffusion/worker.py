@@ -7,8 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
+from omnistage.models.loader import module_targets
 from omnistage.models.tiny import ensure_preset
 from omnistage.stage.diffusion.components import MODEL_INDEX
 from omnistage.stage.diffusion.pipeline import ImagePipeline
@@ -30,6 +33,14 @@ class DiffusionWorker:
         self.sleep_control = SleepController(
             self.arena, config.stage_id, folder, self.pipeline.load_weights, rank=rank
         )
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The live weights by '<component>.<tensor>' name (the single-file update names)."""
+        return {
+            f"{name}.{key}": tensor
+            for name, module in self.pipeline.modules.items()
+            for key, tensor in module_targets(module).items()
+        }
 
     def sleep(self, level: int, tags: Sequence[str] | None, **metadata: object) -> Ack:
         return self.sleep_control.sleep(level, tags, **metadata)

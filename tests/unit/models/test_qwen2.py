@@ -1,7 +1,5 @@
 """The qwen2-family model against transformers on random tiny checkpoints it saved itself."""
 
-import json
-
 import pytest
 import torch
 
@@ -11,57 +9,15 @@ from omnistage.models.ar_attention import AttentionContext
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import load_module
 from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
-from omnistage.models.tiny_ar import CHAT_TEMPLATE, build_tokenizer
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
-
-VOCAB = 512
-COMMON = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=128,
-    vocab_size=VOCAB,
-    max_position_embeddings=256,
-)
+from tests.unit.models.hf_checkpoints import ARCHS, VOCAB, build_checkpoint
 
 
-def _hf_model(arch: str):
-    import transformers as tf
-
-    if arch == "qwen2-tied":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, tie_word_embeddings=True))
-    if arch == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32))
-    llama3 = {
-        "rope_type": "llama3",
-        "rope_theta": 50000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    }
-    config = tf.LlamaConfig(**COMMON, rope_scaling=llama3, attention_bias=True, mlp_bias=True)
-    return tf.LlamaForCausalLM(config)
-
-
-@pytest.fixture(scope="module", params=["qwen2-tied", "qwen3", "llama-llama3-rope"])
+@pytest.fixture(scope="module", params=ARCHS)
 def checkpoint(request, tmp_path_factory):
-    """A transformers model with every parameter randomised, saved with save_pretrained."""
-    torch.manual_seed(0)
-    hf = _hf_model(request.param).eval()
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.05)
-    folder = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(folder)
-    build_tokenizer(VOCAB).save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"})
-    )
-    return hf, folder
+    return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
 def load_ours(folder) -> Qwen2ForCausalLM:

@@ -1,0 +1,57 @@
+"""Weight sync without disk through the engine client: vLLM's weight-transfer protocol per
+stage (``init`` once, then ``start`` → ``update``* → ``finish`` per update), the stage's weights
+checksum, and what a finished sync changes here (valid weights, the version responses carry,
+what a restart must know)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omnistage.engine.control import StageControl
+from omnistage.stage.messages import Ack
+
+
+class WeightSyncClient:
+    def __init__(self, control: StageControl) -> None:
+        self.control = control
+        self.versions: dict[int, str] = {}  # stage id -> weight version of its last sync
+
+    def _stage(self, stage_id: int) -> Any:
+        (sid,) = self.control.check_stage_ids([stage_id])
+        self.control.gate.check_alive(sid)
+        return self.control.clients[sid]
+
+    async def init(
+        self, stage_id: int, backend: str = "nccl", init_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self._stage(stage_id).call(
+            "init_weight_transfer", backend=backend, init_info=init_info or {}
+        )
+        return result
+
+    async def start(
+        self, stage_id: int, update_info: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        result: dict[str, Any] = await self._stage(stage_id).call(
+            "start_weight_update", update_info=update_info
+        )
+        return result
+
+    async def update(self, stage_id: int, update_info: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._stage(stage_id).call(
+            "receive_weights", update_info=update_info
+        )
+        return result
+
+    async def finish(self, stage_id: int, weight_version: str | int | None = None) -> Ack:
+        version = None if weight_version is None else str(weight_version)
+        ack: Ack = await self._stage(stage_id).call("finish_weight_update", weight_version=version)
+        if ack.status == "SUCCESS":
+            self.control.gate.set_weights_valid(stage_id, True)
+            if ack.metadata.weight_version:
+                self.versions[stage_id] = ack.metadata.weight_version
+        self.control.notify("update_weights", [ack])
+        return ack
+
+    async def checksum(self, stage_id: int) -> str:
+        return str(await self._stage(stage_id).call("weights_checksum"))

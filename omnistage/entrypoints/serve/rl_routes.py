@@ -1,0 +1,176 @@
+"""The RL routes: weight sync without disk (``/v1/omni/weights/*``, per stage), prefix cache
+reset, abort by id — and vLLM's top-level names for the same, acting on the first text stage
+(``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update``, ``/get_weight_version``, ``/reset_prefix_cache``,
+``/abort_requests``). Operator actions: they demand the control key. See ``docs/rl.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from omnistage.entrypoints.serve.auth import require_control_key
+from omnistage.entrypoints.serve.deps import EngineClientDep
+from omnistage.entrypoints.serve.omni_control.operations import check_stage_ids
+from omnistage.stage.kinds import stage_kind
+
+router = APIRouter(tags=["RL"], dependencies=[Depends(require_control_key)])
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InitBody(_Body):
+    stage_id: StrictInt = Field(default=0, ge=0)
+    backend: StrictStr = "nccl"
+    init_info: dict[str, Any] = Field(default_factory=dict)
+
+
+class StartBody(_Body):
+    stage_id: StrictInt = Field(default=0, ge=0)
+    update_info: dict[str, Any] | None = None
+
+
+class UpdateBody(_Body):
+    stage_id: StrictInt = Field(default=0, ge=0)
+    update_info: dict[str, Any]
+
+
+class FinishBody(_Body):
+    stage_id: StrictInt = Field(default=0, ge=0)
+    weight_version: StrictStr | StrictInt | None = None
+
+
+class StageIdsBody(_Body):
+    stage_ids: list[StrictInt] | None = None
+
+
+class AbortBody(_Body):
+    request_ids: list[StrictStr] = Field(min_length=1)
+
+
+def _finished(ack: dict[str, Any]) -> dict[str, Any]:
+    return {"status": ack["status"], "acks": [ack]}
+
+
+# -- /v1/omni/* (any stage) ----------------------------------------------------------------
+
+
+@router.post("/v1/omni/weights/init")
+async def init_weights(body: InitBody, engine: EngineClientDep) -> dict[str, Any]:
+    """Join a trainer (``nccl``: blocks until the trainer's rank 0 joins too)."""
+    check_stage_ids(engine, [body.stage_id], field="stage_id")
+    return await engine.init_weight_transfer(body.stage_id, body.backend, body.init_info)
+
+
+@router.post("/v1/omni/weights/start")
+async def start_weights(body: StartBody, engine: EngineClientDep) -> dict[str, Any]:
+    """Begin an update; ``update_info`` may announce every tensor, checked up front."""
+    check_stage_ids(engine, [body.stage_id], field="stage_id")
+    return await engine.start_weight_update(body.stage_id, body.update_info)
+
+
+@router.post("/v1/omni/weights/update")
+async def update_weights(body: UpdateBody, engine: EngineClientDep) -> dict[str, Any]:
+    """Receive one chunk (names, dtype names, shapes; ``ipc_handles`` for ``ipc``)."""
+    check_stage_ids(engine, [body.stage_id], field="stage_id")
+    return await engine.receive_weights(body.stage_id, body.update_info)
+
+
+@router.post("/v1/omni/weights/finish")
+async def finish_weights(body: FinishBody, engine: EngineClientDep) -> dict[str, Any]:
+    """Apply the update in place, all or nothing, as ``weight_version``."""
+    check_stage_ids(engine, [body.stage_id], field="stage_id")
+    return _finished(await engine.finish_weight_update(body.stage_id, body.weight_version))
+
+
+@router.get("/v1/omni/weights/checksum")
+async def weights_checksum(
+    engine: EngineClientDep, stage_id: int = Query(default=0, ge=0)
+) -> dict[str, Any]:
+    """SHA-256 of the stage's weights (``omnistage.rl.weights_checksum`` on the trainer)."""
+    check_stage_ids(engine, [stage_id], field="stage_id")
+    return {
+        "stage_id": stage_id,
+        "checksum": await engine.weights_checksum(stage_id),
+        "weight_version": engine.weight_version(stage_id),
+    }
+
+
+@router.post("/v1/omni/reset_prefix_cache")
+async def reset_prefix_cache(
+    engine: EngineClientDep, body: StageIdsBody | None = None
+) -> dict[str, Any]:
+    stage_ids = body.stage_ids if body else None
+    if stage_ids is not None:
+        check_stage_ids(engine, stage_ids)
+    return {"status": "SUCCESS", "stage_ids": await engine.reset_prefix_cache(stage_ids)}
+
+
+@router.post("/v1/omni/abort")
+async def abort(body: AbortBody, engine: EngineClientDep) -> dict[str, Any]:
+    """End these requests as aborted, wherever they are (unknown ids are ignored)."""
+    await engine.abort_requests(body.request_ids)
+    return {"status": "SUCCESS", "request_ids": body.request_ids}
+
+
+# -- vLLM's names, for the first text stage --------------------------------------------------
+
+
+def _text_stage(engine: Any) -> int:
+    return next(s.stage_id for s in engine.config.stages if stage_kind(s.kind).modality == "text")
+
+
+class VllmInitBody(BaseModel):
+    init_info: dict[str, Any] = Field(default_factory=dict)
+
+
+class VllmUpdateBody(BaseModel):
+    update_info: dict[str, Any]
+
+
+class VllmFinishBody(BaseModel):
+    weight_version: StrictStr | StrictInt | None = None
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(body: VllmInitBody, engine: EngineClientDep) -> dict:
+    info = dict(body.init_info)
+    backend = str(info.pop("backend", "nccl"))
+    return await engine.init_weight_transfer(_text_stage(engine), backend, info)
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(engine: EngineClientDep) -> dict[str, Any]:
+    return await engine.start_weight_update(_text_stage(engine), None)
+
+
+@router.post("/update_weights")
+async def vllm_update_weights(body: VllmUpdateBody, engine: EngineClientDep) -> dict:
+    return await engine.receive_weights(_text_stage(engine), body.update_info)
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(engine: EngineClientDep, body: VllmFinishBody | None = None) -> dict:
+    version = body.weight_version if body else None
+    return _finished(await engine.finish_weight_update(_text_stage(engine), version))
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(engine: EngineClientDep) -> dict[str, Any]:
+    return {"weight_version": engine.weight_version(_text_stage(engine))}
+
+
+@router.post("/reset_prefix_cache")
+async def vllm_reset_prefix_cache(engine: EngineClientDep) -> dict[str, Any]:
+    return {"status": "SUCCESS", "stage_ids": await engine.reset_prefix_cache(None)}
+
+
+@router.post("/abort_requests")
+async def abort_requests(body: AbortBody, engine: EngineClientDep) -> dict[str, Any]:
+    await engine.abort_requests(body.request_ids)
+    return {"status": "SUCCESS", "request_ids": body.request_ids}

@@ -1,0 +1,263 @@
+"""``WeightSender``: the trainer's half of a weight sync with an omnistage stage.
+
+Plain torch and httpx — no server code — so a training process imports it cheaply::
+
+    sender = WeightSender("http://localhost:8000", stage_id=0, backend="nccl")
+    sender.init()                                   # once: join the stage's group
+    ack = sender.send(model.state_dict().items(), weight_version=step)
+    assert sender.remote_checksum() == weights_checksum(model.state_dict().items())
+
+Backends: ``nccl`` — a process group with the stage (NCCL on CUDA, gloo on CPU) where the
+trainer is rank 0 and broadcasts each tensor; ``ipc`` — same host: tensors go into
+shared-memory segments (CPU) or are shared as CUDA IPC handles (GPU) and the stage reads
+them directly, nothing crosses a socket. Every update announces its tensors first
+(``start``), so a name or shape the stage does not have fails before anything moves.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import socket
+import threading
+from collections.abc import Iterable, Iterator
+from multiprocessing import shared_memory
+from typing import Any
+
+import httpx
+import torch
+
+from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, weights_checksum
+
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+class WeightSyncError(RuntimeError):
+    """The stage refused or failed an update (its reply is the message)."""
+
+
+class WeightSender:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        stage_id: int = 0,
+        backend: str = "nccl",
+        api_key: str | None = None,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout_s: float = 120.0,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        self.base_url = base_url.rstrip("/")
+        self.stage_id = stage_id
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port or _free_port()
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._group: Any = None
+        self._store: Any = None
+
+    # -- HTTP ------------------------------------------------------------------------------
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        reply = self._http.post(path, json={"stage_id": self.stage_id, **body})
+        if reply.status_code != 200:
+            raise WeightSyncError(f"POST {path}: {reply.status_code} {reply.text}")
+        data: dict[str, Any] = reply.json()
+        return data
+
+    def remote_checksum(self) -> str:
+        reply = self._http.get("/v1/omni/weights/checksum", params={"stage_id": self.stage_id})
+        if reply.status_code != 200:
+            raise WeightSyncError(f"checksum: {reply.status_code} {reply.text}")
+        return str(reply.json()["checksum"])
+
+    # -- the protocol ----------------------------------------------------------------------
+
+    def init(self) -> None:
+        """Join the stage (``nccl``: rank 0 of a group of two, on CPU through gloo)."""
+        body: dict[str, Any] = {"backend": self.backend, "init_info": {}}
+        if self.backend == "ipc":
+            self._post("/v1/omni/weights/init", body)
+            return
+        import torch.distributed as dist
+
+        body["init_info"] = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "timeout_s": self.timeout_s,
+        }
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._store = dist.TCPStore(
+            self.master_address, self.master_port, 2, is_master=True, timeout=timeout,
+            wait_for_workers=False,
+        )  # fmt: skip
+        reply = self._in_background(lambda: self._post("/v1/omni/weights/init", body))
+        if torch.cuda.is_available():
+            nccl = dist.ProcessGroupNCCL
+            self._group = nccl(self._store, 0, 2, nccl.Options())
+        else:
+            self._group = dist.ProcessGroupGloo(self._store, 0, 2, timeout)
+        reply.result()
+
+    def send(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        weight_version: str | int | None = None,
+    ) -> dict[str, Any]:
+        """Push ``named_tensors`` (state-dict names) and apply them as ``weight_version``;
+        returns the stage's ACK. On any failure the stage keeps its previous weights."""
+        tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
+        self._post("/v1/omni/weights/start", {"update_info": _describe(tensors).to_json()})
+        for chunk in self._chunks(tensors):
+            if self.backend == "ipc":
+                self._send_shared(chunk)
+            else:
+                self._send_broadcast(chunk)
+        ack = self._post("/v1/omni/weights/finish", {"weight_version": weight_version})
+        if ack["status"] != "SUCCESS":
+            raise WeightSyncError(f"finish: {ack}")
+        return dict(ack["acks"][0])
+
+    def _chunks(
+        self, tensors: list[tuple[str, torch.Tensor]]
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in tensors:
+            chunk.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+        if chunk:
+            yield chunk
+
+    def _send_broadcast(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+        import torch.distributed as dist
+
+        if self._group is None:
+            raise WeightSyncError("call init() first")
+        reply = self._in_background(
+            lambda: self._post(
+                "/v1/omni/weights/update", {"update_info": _describe(chunk).to_json()}
+            )
+        )
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        for _, tensor in chunk:
+            self._group.broadcast([tensor.to(device)], opts).wait()
+        reply.result()
+
+    def _send_shared(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+        info = _describe(chunk)
+        if chunk and chunk[0][1].is_cuda:  # never run on a GPU yet
+            info.ipc_handles = [_cuda_handle(t) for _, t in chunk]
+            self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
+            return
+        total = max(1, sum(t.numel() * t.element_size() for _, t in chunk))
+        segment = shared_memory.SharedMemory(create=True, size=total)
+        try:
+            handles, offset = [], 0
+            for _, tensor in chunk:
+                nbytes = tensor.numel() * tensor.element_size()
+                view = (
+                    torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                    if nbytes
+                    else None
+                )
+                if view is not None:
+                    view.copy_(tensor.cpu().reshape(-1).view(torch.uint8))
+                    del view
+                handles.append({"shm": segment.name, "offset": offset})
+                offset += nbytes
+            info.ipc_handles = handles
+            self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
+        finally:
+            segment.close()
+            segment.unlink()
+
+    @staticmethod
+    def _in_background(call: Any) -> _Pending:
+        pending = _Pending()
+        threading.Thread(target=pending.run, args=(call,), daemon=True).start()
+        return pending
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+        self._http.close()
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Pending:
+    """An HTTP call running beside a collective (both sides must be in it at once)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def run(self, call: Any) -> None:
+        try:
+            self._value = call()
+        except BaseException as exc:  # handed to the caller by result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def _describe(tensors: list[tuple[str, torch.Tensor]]) -> UpdateInfo:
+    return UpdateInfo(
+        names=[name for name, _ in tensors],
+        dtype_names=[dtype_name(t.dtype) for _, t in tensors],
+        shapes=[list(t.shape) for _, t in tensors],
+    )
+
+
+def _cuda_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """A CUDA IPC handle of ``tensor``'s storage, in plain JSON (never run on a GPU yet)."""
+    storage = tensor.untyped_storage()
+    device, handle, size, offset, ref_handle, ref_offset, event, sync = storage._share_cuda_()  # type: ignore[attr-defined]
+    return {
+        "cuda": {
+            "device": int(device),
+            "handle": base64.b64encode(handle).decode(),
+            "storage_size": int(size),
+            "storage_offset": int(offset),
+            "ref_counter_handle": base64.b64encode(ref_handle).decode(),
+            "ref_counter_offset": int(ref_offset),
+            "event_handle": base64.b64encode(event).decode() if event else "",
+            "event_sync_required": bool(sync),
+            "tensor_offset": int(tensor.storage_offset()),
+        }
+    }
+
+
+__all__ = ["WeightSender", "WeightSyncError", "weights_checksum"]
