@@ -32,8 +32,8 @@ test-unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
 lint: install
-	$(BIN)/ruff check omnistage tests
-	$(BIN)/ruff format --check omnistage tests
+	$(BIN)/ruff check omnistage tests examples
+	$(BIN)/ruff format --check omnistage tests examples
 	$(BIN)/mypy omnistage
 
 bench: install

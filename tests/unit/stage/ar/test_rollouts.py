@@ -74,7 +74,8 @@ def test_logprobs_equal_transformers_log_softmax(checkpoint, sampled):
         assert entry.ranks[0] == int((row > row[token]).sum()) + 1
         top = torch.topk(row, 5)
         assert entry.token_ids[1:] == top.indices.tolist() and entry.ranks[1:] == [1, 2, 3, 4, 5]
-        assert max(abs(a - b) for a, b in zip(entry.logprobs[1:], top.values.tolist())) <= 1e-4
+        pairs = zip(entry.logprobs[1:], top.values.tolist(), strict=True)
+        assert max(abs(a - b) for a, b in pairs) <= 1e-4
     prompt = outs[0].prompt_logprobs
     assert prompt is not None and prompt[0] is None and len(prompt) == len(PROMPT)
     for j in range(1, len(PROMPT)):
