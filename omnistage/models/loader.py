@@ -336,7 +336,7 @@ def plan_copies(
         raise CheckpointError(f"none of the {count} tensors of {where} belong to this model")
     if check_finite:
         for name, dest, st, key in plan.copies:
-            problem = _nonfinite(st.tensor(key), dest.dtype)
+            problem = nonfinite_values(st.tensor(key), dest.dtype)
             if problem:
                 raise CheckpointError(f"tensor {name} of {where} has {problem}")
     return plan
@@ -346,7 +346,7 @@ def _few(names: list[str]) -> str:
     return f"{[shown(n) for n in names[:8]]}{'...' if len(names) > 8 else ''}"
 
 
-def _nonfinite(src: torch.Tensor, target_dtype: torch.dtype) -> str:
+def nonfinite_values(src: torch.Tensor, target_dtype: torch.dtype) -> str:
     """What in ``src`` is, or would become in ``target_dtype``, NaN or Inf ('' if nothing).
 
     A finite min and max bound every value, and NaN propagates to both, so one ``aminmax``

@@ -68,6 +68,7 @@ class WeightSender:
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
         self._group: Any = None
         self._store: Any = None
+        self._segment: shared_memory.SharedMemory | None = None  # ipc: reused, faulted in once
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -170,27 +171,34 @@ class WeightSender:
             info.ipc_handles = [_cuda_handle(t) for _, t in chunk]
             self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
             return
-        total = max(1, sum(t.numel() * t.element_size() for _, t in chunk))
-        segment = shared_memory.SharedMemory(create=True, size=total)
-        try:
-            handles, offset = [], 0
-            for _, tensor in chunk:
-                nbytes = tensor.numel() * tensor.element_size()
-                view = (
-                    torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-                    if nbytes
-                    else None
-                )
-                if view is not None:
-                    view.copy_(tensor.cpu().reshape(-1).view(torch.uint8))
-                    del view
-                handles.append({"shm": segment.name, "offset": offset})
-                offset += nbytes
-            info.ipc_handles = handles
-            self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
-        finally:
-            segment.close()
-            segment.unlink()
+        segment = self._shared(sum(t.numel() * t.element_size() for _, t in chunk))
+        if segment.buf is None:
+            raise WeightSyncError("the shared segment is closed")
+        handles, offset = [], 0
+        for _, tensor in chunk:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes:
+                view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                view.copy_(tensor.cpu().reshape(-1).view(torch.uint8))
+                del view
+            handles.append({"shm": segment.name, "offset": offset})
+            offset += nbytes
+        info.ipc_handles = handles
+        # The stage has copied the chunk out when it replies: the segment is free again.
+        self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
+
+    def _shared(self, nbytes: int) -> shared_memory.SharedMemory:
+        """The shared segment, grown to ``nbytes`` if needed (kept for the next chunks)."""
+        if self._segment is None or self._segment.size < nbytes:
+            self._release_segment()
+            self._segment = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+        return self._segment
+
+    def _release_segment(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment.unlink()
+            self._segment = None
 
     @staticmethod
     def _in_background(call: Any) -> _Pending:
@@ -199,6 +207,7 @@ class WeightSender:
         return pending
 
     def close(self) -> None:
+        self._release_segment()
         self._group = None
         self._store = None
         self._http.close()

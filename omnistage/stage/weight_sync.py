@@ -9,6 +9,8 @@ CPU, CUDA IPC handles on GPU. Then per update ``start_weight_update`` → ``rece
 Tensors are staged in host memory as they arrive and checked (known names, shapes, finite
 values); only ``finish`` copies them into the live weights, in place. A failed or interrupted
 update leaves the previous weights serving, and the device never holds the weights twice.
+The host buffers are reused: the last update's tensors stay as the level-2 reload source,
+the ones before them stage the next update (two host copies at most, faulted in once).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class WeightSync:
         self._group: Any = None
         self._staged: dict[str, torch.Tensor] | None = None
         self._received_bytes = 0
+        self._live: dict[str, torch.Tensor] = {}  # the last applied update's host tensors
+        self._spare: dict[str, torch.Tensor] = {}  # host buffers to stage the next one in
+        self._segments = SharedSegments()  # ipc: the segments of the chunk being received
 
     # -- the protocol ------------------------------------------------------------------
 
@@ -137,7 +142,7 @@ class WeightSync:
             for i, (name, dtype, shape) in enumerate(
                 zip(info.names, info.dtype_names, info.shapes, strict=True)
             ):
-                tensor = self._receive_one(info, i, parse_dtype(dtype), shape)
+                tensor = self._receive_one(info, i, self._buffer(name, parse_dtype(dtype), shape))
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     raise InvalidRequestError(
                         f"update_info.names.{name}", "has NaN or infinite values"
@@ -146,11 +151,13 @@ class WeightSync:
                 self._received_bytes += tensor.numel() * tensor.element_size()
         except ValueError as exc:  # a malformed description (InvalidRequestError is one too)
             self._staged = None
+            self._segments.close()
             if isinstance(exc, InvalidRequestError):
                 raise
             raise InvalidRequestError("update_info", str(exc)) from None
         except Exception as exc:
             self._staged = None
+            self._segments.close()
             if self.backend == "nccl":
                 self._group = None  # a broken collective cannot be trusted again
                 self.backend = None
@@ -158,23 +165,32 @@ class WeightSync:
                 f"the weight transfer broke: {type(exc).__name__}: {exc}; the previous weights "
                 "keep serving (init the transfer again before the next update)"
             ) from None
+        self._segments.close()
         return {"received_tensors": len(info.names), "received_bytes": self._received_bytes}
 
-    def _receive_one(
-        self, info: UpdateInfo, i: int, dtype: torch.dtype, shape: list[int]
-    ) -> torch.Tensor:
+    def _buffer(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+        """A host tensor to stage ``name`` in: a spare one of that shape, else a new one."""
+        spare = self._spare.pop(name, None)
+        if spare is not None and spare.dtype == dtype and list(spare.shape) == shape:
+            return spare
+        pinned = self.device.type == "cuda"
+        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+    def _receive_one(self, info: UpdateInfo, i: int, host: torch.Tensor) -> torch.Tensor:
         if self.backend == "nccl":
             import torch.distributed as dist
 
-            device = self.device if self.device.type == "cuda" else torch.device("cpu")
-            buffer = torch.empty(shape, dtype=dtype, device=device)
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
+            if self.device.type != "cuda":  # gloo receives straight into host memory
+                self._group.broadcast([host], opts).wait()
+                return host
+            buffer = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             self._group.broadcast([buffer], opts).wait()
-            return buffer.cpu() if buffer.device.type != "cpu" else buffer
+            return host.copy_(buffer)
         if info.ipc_handles is None:
             raise InvalidRequestError("update_info.ipc_handles", "the ipc backend needs handles")
-        return _from_ipc_handle(info.ipc_handles[i], dtype, shape)
+        return _from_ipc_handle(info.ipc_handles[i], host, self._segments)
 
     def finish_weight_update(self, weight_version: str | None = None) -> Any:
         """Check the staged update is complete enough and apply it in place (the ACK)."""
@@ -184,49 +200,77 @@ class WeightSync:
         if not staged:
             raise InvalidRequestError("update_info", "the update carried no tensors")
         version = "" if weight_version is None else str(weight_version)
-        return self._apply(staged, version)
+        try:
+            ack = self._apply(staged, version)
+        except BaseException:
+            self._spare.update(staged)
+            raise
+        # The applied tensors are now a reload source. When they replaced the whole history,
+        # the previous ones are nobody's source any more: they stage the next update.
+        sources = getattr(getattr(ack, "metadata", None), "weight_sources", None)
+        if sources is not None and len(sources) == 1:
+            self._spare.update(self._live)
+            self._live = {}
+        self._live.update(staged)
+        return ack
 
     def weights_checksum(self) -> str:
         return weights_checksum(self._targets().items())
 
 
-def _copy_out(
-    buffer: memoryview, offset: int, nbytes: int, dtype: torch.dtype, shape: list[int]
-) -> torch.Tensor:
-    """A private copy of ``nbytes`` at ``offset``; no view outlives the call (the segment can
-    then be closed)."""
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-    return flat.clone().view(dtype).reshape(shape)
+def _copy_out(buffer: memoryview, offset: int, host: torch.Tensor) -> torch.Tensor:
+    """``host`` filled from ``buffer`` at ``offset``; no view outlives the call (the segment
+    can then be closed)."""
+    nbytes = host.numel() * host.element_size()
+    if nbytes:
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+        host.reshape(-1).view(torch.uint8).copy_(flat)
+        del flat
+    return host
 
 
-def _from_ipc_handle(handle: dict[str, Any], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """A host copy of a tensor the trainer shared: a shared-memory segment on CPU
-    (``{"shm", "offset"}``) or a CUDA IPC handle on GPU (``{"cuda": {...}}``)."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * dtype.itemsize
-    if "shm" in handle:
+class SharedSegments:
+    """The trainer's shared-memory segments of one chunk, each opened (mapped) once."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
         from multiprocessing import resource_tracker, shared_memory
 
-        try:
-            segment = shared_memory.SharedMemory(name=str(handle["shm"]), create=False)
-        except (OSError, ValueError) as exc:
-            raise InvalidRequestError(
-                "update_info.ipc_handles", f"no such segment: {exc}"
-            ) from None
-        try:  # the trainer owns the segment: this process must never unlink it
+        if name not in self._open:
+            try:
+                segment = shared_memory.SharedMemory(name=name, create=False)
+            except (OSError, ValueError) as exc:
+                raise InvalidRequestError(
+                    "update_info.ipc_handles", f"no such segment: {exc}"
+                ) from None
+            # The trainer owns the segment: this process must never unlink it.
             resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-            offset = int(handle.get("offset", 0))
-            if offset < 0 or offset + nbytes > segment.size:
-                raise InvalidRequestError("update_info.ipc_handles", "points past its segment")
-            if segment.buf is None:
-                raise InvalidRequestError("update_info.ipc_handles", "the segment is closed")
-            return _copy_out(segment.buf, offset, nbytes, dtype, shape)
-        finally:
+            self._open[name] = segment
+        return self._open[name]
+
+    def close(self) -> None:
+        for segment in self._open.values():
             segment.close()
+        self._open.clear()
+
+
+def _from_ipc_handle(
+    handle: dict[str, Any], host: torch.Tensor, segments: SharedSegments
+) -> torch.Tensor:
+    """``host`` filled from a tensor the trainer shared: a shared-memory segment on CPU
+    (``{"shm", "offset"}``) or a CUDA IPC handle on GPU (``{"cuda": {...}}``)."""
+    dtype, shape = host.dtype, list(host.shape)
+    nbytes = host.numel() * host.element_size()
+    if "shm" in handle:
+        segment = segments.get(str(handle["shm"]))
+        offset = int(handle.get("offset", 0))
+        if offset < 0 or offset + nbytes > segment.size:
+            raise InvalidRequestError("update_info.ipc_handles", "points past its segment")
+        if segment.buf is None:
+            raise InvalidRequestError("update_info.ipc_handles", "the segment is closed")
+        return _copy_out(segment.buf, offset, host)
     if "cuda" in handle:  # never run on a GPU yet
         spec = handle["cuda"]
         storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
@@ -242,5 +286,5 @@ def _from_ipc_handle(handle: dict[str, Any], dtype: torch.dtype, shape: list[int
         tensor = torch.empty(0, dtype=dtype, device=f"cuda:{int(spec['device'])}")
         strides = torch.empty(shape).stride()  # contiguous, as the trainer sends them
         tensor.set_(storage, int(spec.get("tensor_offset", 0)), shape, strides)
-        return tensor.cpu()
+        return host.copy_(tensor)
     raise InvalidRequestError("update_info.ipc_handles", "a handle needs 'shm' or 'cuda'")
