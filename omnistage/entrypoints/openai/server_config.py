@@ -72,7 +72,14 @@ class ServerConfig(BaseModel):
         default=600.0, gt=0, description="Longest wait for a stage to start."
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
-        default="info", description="Log level."
+        default="info", description="Level of omnistage's (and uvicorn's) log lines."
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines as text (time, level, logger, message) or as JSON objects.",
+    )
+    disable_log_requests: bool = Field(
+        default=False, description="No log line per request (errors are still logged)."
     )
 
     @field_validator("api_key", "control_api_key")
