@@ -3,15 +3,20 @@
 Greedy rows are one batched argmax. Sampled rows go one by one so that each draws from its
 own generator: a seeded request gets the same tokens whatever else shares the batch.
 
-Every combination of parameters that passes validation samples: filtering runs in float64
-(a ``top_p`` of 1e-300 does not round to 0, a tiny temperature does not overflow), the most
-likely token always survives top-p, and a row whose every token is banned keeps its bans
-off. Rows whose logits are not finite (broken weights) get ``None``: the engine fails those
-requests, not the stage.
+Each row, in vLLM's order: the repetition, frequency and presence penalties (greedy rows
+too), the ``min_tokens`` bans, then for sampled rows temperature, min-p, top-k and top-p. A
+row's penalties come from its own sequence's prompt and output tokens only, and cost nothing
+when they are off (the default).
+
+Every combination of parameters that passes validation samples: penalised logits are clamped
+to finite float32 values, filtering runs in float64 (a ``top_p`` of 1e-300 does not round to
+0, a tiny temperature does not overflow), the most likely token always survives min-p and
+top-p, and a row whose every token is banned keeps its bans off. Rows whose logits are not
+finite (broken weights) get ``None``: the engine fails those requests, not the stage.
 
 Logprobs are the model's own (``log_softmax`` of the raw logits, before any processing, as
 vLLM's default) or, with ``processed_logprobs``, those of the distribution the token was
-drawn from (bans, temperature, top-k and top-p applied).
+drawn from (penalties, bans, temperature, min-p, top-k and top-p applied).
 """
 
 from __future__ import annotations
@@ -25,10 +30,39 @@ import torch
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import Sequence
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, token_ids: Seq[int], num_prompt_tokens: int
+) -> torch.Tensor:
+    """The repetition, frequency and presence penalties on one row of finite float32 logits,
+    given the sequence's tokens (prompt, then output); a new tensor, clamped to finite."""
+    vocab_size = logits.shape[-1]
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
+    if params.repetition_penalty != 1.0:
+        penalty = params.repetition_penalty
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
+        seen[ids] = True
+        # As transformers' RepetitionPenaltyLogitsProcessor (and vLLM): away from zero.
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    output = ids[num_prompt_tokens:]
+    if output.numel() and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(output, minlength=vocab_size)
+        logits = logits - params.frequency_penalty * counts
+        logits = logits - params.presence_penalty * (counts > 0)
+    # An extreme repetition penalty overflows to +-inf: clamped, the row stays samplable.
+    return logits.clamp(-FLOAT32_MAX, FLOAT32_MAX)
+
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, on one row of logits (a new float64 tensor)."""
+    """Temperature, then min-p, top-k and top-p, on one row of logits (a new float64 tensor)."""
     logits = logits.double() / params.temperature
+    if params.min_p > 0.0:
+        # Relative to the most likely token, which always stays (as vLLM, before top-k/p).
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -77,10 +111,16 @@ class Sampler:
         finite = torch.isfinite(raw).all(dim=-1).tolist()
         processed = raw
         for i, seq in enumerate(seqs):
+            penalised = finite[i] and seq.params.has_penalties
             banned = self._banned_ids(seq, raw.shape[-1])
-            if banned and len(banned) < raw.shape[-1]:
-                if processed is raw:
-                    processed = raw.clone()  # the raw logits stay as the model gave them
+            banned = banned if len(banned) < raw.shape[-1] else []
+            if (penalised or banned) and processed is raw:
+                processed = raw.clone()  # the raw logits stay as the model gave them
+            if penalised:
+                processed[i] = apply_penalties(
+                    processed[i], seq.params, seq.token_ids, seq.num_prompt_tokens
+                )
+            if banned:
                 processed[i, banned] = float("-inf")
         sampled = Sampled(list(processed.argmax(dim=-1).tolist()))
         for i, seq in enumerate(seqs):
@@ -98,6 +138,7 @@ class Sampler:
             if seq.params.logprobs is not None:
                 source = raw[i]
                 if self.processed_logprobs:
-                    source = (filtered if filtered is not None else processed[i]).float()
-                sampled.logprobs[i] = torch.log_softmax(source, dim=-1)
+                    source = filtered if filtered is not None else processed[i]
+                # In the source's precision: filtered float64 logits may exceed float32's range.
+                sampled.logprobs[i] = torch.log_softmax(source, dim=-1).float()
         return sampled

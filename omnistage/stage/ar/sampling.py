@@ -21,6 +21,8 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MAX_COUNT = 2**63 - 1  # the largest count a stage message carries
 MAX_LOGPROBS = 20  # top-k logprobs per position, as vLLM's default max_logprobs
 MAX_N = 128  # samples per request
+MAX_ADDITIVE_PENALTY = 2.0  # presence and frequency penalties, as OpenAI and vLLM
+MAX_REPETITION_PENALTY = 100.0  # keeps the penalty finite in float32
 
 
 def _is_int(value: Any) -> bool:
@@ -45,6 +47,17 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``stop_token_ids`` end it and stay in the token ids (as the eos token does). ``seed``
     gives the request its own random generator, so its samples do not depend on what else
     is in the batch.
+
+    Penalties, as vLLM (they apply to greedy requests too; each of ``n`` samples is penalised
+    by its own output): ``repetition_penalty`` (> 0, at most ``MAX_REPETITION_PENALTY``; 1
+    disables) divides the positive logits and multiplies the others of every token in the
+    prompt or the output so far, as transformers' ``RepetitionPenaltyLogitsProcessor``;
+    ``frequency_penalty`` (in [-2, 2]; 0 disables) subtracts ``penalty * count`` from each
+    token's logit, ``count`` its occurrences in the output (not the prompt);
+    ``presence_penalty`` (in [-2, 2]; 0 disables) subtracts ``penalty`` once from every token
+    in the output. Positive values discourage repetition, negative ones encourage it.
+    ``min_p`` (in [0, 1]; 0 disables) drops, after temperature, the tokens whose probability
+    is below ``min_p`` times the most likely token's.
     """
 
     n: int = 1
@@ -60,6 +73,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -76,6 +93,19 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_ADDITIVE_PENALTY <= value <= MAX_ADDITIVE_PENALTY:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not (
+            0 < self.repetition_penalty <= MAX_REPETITION_PENALTY
+        ):
+            raise InvalidRequestError(
+                "repetition_penalty",
+                f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}",
+            )
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_COUNT:
             raise InvalidRequestError(
                 "top_k", f"must be -1 or 0 (disabled) or a positive integer, got {self.top_k!r}"
@@ -109,6 +139,15 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the repetition, frequency and presence penalties is on."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
     def sample_seed(self, index: int) -> int | None:
         """The seed of sample ``index`` (``seed + index``, wrapped into the seed range)."""
