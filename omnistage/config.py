@@ -12,10 +12,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 StageKind = Literal["ar", "diffusion"]
-DType = Literal["float32", "float16", "bfloat16"]
+DType = Literal["auto", "float32", "float16", "bfloat16"]
+# vLLM's spellings of the same dtypes.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SleepMode = Literal["abort", "wait", "keep"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
@@ -39,14 +49,32 @@ class StageConfig(_Frozen):
     )
     name: str | None = Field(default=None, description="Display name; defaults to the kind.")
     device: str = Field(default="cpu", description="'cpu', 'cuda' or 'cuda:N'.")
-    dtype: DType = "float32"
+    dtype: DType = Field(
+        default="auto",
+        description="'auto' (float32 on CPU; on CUDA the checkpoint's dtype, bfloat16 as "
+        "float16 where the GPU lacks it), 'float32', 'float16' ('half') or 'bfloat16'.",
+    )
     enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of this stage.")
-    kv_cache_bytes: int | None = Field(default=None, gt=0, description="KV cache size in bytes.")
+    kv_cache_bytes: int | None = Field(
+        default=None,
+        gt=0,
+        validation_alias=AliasChoices("kv_cache_bytes", "kv_cache_memory"),
+        description="KV cache size in bytes (also spelled kv_cache_memory; units such as "
+        "'512MiB' or '2GB' accepted).",
+    )
     kv_cache_memory_fraction: float = Field(
         default=0.1,
         gt=0,
         le=0.95,
         description="KV cache as a fraction of free memory, if no bytes given.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="CUDA: share of the device's total memory this stage may fill (what is "
+        "already in use on the device, its weights included, counts against it); the KV "
+        "cache gets the rest. Replaces kv_cache_memory_fraction.",
     )
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
     max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded at once.")
@@ -59,8 +87,11 @@ class StageConfig(_Frozen):
         "tokens are drawn from (temperature, top-k, top-p, bans applied).",
     )
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
-    max_model_len: int = Field(
-        default=1024, gt=0, description="Longest prompt + output, in tokens."
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="Longest prompt + output, in tokens (default: the checkpoint's "
+        "max_position_embeddings; never above it).",
     )
     max_batch_size: int = Field(
         default=4, gt=0, description="Diffusion: most images denoised at once."
@@ -104,6 +135,16 @@ class StageConfig(_Frozen):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("kv_cache_bytes", mode="before")
+    @classmethod
+    def _byte_units(cls, v: Any) -> Any:
+        return parse_bytes(v) if isinstance(v, str) else v
+
     @model_validator(mode="after")
     def _check_input(self) -> StageConfig:
         if self.input_from is not None and self.input_from >= self.stage_id:
@@ -114,6 +155,14 @@ class StageConfig(_Frozen):
             raise ValueError("input_processor is required when input_from is set")
         if self.idle_sleep_s is not None and not self.enable_sleep_mode:
             raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
+        if self.gpu_memory_utilization is not None:
+            if not self.device.startswith("cuda"):
+                raise ValueError(
+                    "gpu_memory_utilization applies to CUDA stages; size the KV cache of a "
+                    f"{self.device!r} stage with kv_cache_memory (bytes)"
+                )
+            if self.kv_cache_bytes is not None:
+                raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
         return self
 
     @property
@@ -137,6 +186,40 @@ class PipelineConfig(_Frozen):
         return len(self.stages)
 
 
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"4096"``, ``"512MiB"``, ``"2GB"``, ``"1.5g"`` -> bytes (``ValueError`` otherwise)."""
+    match = _BYTES_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"must be a byte count such as 1073741824, '512MiB' or '2GB', got {text!r}"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
 def _format_error(exc: ValidationError, source: str) -> str:
     lines = []
     for err in exc.errors():
@@ -144,6 +227,22 @@ def _format_error(exc: ValidationError, source: str) -> str:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"{key}: {msg}")
     return f"invalid config {source}: " + "; ".join(lines)
+
+
+# The ways of sizing an AR stage's KV cache: a flag giving one replaces the stage's own.
+_KV_SIZING = ("gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
+
+
+def apply_overrides(stage: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``stage`` (a stage mapping) with ``overrides`` (flags given for every stage) applied;
+    ``None`` values leave the stage's own setting."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    out = dict(stage)
+    if any(k in given for k in _KV_SIZING):
+        for key in _KV_SIZING:
+            out.pop(key, None)
+    out.update(given)
+    return out
 
 
 def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:

@@ -11,25 +11,44 @@ from typing import Any
 import httpx
 
 
+def _connection_flags(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """--url, --api-key and --json; on each subcommand too (``suppress``: no default there,
+    so ``ctl --url U status`` and ``ctl status --url U`` both work)."""
+
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if suppress else value
+
+    p.add_argument(
+        "--url",
+        default=default(os.environ.get("OMNISTAGE_URL", "http://127.0.0.1:8000")),
+        help="Server URL (default: $OMNISTAGE_URL or http://127.0.0.1:8000).",
+    )
+    p.add_argument(
+        "--api-key",
+        default=default(
+            os.environ.get("OMNISTAGE_CONTROL_API_KEY") or os.environ.get("OMNISTAGE_API_KEY")
+        ),
+        help="Key sent as 'Authorization: Bearer' (default: $OMNISTAGE_CONTROL_API_KEY or $OMNISTAGE_API_KEY).",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="Print the raw JSON response.",
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "ctl",
         help="Control a running server: status, sleep, wakeup, pause, resume, update-weights.",
     )
-    p.add_argument(
-        "--url",
-        default=os.environ.get("OMNISTAGE_URL", "http://127.0.0.1:8000"),
-        help="Server URL.",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("OMNISTAGE_CONTROL_API_KEY") or os.environ.get("OMNISTAGE_API_KEY"),
-        help="Key sent as 'Authorization: Bearer' (default: $OMNISTAGE_CONTROL_API_KEY or $OMNISTAGE_API_KEY).",
-    )
-    p.add_argument("--json", action="store_true", help="Print the raw JSON response.")
+    _connection_flags(p, suppress=False)
+    common = argparse.ArgumentParser(add_help=False)
+    _connection_flags(common, suppress=True)
     ops = p.add_subparsers(dest="op", required=True)
-    ops.add_parser("status", help="Show every stage's state and memory.")
-    s = ops.add_parser("sleep", help="Put stages to sleep.")
+    ops.add_parser("status", parents=[common], help="Show every stage's state and memory.")
+    s = ops.add_parser("sleep", parents=[common], help="Put stages to sleep.")
     s.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
     s.add_argument("--level", type=int, default=2, choices=[0, 1, 2], help="Sleep level.")
     s.add_argument(
@@ -38,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument(
         "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
     )
-    w = ops.add_parser("wakeup", help="Wake stages.")
+    w = ops.add_parser("wakeup", parents=[common], help="Wake stages.")
     w.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
     w.add_argument(
         "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
@@ -48,7 +67,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     w.add_argument("--no-resume", action="store_true", help="Keep the stages paused after waking.")
     for name in ("pause", "resume"):
-        q = ops.add_parser(name, help=f"{name.capitalize()} admission to stages (all by default).")
+        q = ops.add_parser(
+            name,
+            parents=[common],
+            help=f"{name.capitalize()} admission to stages (all by default).",
+        )
         q.add_argument("stage_ids", type=int, nargs="*", help="Stage ids (default: all).")
         if name == "pause":
             q.add_argument(
@@ -58,7 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                 help="In-flight requests.",
             )
     u = ops.add_parser(
-        "update-weights", help="Load a safetensors file or folder into a stage's weights."
+        "update-weights",
+        parents=[common],
+        help="Load a safetensors file or folder into a stage's weights.",
     )
     u.add_argument("stage_id", type=int, help="Stage id.")
     u.add_argument("path", help="Path on the server's machine.")

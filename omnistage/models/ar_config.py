@@ -48,6 +48,7 @@ class ARModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None  # what the checkpoint was saved in ("bfloat16", ...)
 
     @property
     def num_kv_groups(self) -> int:
@@ -88,6 +89,8 @@ class ARModelConfig:
                 qk_norm=model_type == "qwen3",
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
+                # transformers 5 writes "dtype", 4 "torch_dtype".
+                torch_dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype")),
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks required key {exc.args[0]!r}") from exc
@@ -103,6 +106,10 @@ class ARModelConfig:
         if not file.is_file():
             raise CheckpointError(f"no config.json in {path}")
         return cls.from_dict(json.loads(file.read_text()))
+
+
+def _dtype_name(value: Any) -> str | None:
+    return value.removeprefix("torch.") if isinstance(value, str) else None
 
 
 def _as_ids(value: Any) -> tuple[int, ...]:

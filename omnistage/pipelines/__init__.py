@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from omnistage.config import ConfigError, PipelineConfig, parse_pipeline_config
+from omnistage.config import ConfigError, PipelineConfig, apply_overrides, parse_pipeline_config
 
 _STAGE_OVERRIDES = frozenset(
     {
@@ -25,7 +25,11 @@ _STAGE_OVERRIDES = frozenset(
         "torch_threads",
         "drain_timeout_s",
         "max_num_seqs",
+        "max_num_batched_tokens",
         "max_model_len",
+        "gpu_memory_utilization",
+        "kv_cache_bytes",
+        "enable_prefix_caching",
         "idle_sleep_s",
         "idle_sleep_level",
         "max_image_pixels",
@@ -70,7 +74,7 @@ def load_pipeline(
     cache = cache_dir()
     for stage in data["stages"]:
         stage["model"] = stage["model"].format(cache=cache)
-        stage.update({k: v for k, v in overrides.items() if v is not None})
+    data["stages"] = [apply_overrides(stage, overrides) for stage in data["stages"]]
     config = parse_pipeline_config(data, source=f"pipeline {name}")
     if build:
         ensure_models(config, on_build)

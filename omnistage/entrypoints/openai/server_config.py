@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omnistage.config import DType, PipelineConfig, load_pipeline_config, parse_pipeline_config
+from omnistage.config import (
+    DTYPE_ALIASES,
+    DType,
+    PipelineConfig,
+    apply_overrides,
+    load_pipeline_config,
+    parse_bytes,
+    parse_pipeline_config,
+)
 
 
 class ServerConfig(BaseModel):
@@ -18,7 +26,9 @@ class ServerConfig(BaseModel):
     )
     config: str | None = Field(default=None, description="Pipeline YAML file to serve.")
     model: str | None = Field(
-        default=None, description="Local HF checkpoint folder, served as one AR stage."
+        default=None,
+        description="Local HF checkpoint folder (or a hub id whose snapshot is in the local "
+        "Hugging Face cache), served as one AR stage.",
     )
     served_model_name: str | None = Field(
         default=None, description="Model id reported by /v1/models."
@@ -35,13 +45,52 @@ class ServerConfig(BaseModel):
         description="Put every stage to sleep (level 1) after this many idle seconds.",
     )
     device: str | None = Field(
-        default=None, description="Device for every stage ('cpu', 'cuda', 'cuda:N')."
+        default=None, description="Device for every stage ('cpu', 'cuda' or 'cuda:N')."
     )
-    dtype: DType | None = Field(default=None, description="dtype for every stage.")
+    dtype: DType | None = Field(
+        default=None,
+        description="dtype for every stage: auto, float32, float16 (half) or bfloat16 "
+        "(default: each stage's own, 'auto': float32 on CPU, the checkpoint's on CUDA).",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        gt=0,
+        description="AR stages: longest prompt + output in tokens (default: the checkpoint's "
+        "max_position_embeddings; never above it).",
+    )
+    max_num_seqs: int | None = Field(
+        default=None, gt=0, description="AR stages: most sequences decoded at once."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, gt=0, description="AR stages: most tokens in one engine step."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="CUDA stages: share of the device's memory a stage may fill; its KV "
+        "cache gets what the weights and everything else on the device leave of it.",
+    )
+    kv_cache_memory: int | None = Field(
+        default=None,
+        gt=0,
+        description="AR stages: KV cache size in bytes, on every device (units such as "
+        "'512MiB' or '2GB' accepted).",
+    )
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
+    )
+    omni: bool = Field(
+        default=False,
+        description="Accepted for vLLM-Omni's command line; every omnistage server serves "
+        "the whole multi-stage pipeline.",
+    )
     api_key: str | None = Field(
         default=None,
         min_length=1,
-        description="Key demanded by every route but /health and /metrics.",
+        description="Key demanded by every route but /health and /metrics "
+        "(default: $OMNISTAGE_API_KEY).",
     )
     control_api_key: str | None = Field(
         default=None,
@@ -82,6 +131,16 @@ class ServerConfig(BaseModel):
         default=False, description="No log line per request (errors are still logged)."
     )
 
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _byte_units(cls, v: Any) -> Any:
+        return parse_bytes(v) if isinstance(v, str) else v
+
     @field_validator("api_key", "control_api_key")
     @classmethod
     def _no_blank_key(cls, value: str | None) -> str | None:
@@ -103,38 +162,56 @@ class ServerConfig(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         if self.model:
-            return Path(self.model).name
+            from omnistage.models.hub import is_hub_id
+
+            return self.model if is_hub_id(self.model) else Path(self.model).name
         if self.config:
             return Path(self.config).stem
         return self.pipeline or "tiny-omni"
 
     def stage_overrides(self) -> dict[str, object]:
+        """Stage settings the flags give every stage (``None``: the stage's own stays)."""
         overrides: dict[str, object] = {
             "device": self.device,
             "dtype": self.dtype,
             "idle_sleep_s": self.idle_sleep_s,
             "max_image_pixels": self.max_image_pixels,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "gpu_memory_utilization": self.gpu_memory_utilization,
+            "kv_cache_bytes": self.kv_cache_memory,
+            "enable_prefix_caching": self.enable_prefix_caching,
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True
         return {k: v for k, v in overrides.items() if v is not None}
 
     def pipeline_config(self, on_build: object = None) -> PipelineConfig:
-        """Resolve the pipeline to serve; builds missing built-in models (telling ``on_build``)."""
+        """Resolve the pipeline to serve; builds missing built-in models (telling ``on_build``)
+        and checks what can be checked before a stage starts (``ConfigError``)."""
+        from omnistage.stage.resolve import check_pipeline_limits
+
+        config = self._pipeline_config(on_build)
+        check_pipeline_limits(config.stages)
+        return config
+
+    def _pipeline_config(self, on_build: object) -> PipelineConfig:
         from omnistage.pipelines import ensure_models, load_pipeline
 
         overrides = self.stage_overrides()
         if self.model:
-            stage = {"stage_id": 0, "kind": "ar", "model": self.model, **overrides}
+            from omnistage.models.hub import resolve_model_path
+
+            folder = resolve_model_path(self.model)
+            stage = {"stage_id": 0, "kind": "ar", "model": folder, **overrides}
             config = parse_pipeline_config({"name": self.model_name, "stages": [stage]}, "--model")
             ensure_models(config)
             return config
         if self.config:
             base = load_pipeline_config(self.config)
-            stages = [s.model_copy(update=overrides) for s in base.stages]
-            config = PipelineConfig.model_validate(
-                {"name": base.name, "stages": [s.model_dump() for s in stages]}
-            )
+            stages = [apply_overrides(s.model_dump(), overrides) for s in base.stages]
+            config = parse_pipeline_config({"name": base.name, "stages": stages}, self.config)
             ensure_models(config, on_build)  # type: ignore[arg-type]
             return config
         return load_pipeline(self.pipeline or "tiny-omni", on_build=on_build, **overrides)  # type: ignore[arg-type]

@@ -32,7 +32,7 @@ from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.block_manager import BlockManager
-from omnistage.stage.ar.kv_cache import KV_CACHE_TAG
+from omnistage.stage.ar.kv_cache import KV_CACHE_TAG, resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.output import abort_output, append_token
 from omnistage.stage.ar.requests import RequestTable, from_wire
@@ -42,6 +42,7 @@ from omnistage.stage.ar.sequence import ARRequest, Sequence
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.faults import is_process_fault
 from omnistage.stage.messages import Ack, ARStageInfo
+from omnistage.stage.resolve import resolve_ar_stage
 from omnistage.stage.sleep_args import check_level, check_mode
 from omnistage.stage.sleep_control import SleepController
 from omnistage.stage.types import StageOutput
@@ -67,9 +68,11 @@ class ARStageEngine:
             from omnistage.models.tiny import ensure_preset
 
             ensure_preset(config.preset, config.model)
-        self.config = config
-        self.stage_id = config.stage_id
         self.model_config = ARModelConfig.from_pretrained(config.model)
+        config = resolve_ar_stage(config, self.model_config)  # dtype, max_model_len
+        self.config = config
+        self.max_model_len = resolved_max_model_len(config)
+        self.stage_id = config.stage_id
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self.worker = ARWorker(config, self.model_config, arena=arena, load_weights=load_weights)
         self.block_manager = BlockManager(
@@ -116,7 +119,7 @@ class ARStageEngine:
         """What the API process needs to validate requests before they reach this stage."""
         return ARStageInfo(
             vocab_size=self.model_config.vocab_size,
-            max_model_len=self.config.max_model_len,
+            max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
         )
 
@@ -214,7 +217,7 @@ class ARStageEngine:
                     sampled.logprobs[b], token_id, seq.params.logprobs or 0, self.decode_token
                 )
             self._queued_outputs.append(
-                append_token(seq, token_id, self.eos_token_ids, self.config.max_model_len, entry)
+                append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
             )
             self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:

@@ -38,6 +38,30 @@ def available_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def kv_cache_budget(config: StageConfig, device: torch.device) -> tuple[int, str]:
+    """Bytes the KV cache may take, and the setting that decided it.
+
+    ``kv_cache_memory`` (bytes) wins; on CUDA ``gpu_memory_utilization`` leaves the cache
+    what remains of that share of the device once everything already on it (this stage's
+    weights, other stages, other processes) is counted; else ``kv_cache_memory_fraction``
+    of the free memory."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes, "kv_cache_bytes (--kv-cache-memory)"
+    if config.gpu_memory_utilization is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return max(0, int(total * config.gpu_memory_utilization) - used), "gpu_memory_utilization"
+    fraction = config.kv_cache_memory_fraction
+    return int(available_memory_bytes(device) * fraction), "kv_cache_memory_fraction"
+
+
+def resolved_max_model_len(config: StageConfig) -> int:
+    """``max_model_len`` of a stage config resolved at start-up (``omnistage.stage.resolve``)."""
+    if config.max_model_len is None:
+        raise ValueError(f"stage {config.stage_id}: max_model_len is not resolved yet")
+    return config.max_model_len
+
+
 def plan_kv_cache(
     config: StageConfig, model: ARModelConfig, dtype: torch.dtype, device: torch.device
 ) -> KVCachePlan:
@@ -51,19 +75,14 @@ def plan_kv_cache(
         * model.head_dim
         * itemsize
     )
-    blocks_per_seq = -(-config.max_model_len // config.block_size)
-    if config.kv_cache_bytes is not None:
-        budget = config.kv_cache_bytes
-    else:
-        budget = int(available_memory_bytes(device) * config.kv_cache_memory_fraction)
+    max_model_len = resolved_max_model_len(config)
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    budget, setting = kv_cache_budget(config, device)
     num_blocks = min(budget // bytes_per_block - 1, blocks_per_seq * config.max_num_seqs)
     if num_blocks < blocks_per_seq:
-        setting = (
-            "kv_cache_bytes" if config.kv_cache_bytes is not None else "kv_cache_memory_fraction"
-        )
         raise ConfigError(
             f"the KV cache ({budget} bytes) holds {max(num_blocks, 0) * config.block_size} tokens, "
-            f"fewer than max_model_len={config.max_model_len}; raise {setting} "
+            f"fewer than max_model_len={max_model_len}; raise {setting} "
             f"(at least {(blocks_per_seq + 1) * bytes_per_block} bytes) or lower max_model_len"
         )
     return KVCachePlan(num_blocks, config.block_size, bytes_per_block)

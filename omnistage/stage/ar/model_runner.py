@@ -19,8 +19,9 @@ from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import LoadReport, load_module
 from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
-from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache
+from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
 from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.resolve import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -47,7 +48,7 @@ class ModelRunner:
         self.config = config
         self.model_config = model_config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[resolve_dtype(config, model_config.torch_dtype)]
         self.block_size = config.block_size
         self.model = Qwen2ForCausalLM.on_meta(model_config, self.dtype)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
@@ -60,7 +61,7 @@ class ModelRunner:
             plan_kv_cache(config, model_config, self.dtype, self.device),
             self.dtype,
         )
-        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self.decode_graphs = DecodeGraphs(

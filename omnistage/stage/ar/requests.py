@@ -13,6 +13,7 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
+from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest, Sequence
 from omnistage.stage.messages import ARStageRequest
@@ -98,9 +99,9 @@ class RequestTable:
         vocab = self.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        if len(ids) >= self.config.max_model_len:
+        max_model_len = resolved_max_model_len(self.config)
+        if len(ids) >= max_model_len:
             raise InvalidRequestError(
                 "prompt",
-                f"{len(ids)} tokens leave no room to generate within "
-                f"max_model_len={self.config.max_model_len}",
+                f"{len(ids)} tokens leave no room to generate within max_model_len={max_model_len}",
             )

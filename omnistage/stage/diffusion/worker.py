@@ -16,6 +16,7 @@ from omnistage.models.tiny import ensure_preset
 from omnistage.stage.diffusion.components import MODEL_INDEX
 from omnistage.stage.diffusion.pipeline import ImagePipeline
 from omnistage.stage.messages import Ack
+from omnistage.stage.resolve import resolve_diffusion_stage
 from omnistage.stage.sleep_control import SleepController
 
 
@@ -26,7 +27,8 @@ class DiffusionWorker:
             ensure_preset(config.preset, folder)
         self.arena = Arena(config.device)
         try:
-            self.pipeline = ImagePipeline(folder, self.arena, config.dtype, load=load_weights)
+            dtype = resolve_diffusion_stage(config, folder).dtype
+            self.pipeline = ImagePipeline(folder, self.arena, dtype, load=load_weights)
         except BaseException:
             self.arena.close()  # nothing else frees device memory mapped by a failed build
             raise

@@ -24,3 +24,18 @@ def test_exit_status_follows_the_operation_status(monkeypatch, capsys, status, c
     monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(200, json=reply))
     for argv in (("sleep", "0"), ("--json", "sleep", "0")):
         assert ctl.run(parse(*argv)) == code
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ctl", "--url", "http://h:1", "--api-key", "k", "--json", "sleep", "0"],
+        ["ctl", "sleep", "0", "--url", "http://h:1", "--api-key", "k", "--json"],
+        ["ctl", "--url", "http://h:1", "sleep", "--api-key", "k", "0", "--json"],
+    ],
+)
+def test_connection_flags_go_before_or_after_the_subcommand(argv):
+    from omnistage.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert (args.url, args.api_key, args.json, args.stage_ids) == ("http://h:1", "k", True, [0])

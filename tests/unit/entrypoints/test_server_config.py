@@ -8,7 +8,7 @@ from omnistage.entrypoints.openai.server_config import ServerConfig
 
 def test_every_server_setting_has_a_flag_with_help():
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    flags = {a.dest: a for a in serve._actions if a.dest != "help"}
+    flags = {a.dest: a for a in serve._actions if a.dest not in ("help", "model_tag")}
     assert set(flags) == set(ServerConfig.model_fields)
     assert all(a.help for a in flags.values())
 
