@@ -53,7 +53,9 @@ class AsyncOmni:
         self.autopilot = Autopilot(
             self.control, lambda sid: self.clients[sid].num_in_flight, auto_wake=auto_wake
         )
-        self.supervisor = Supervisor(self.clients, self.gate, restart_policy)
+        self.supervisor = Supervisor(
+            self.clients, self.gate, restart_policy, names=[s.display_name for s in config.stages]
+        )
         self.control.add_listener(self.supervisor.observe_control)
         self.weights = WeightSyncClient(self.control)
         self._attached = False

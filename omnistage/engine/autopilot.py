@@ -16,6 +16,8 @@ from typing import Any
 
 from omnistage.engine import admission as adm
 from omnistage.engine.control import StageControl
+from omnistage.engine.events import TRIGGER_AUTO_WAKE, TRIGGER_IDLE_SLEEP
+from omnistage.logs import log_event
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,26 @@ class Autopilot:
                     break
                 wake = self._wakes.get(sid)
                 if wake is None or wake.done():
-                    logger.info("auto-wake: stage %d is asleep and a request needs it", sid)
-                    wake = asyncio.ensure_future(self.control.wake_up([sid], resume=True))
+                    self._log_auto_wake(sid)
+                    wake = asyncio.ensure_future(
+                        self.control.wake_up([sid], resume=True, trigger=TRIGGER_AUTO_WAKE)
+                    )
                     self._wakes[sid] = wake
                 with contextlib.suppress(Exception):  # the admission check reports the outcome
                     await asyncio.shield(wake)
+
+    def _log_auto_wake(self, sid: int) -> None:
+        name = self.control.config.stages[sid].display_name
+        log_event(
+            logger,
+            logging.INFO,
+            TRIGGER_AUTO_WAKE,
+            f"auto-wake: stage {sid} ({name}) is asleep and a request needs it",
+            stage_id=sid,
+            stage=name,
+            sleep_level=self.gate.stages[sid].level,
+            trigger=TRIGGER_AUTO_WAKE,
+        )
 
     def start_idle_monitor(self, poll_s: float = 0.25) -> None:
         """Park stages whose config sets ``idle_sleep_s`` after that long without requests."""
@@ -80,11 +97,26 @@ class Autopilot:
                     and now - self._last_used[sid] >= stage.idle_sleep_s
                 )
                 if idle:
-                    logger.info(
-                        "idle-sleep: stage %d idle for %.0fs", sid, now - self._last_used[sid]
+                    idle_s = now - self._last_used[sid]
+                    log_event(
+                        logger,
+                        logging.INFO,
+                        TRIGGER_IDLE_SLEEP,
+                        f"idle-sleep: stage {sid} ({stage.display_name}) idle for {idle_s:.0f}s",
+                        stage_id=sid,
+                        stage=stage.display_name,
+                        sleep_level=stage.idle_sleep_level,
+                        idle_s=round(idle_s, 3),
+                        idle_sleep_s=stage.idle_sleep_s,
+                        trigger=TRIGGER_IDLE_SLEEP,
                     )
                     with contextlib.suppress(Exception):  # a racing transition wins; retry later
-                        await self.control.sleep([sid], level=stage.idle_sleep_level, mode="wait")
+                        await self.control.sleep(
+                            [sid],
+                            level=stage.idle_sleep_level,
+                            mode="wait",
+                            trigger=TRIGGER_IDLE_SLEEP,
+                        )
                     self.touch([sid])
 
     def stop(self) -> None:

@@ -10,11 +10,14 @@ that gives up never leaves a stage half-transitioned. See ``docs/control-plane.m
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
+from omnistage.engine.events import TRIGGER_API, log_sleep, log_wake, log_weights
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import SleepModeDisabledError, StageDeadError, StageRestartingError
 from omnistage.stage.kinds import stage_kind
@@ -22,6 +25,8 @@ from omnistage.stage.messages import Ack, make_ack
 from omnistage.stage.sleep_args import check_level, check_mode, check_tags
 
 ControlListener = Callable[[str, list[Ack]], None]
+
+logger = logging.getLogger(__name__)
 
 
 class StageControl:
@@ -53,6 +58,9 @@ class StageControl:
             listener(operation, acks)
 
     # -- argument checks ----------------------------------------------------------------
+
+    def _name(self, stage_id: int) -> str:
+        return self.config.stages[stage_id].display_name
 
     def check_stage_ids(self, stage_ids: Sequence[int] | None) -> list[int]:
         if stage_ids is None:
@@ -87,7 +95,10 @@ class StageControl:
         level: int = 2,
         mode: str = "abort",
         tags: Sequence[str] | None = None,
+        *,
+        trigger: str = TRIGGER_API,
     ) -> list[Ack]:
+        """``trigger`` (what asked: ``api``, ``auto_wake``, ``idle_sleep``) goes to the log."""
         ids = self.check_stage_ids(stage_ids)
         check_level(level)
         check_mode(mode)
@@ -98,7 +109,9 @@ class StageControl:
         previous = self.gate.begin_transition(ids, adm.SLEEPING, level=level)
         was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
         return await asyncio.shield(
-            self._sleep(ids, previous, was_paused, level=level, mode=mode, tags=chosen_tags)
+            self._sleep(
+                ids, previous, was_paused, level=level, mode=mode, tags=chosen_tags, trigger=trigger
+            )
         )
 
     async def _sleep(
@@ -110,7 +123,9 @@ class StageControl:
         level: int,
         mode: str,
         tags: list[str] | None,
+        trigger: str,
     ) -> list[Ack]:
+        start = time.perf_counter()
         await self.gate.close_and_drain_admission(ids, sleep_mode=mode)
         results: dict[int, Any] = {}
         if mode == "wait":
@@ -122,6 +137,9 @@ class StageControl:
         if not results:
             results = await self._call_each(ids, "sleep", level=level, mode=mode, tags=tags)
         acks = [as_ack(sid, results[sid], level=level, mode=mode) for sid in ids]
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        for ack in acks:
+            log_sleep(logger, self._name(ack.stage_id), ack, trigger=trigger, elapsed_ms=elapsed_ms)
         reopen = [
             sid
             for sid, ack in zip(ids, acks, strict=True)
@@ -141,6 +159,8 @@ class StageControl:
         tags: Sequence[str] | None = None,
         reload: bool = True,
         resume: bool | None = None,
+        *,
+        trigger: str = TRIGGER_API,
     ) -> list[Ack]:
         ids = self.check_stage_ids(stage_ids)
         chosen_tags = check_tags(tags)
@@ -150,7 +170,14 @@ class StageControl:
         previous = self.gate.begin_transition(ids, adm.WAKING)
         should_resume = self.resume_after_wake if resume is None else resume
         return await asyncio.shield(
-            self._wake_up(ids, previous, tags=chosen_tags, reload=reload, resume=should_resume)
+            self._wake_up(
+                ids,
+                previous,
+                tags=chosen_tags,
+                reload=reload,
+                resume=should_resume,
+                trigger=trigger,
+            )
         )
 
     async def _wake_up(
@@ -161,9 +188,15 @@ class StageControl:
         tags: list[str] | None,
         reload: bool,
         resume: bool,
+        trigger: str,
     ) -> list[Ack]:
+        start = time.perf_counter()
         results = await self._call_each(ids, "wake_up", tags=tags, reload=reload)
         acks = [as_ack(sid, results[sid]) for sid in ids]
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        for ack in acks:
+            name = self._name(ack.stage_id)
+            log_wake(logger, name, ack, trigger=trigger, elapsed_ms=elapsed_ms, reload=reload)
         to_resume = []
         for sid, ack in zip(ids, acks, strict=True):
             resumes_by_itself = stage_kind(self.config.stages[sid].kind).resumes_after_wake
@@ -195,9 +228,14 @@ class StageControl:
     async def update_weights(self, stage_id: int, path: str, check_finite: bool = True) -> Ack:
         (sid,) = self.check_stage_ids([stage_id])
         self.gate.check_alive(sid)
-        ack: Ack = await self.clients[sid].call(
-            "update_weights", path=str(path), check_finite=check_finite
-        )
+        try:
+            ack: Ack = await self.clients[sid].call(
+                "update_weights", path=str(path), check_finite=check_finite
+            )
+        except Exception as exc:
+            log_weights(logger, "update_weights", sid, self._name(sid), exc, path=str(path))
+            raise
+        log_weights(logger, "update_weights", sid, self._name(sid), ack, path=str(path))
         if ack.status == "SUCCESS":
             self.gate.set_weights_valid(sid, True)
         self.notify("update_weights", [ack])

@@ -141,6 +141,10 @@ class ProcessStageHandle:
     def pid(self) -> int | None:
         return self.process.pid
 
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode
+
     def wait_ready(self) -> StageInfo:
         self._waiting_ready = True
         try:

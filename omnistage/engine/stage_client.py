@@ -118,6 +118,11 @@ class StageClient:
     def pid(self) -> int | None:
         return self._handle.pid if self._handle is not None else None
 
+    @property
+    def exit_code(self) -> int | None:
+        """How the stage's last process ended, when known (negative: the signal)."""
+        return getattr(self._handle, "exitcode", None)
+
     def shutdown(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
@@ -183,7 +188,8 @@ class StageClient:
     def _mark_dead(self, handle: StageHandle, reason: str) -> None:
         if handle is not self._handle or self.is_dead:
             return
-        logger.error("stage %d died: %s", self.stage_id, reason)
+        # The death listeners (the supervisor) log it for operators, with what happens next.
+        logger.debug("stage %d died: %s", self.stage_id, reason)
         self.is_dead, self.death_reason = True, reason
         error = WireError.from_exception(errors.StageDeadError(self.stage_id, reason))
         for request_id, q in list(self._queues.items()):

@@ -8,6 +8,9 @@ per recent restart, at most ``max_backoff_s``), with the same config, the weight
 stage had taken, and the sleep state it had: asleep at the same level (nothing is loaded that
 the operator released), or paused. Out of budget, the stage is ``dead`` until the server
 restarts.
+
+Each death, restart attempt, failed restart and return is one log line with structured fields
+(``stage_died``, ``stage_restarting``, ``stage_restart_failed``, ``stage_restarted``).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from omnistage.engine import admission as adm
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import StageStartupError
+from omnistage.logs import log_event
 from omnistage.stage.messages import SYNC_PREFIX, Ack, StartupOptions
 
 logger = logging.getLogger(__name__)
@@ -41,10 +47,13 @@ class Supervisor:
         clients: Sequence[EngineStageClient],
         gate: adm.AdmissionGate,
         policy: RestartPolicy | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.clients = list(clients)
         self.gate = gate
         self.policy = policy or RestartPolicy()
+        self.names = list(names) if names is not None else [c.kind for c in self.clients]
+        self._died_at: list[float] = [0.0] * len(self.clients)
         self._recent: list[list[float]] = [[] for _ in self.clients]  # restart start times
         self._weight_sources: list[list[str]] = [[] for _ in self.clients]
         self._tasks: set[asyncio.Task[None]] = set()
@@ -66,26 +75,54 @@ class Supervisor:
         self._recent[stage_id] = recent
         return not self._stopped and len(recent) < self.policy.max_restarts
 
+    def _fields(self, stage_id: int, **fields: Any) -> dict[str, Any]:
+        return {"stage_id": stage_id, "stage": self.names[stage_id], **fields}
+
+    def _log_death(self, stage_id: int, reason: str, level: int | None, restart: bool) -> None:
+        client = self.clients[stage_id]
+        # The exit code is known for a local process (a fake or a thread has none).
+        code = getattr(client, "exit_code", None)
+        sig = None
+        if isinstance(code, int) and code < 0:
+            with contextlib.suppress(ValueError):
+                sig = signal.Signals(-code).name
+        name = f"stage {stage_id} ({self.names[stage_id]})"
+        then = (
+            "restarting it"
+            if restart
+            else f"no restarts left ({self.policy.max_restarts} within "
+            f"{self.policy.window_s:g}s): it stays dead"
+        )
+        fields = self._fields(
+            stage_id,
+            pid=client.pid,
+            reason=reason,
+            exit_code=code,
+            signal=sig,
+            restarts=self.gate.stages[stage_id].restarts,
+            max_restarts=self.policy.max_restarts,
+            will_restart=restart,
+            comes_back=(
+                None if not restart else "awake" if level is None else f"asleep at level {level}"
+            ),
+        )
+        log_event(logger, logging.ERROR, "stage_died", f"{name} died ({reason}); {then}", **fields)
+
     def _on_death(self, stage_id: int) -> None:
         """On the event loop, right after the client failed the stage's requests."""
         reason = self.clients[stage_id].death_reason
+        self._died_at[stage_id] = time.monotonic()
         level = self.gate.restart_level(stage_id)
         if any(s.startswith(SYNC_PREFIX) for s in self._weight_sources[stage_id]):
             # Weights a trainer pushed left with the process: come back without any, for
             # the trainer to push again (a wake with reload=false), never with stale ones.
             level = 2
         paused = self.gate.stages[stage_id].paused
-        if not self._budget_left(stage_id):
-            logger.error(
-                "stage %d died (%s); no restarts left (%d within %gs): it stays dead",
-                stage_id,
-                reason,
-                self.policy.max_restarts,
-                self.policy.window_s,
-            )
-            self.gate.mark_dead(stage_id, reason, restarting=False)
+        restart = self._budget_left(stage_id)
+        self._log_death(stage_id, reason, level, restart)
+        self.gate.mark_dead(stage_id, reason, restarting=restart)
+        if not restart:
             return
-        self.gate.mark_dead(stage_id, reason, restarting=True)
         task = asyncio.get_running_loop().create_task(self._restart(stage_id, level, paused))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -100,22 +137,46 @@ class Supervisor:
             options = StartupOptions(
                 sleep_level=level, paused=paused, weight_sources=self._weight_sources[stage_id]
             )
-            logger.warning(
-                "restarting stage %d (attempt %d, %s)",
-                stage_id,
-                attempt,
-                "awake" if level is None else f"asleep at level {level}",
+            state = "awake" if level is None else f"asleep at level {level}"
+            name = f"stage {stage_id} ({self.names[stage_id]})"
+            log_event(
+                logger,
+                logging.INFO,
+                "stage_restarting",
+                f"restarting {name} (attempt {attempt}, {state})",
+                **self._fields(stage_id, attempt=attempt, backoff_s=delay, comes_back=state),
             )
+            started = time.monotonic()
             try:
                 await client.restart(options)
             except (StageStartupError, OSError) as exc:
-                logger.error("stage %d failed to restart: %s", stage_id, exc)
-                if self._budget_left(stage_id):
+                retry = self._budget_left(stage_id)
+                log_event(
+                    logger,
+                    logging.ERROR,
+                    "stage_restart_failed",
+                    f"{name} failed to restart",
+                    **self._fields(stage_id, attempt=attempt, error=str(exc), will_retry=retry),
+                )
+                if retry:
                     continue
                 self.gate.mark_dead(stage_id, f"restart failed: {exc}", restarting=False)
                 return
             self.gate.mark_restarted(stage_id, level=level, paused=paused)
-            logger.warning("stage %d is back (pid %s)", stage_id, client.pid)
+            now = time.monotonic()
+            fields = self._fields(
+                stage_id,
+                pid=client.pid,
+                restarts=self.gate.stages[stage_id].restarts,
+                attempt=attempt,
+                state=state,
+                sleep_level=level,
+                paused=paused,
+                startup_ms=round((now - started) * 1e3, 1),
+                down_ms=round((now - self._died_at[stage_id]) * 1e3, 1),
+            )
+            message = f"{name} is back (pid {client.pid}, {state})"
+            log_event(logger, logging.INFO, "stage_restarted", message, **fields)
             return
 
     def stop(self) -> None:

@@ -5,10 +5,14 @@ what a restart must know)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from omnistage.engine.control import StageControl
+from omnistage.engine.events import log_weights
 from omnistage.stage.messages import Ack
+
+logger = logging.getLogger(__name__)
 
 
 class WeightSyncClient:
@@ -45,7 +49,14 @@ class WeightSyncClient:
 
     async def finish(self, stage_id: int, weight_version: str | int | None = None) -> Ack:
         version = None if weight_version is None else str(weight_version)
-        ack: Ack = await self._stage(stage_id).call("finish_weight_update", weight_version=version)
+        client = self._stage(stage_id)
+        name = self.control.config.stages[stage_id].display_name
+        try:
+            ack: Ack = await client.call("finish_weight_update", weight_version=version)
+        except Exception as exc:
+            log_weights(logger, "weight_sync", stage_id, name, exc, weight_version=version)
+            raise
+        log_weights(logger, "weight_sync", stage_id, name, ack, weight_version=version)
         if ack.status == "SUCCESS":
             self.control.gate.set_weights_valid(stage_id, True)
             if ack.metadata.weight_version:

@@ -6,6 +6,9 @@ importing only what its kind needs — brings it to the state its ``StartupOptio
 restarted stage comes back asleep, paused, with its weight updates), announces itself with
 ``Ready`` (or ``StartupFailed``), and runs the ``StageCore`` loop until told to shut down or
 its parent goes away. A thread of its own sends a ``Heartbeat`` every second.
+
+First thing, it takes a title operators can read in ``ps`` and ``top``
+(``omnistage-stage0-thinker``) and logs as the server does (``omnistage.logs``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import zmq
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
+from omnistage.logs import configure_from_env
 from omnistage.stage.messages import (
     FromStage,
     Heartbeat,
@@ -132,6 +136,39 @@ def restore(engine: Any, options: StartupOptions) -> None:
         engine.pause("keep")
 
 
+PR_SET_NAME = 15
+COMM_MAX = 15  # /proc/<pid>/comm holds 15 characters
+
+
+def process_title(config: StageConfig) -> str:
+    """``omnistage-stage<id>-<display name>``: what ``ps`` shows for the stage's process."""
+    return f"omnistage-stage{config.stage_id}-{config.display_name}"
+
+
+def short_name(config: StageConfig) -> str:
+    """The 15-character process name (``comm``: ``top``, ``ps -e``): ``stage0-thinker``."""
+    return f"stage{config.stage_id}-{config.display_name}"[:COMM_MAX]
+
+
+def set_process_title(title: str, short: str | None = None) -> None:
+    """Show ``title`` as the process's command line (with the ``setproctitle`` package, when
+    installed) and ``short`` (default: ``title``, cut to 15 characters) as its name."""
+    try:
+        import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle.setproctitle(title)
+    # setproctitle sets the name too, to the first 15 characters of the title: the short
+    # name (on Linux; elsewhere nothing happens) reads better.
+    name = (short or title)[:COMM_MAX].encode(errors="replace")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _die_with_parent() -> None:
     # Linux: the kernel sends SIGKILL to this process when the parent dies, so a crashed
     # API server never leaves stage processes behind.
@@ -150,7 +187,9 @@ def stage_main(
     # Ctrl-C goes to the whole process group; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    configure_from_env()
     config = StageConfig.model_validate_json(config_json)
+    set_process_title(process_title(config), short_name(config))
     options = decode_startup(startup_json)
     import torch
 

@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "omnistage"
 LAYERS = {
     "errors": 0,
     "config": 0,
+    "logs": 0,
     "rl": 0,
     "memory": 1,
     "models": 2,

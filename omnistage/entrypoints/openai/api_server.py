@@ -142,6 +142,10 @@ def ready_banner(config: ServerConfig, port: int) -> str:
 
 def run_server(config: ServerConfig) -> None:
     """Serve until interrupted; stage processes are shut down on every exit path."""
+    from omnistage.logs import configure_logging
+
+    # First: the stage processes started below inherit the settings (OMNISTAGE_LOG_*).
+    configure_logging(config.log_level, config.log_format)
 
     def progress(message: str) -> None:
         print(f"[omnistage] {message}", flush=True)
@@ -158,8 +162,18 @@ def run_server(config: ServerConfig) -> None:
 def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) -> None:
     import uvicorn
 
+    # No log_config: uvicorn's loggers already log through omnistage's handler
+    # (configure_logging), in the same format; uvicorn only sets their level. The access log
+    # (a line per request) follows --disable-log-requests.
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_config=None,
+            log_level=config.log_level,
+            access_log=not config.disable_log_requests,
+        )
     )
 
     original_startup = server.startup
