@@ -87,53 +87,24 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from omnistage.entrypoints.openai.server_config import ServerConfig
+    from omnistage.entrypoints.cli_args import add_serve_arguments
 
-    p = sub.add_parser("serve", help="Serve a pipeline over the OpenAI-compatible HTTP API.")
-    for name, field in ServerConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
-            p.add_argument(flag, action="store_true", help=field.description)
-        else:
-            p.add_argument(
-                flag, default=None, help=f"{field.description} (default: {field.default})"
-            )
+    p = sub.add_parser(
+        "serve",
+        help="Serve a pipeline over the OpenAI-compatible HTTP API.",
+        description="Serve a pipeline over the OpenAI-compatible HTTP API. "
+        "`omnistage serve MODEL` serves a local checkpoint folder as --model does.",
+    )
+    add_serve_arguments(p)
     p.set_defaults(func=_run_serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+    from omnistage.entrypoints.cli_args import server_config
+    from omnistage.entrypoints.openai.api_server import serve_until_stopped
 
-    from omnistage.config import ConfigError
-    from omnistage.entrypoints.openai.api_server import run_server
-    from omnistage.entrypoints.openai.server_config import ServerConfig
-
-    values = {
-        k: v
-        for k, v in vars(args).items()
-        if k in ServerConfig.model_fields and v not in (None, False)
-    }
-    try:
-        config = ServerConfig.model_validate(values)
-    except ValidationError as exc:
-        for err in exc.errors():
-            name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
-            print(f"error: {name}: {err['msg']}", file=sys.stderr)
-        return 2
-    from omnistage.errors import StageStartupError
-
-    try:
-        run_server(config)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except StageStartupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # before the server was up: the stages are shut down already
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    config = server_config(args)
+    return 2 if config is None else serve_until_stopped(config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,8 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from omnistage.entrypoints.cli_args import refuse_unknown
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        refuse_unknown(parser, extra, serving=args.command == "serve")
     return int(args.func(args) or 0)
 
 

@@ -125,17 +125,28 @@ def build_app(
 
 
 def ready_banner(config: ServerConfig, port: int) -> str:
+    """What to try once the server is up; keys are never printed, only the variables that
+    hold them in the user's shell."""
+    from omnistage.entrypoints.serve.auth import resolve_control_api_key
+
     base = f"http://{config.host}:{port}"
-    auth = f' -H "Authorization: Bearer {config.api_key}"' if config.api_key else ""
+    data = ' -H "Authorization: Bearer $OMNISTAGE_API_KEY"' if config.api_key else ""
+    control = data
+    if resolve_control_api_key(config.control_api_key) is not None:
+        control = ' -H "Authorization: Bearer $OMNISTAGE_CONTROL_API_KEY"'
+    json_body = "-H 'Content-Type: application/json'"
+    lines = [f"omnistage is ready at {base} (model {config.model_name!r})"]
+    if data or control:
+        lines.append("keys are not shown: the lines below read them from your shell's variables")
     return "\n".join(
         [
-            f"omnistage is ready at {base} (model {config.model_name!r})",
+            *lines,
             "try:",
-            f"  curl -s {base}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\",
+            f"  curl -s {base}/v1/chat/completions{data} {json_body} \\",
             '    -d \'{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
-            f"  curl -s {base}/v1/omni/stages{auth}",
-            f"  curl -s -X POST {base}/v1/omni/sleep{auth} -H 'Content-Type: application/json' -d '{{\"stage_ids\": [0]}}'",
-            f"  curl -s -X POST {base}/v1/omni/wakeup{auth} -H 'Content-Type: application/json' -d '{{\"stage_ids\": [0]}}'",
+            f"  curl -s {base}/v1/omni/stages{control}",
+            f"  curl -s -X POST {base}/v1/omni/sleep{control} {json_body} -d '{{\"stage_ids\": [0]}}'",
+            f"  curl -s -X POST {base}/v1/omni/wakeup{control} {json_body} -d '{{\"stage_ids\": [0]}}'",
         ]
     )
 
@@ -192,3 +203,35 @@ def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) 
     # drain is the graceful exit, not an error.
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
+
+
+def serve_until_stopped(config: ServerConfig) -> int:
+    """``run_server`` for a command line: its exit status, a bad setting in one line."""
+    import sys
+
+    from omnistage.config import ConfigError
+    from omnistage.errors import StageStartupError
+
+    try:
+        run_server(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except StageStartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # before the server was up: the stages are shut down already
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    # vLLM-Omni's (and vLLM's) launch shape: `python -m ...entrypoints.openai.api_server
+    # --model X --port P` takes the flags of `omnistage serve`.
+    import sys
+
+    from omnistage.entrypoints.cli_args import parse_serve_args
+
+    _config = parse_serve_args(sys.argv[1:], "python -m omnistage.entrypoints.openai.api_server")
+    sys.exit(2 if _config is None else serve_until_stopped(_config))
