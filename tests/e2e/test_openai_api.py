@@ -52,23 +52,67 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert streamed == full.choices[0].message.content
 
 
-def test_chat_with_image_modality_returns_png_part(omni_server):
+def png_of(part):
+    assert part["type"] == "image_url"
+    url = part["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    png = base64.b64decode(url.split(",", 1)[1])
+    assert png.startswith(b"\x89PNG")
+    return png
+
+
+def test_text_and_image_answer_parses_cleanly_in_the_openai_client(client):
+    """Text in ``content`` (a string, as the client types it), the image as a PNG content part
+    in ``images``; the text hit max_tokens, so the choice ends with "length"."""
+    import warnings
+
+    reply = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "draw"}],
+        temperature=0.0,
+        max_tokens=3,
+        extra_body={"modalities": ["text", "image"], "ignore_eos": True, **IMAGE_EXTRA},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # pydantic serializer warnings fail the test
+        dumped = reply.model_dump()
+    (choice,) = dumped["choices"]
+    assert isinstance(choice["message"]["content"], str) and choice["message"]["content"]
+    assert choice["finish_reason"] == "length"
+    (part,) = choice["message"]["images"]
+    png_of(part)
+
+
+def test_a_streamed_text_and_image_answer_ends_with_length_too(client):
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-omni",
+            messages=[{"role": "user", "content": "draw"}],
+            temperature=0.0,
+            max_tokens=3,
+            stream=True,
+            extra_body={"modalities": ["text", "image"], "ignore_eos": True, **IMAGE_EXTRA},
+        )
+    )
+    images = [p for c in chunks for p in (c.choices[0].delta.model_extra or {}).get("images") or []]
+    assert len(images) == 1 and png_of(images[0])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+def test_an_image_only_answer_has_no_text(omni_server):
     r = httpx.post(
         omni_server.url + "/v1/chat/completions",
         json={
             "messages": [{"role": "user", "content": "draw"}],
-            "modalities": ["text", "image"],
+            "modalities": ["image"],
             **GREEDY,
             **IMAGE_EXTRA,
         },
         timeout=120,
     )
     assert r.status_code == 200, r.text
-    parts = r.json()["choices"][0]["message"]["content"]
-    assert parts[0]["type"] == "text"
-    url = parts[1]["image_url"]["url"]
-    assert url.startswith("data:image/png;base64,")
-    assert base64.b64decode(url.split(",", 1)[1]).startswith(b"\x89PNG")
+    message = r.json()["choices"][0]["message"]
+    assert message["content"] is None and png_of(message["images"][0])
 
 
 def test_image_stage_sleep_keeps_text_working_and_wake_restores_exact_outputs(client, omni_server):

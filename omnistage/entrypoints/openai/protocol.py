@@ -1,7 +1,11 @@
 """Request and response bodies of the OpenAI-compatible data routes.
 
-Unknown fields are accepted and ignored, as OpenAI-compatible servers do (clients send
-provider-specific extras); known fields are validated and a bad one is named in the 400.
+Honest by construction: a field omnistage does not implement (``tools``,
+``response_format``, ``logit_bias``, ...) or an input part it cannot take (an image in a
+message) is a 400 naming it, never silently ignored. A field sent as ``null`` asks for
+nothing and is accepted (clients echo back assistant messages with ``"tool_calls": null``);
+``user`` (the caller's end-user id, for their own bookkeeping) is accepted as OpenAI and vLLM
+do. Known fields are validated and a bad one is named in the 400.
 """
 
 from __future__ import annotations
@@ -15,17 +19,53 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from omnistage.stage.ar.sampling import MAX_LOGPROBS, MAX_N
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    """Unknown fields are refused (400 naming them), except those sent as ``null``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
 
-class ContentPart(_Lenient):
-    type: Literal["text", "image_url", "input_text"]
-    text: str | None = None
-    image_url: dict[str, Any] | None = None
+class _RequestBody(_Strict):
+    """A route's whole body. ``extra_body`` (what the ``openai`` client flattens into the body,
+    sent by hand as an object) is merged in, as vLLM-Omni reads it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flatten_extra_body(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+            merged = {k: v for k, v in data.items() if k != "extra_body"}
+            for key, value in data["extra_body"].items():
+                merged.setdefault(key, value)
+            return merged
+        return data
 
 
-class ChatMessage(_Lenient):
+TEXT_PARTS = ("text", "input_text")
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str = ""
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v not in TEXT_PARTS:
+            raise ValueError(
+                f"{v!r} input parts are not supported: omnistage's pipelines take text "
+                "input (parts of type 'text')"
+            )
+        return v
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
 
@@ -34,19 +74,25 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text or "" for p in self.content if p.type in ("text", "input_text"))
+        return "".join(p.text for p in self.content)
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_RequestBody):
     model: str | None = None
+    user: str | None = None  # the caller's end-user id: accepted, not used
     max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM's extra
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)  # vLLM's extra
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100)  # vLLM's extra
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -70,8 +116,13 @@ class _SamplingFields(_Lenient):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
+            "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "max_tokens": max_tokens,
+            "min_tokens": self.min_tokens,
             "stop": [self.stop] if isinstance(self.stop, str) else self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos or None,
@@ -79,7 +130,7 @@ class _SamplingFields(_Lenient):
         return {k: v for k, v in params.items() if v is not None}
 
 
-class ImageFields(_Lenient):
+class ImageFields(_Strict):
     """vLLM-Omni's image extras, accepted on chat and image requests."""
 
     size: str | None = None
@@ -148,9 +199,10 @@ class CompletionRequest(_SamplingFields):
         return params
 
 
-class ImageGenerationRequest(ImageFields):
+class ImageGenerationRequest(ImageFields, _RequestBody):
     prompt: str = Field(min_length=1)
     model: str | None = None
+    user: str | None = None  # the caller's end-user id: accepted, not used
     n: int = Field(default=1, ge=1, le=8)
     response_format: Literal["b64_json"] = "b64_json"
     seed: int | None = None
@@ -163,8 +215,12 @@ class Usage(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """``content`` is the text (a string, as OpenAI clients type it; ``None`` when text was
+    not asked for); generated images are PNG ``image_url`` content parts in ``images``."""
+
     role: Literal["assistant"] = "assistant"
-    content: str | list[dict[str, Any]]
+    content: str | None
+    images: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -139,14 +139,14 @@ async def _chat_reply(
         return _client_gone(metrics, "chat")
     choices = []
     for c in collected.choices:
-        content: str | list[dict[str, Any]] = c.text
-        if c.images:
-            parts = [{"type": "text", "text": c.text}] if "text" in modalities else []
-            content = parts + [image_part(img) for img in c.images]
+        message = AssistantMessage(
+            content=c.text if "text" in modalities else None,
+            images=[image_part(img) for img in c.images] if c.images else None,
+        )
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=content),
+                message=message,
                 finish_reason=c.finish_reason,
                 logprobs=(
                     chat_logprobs(as_token_ids(c.logprobs) if token_ids else c.logprobs)
@@ -195,7 +195,7 @@ async def _chat_events(
                 if out.modality == "text" and out.text_delta:
                     delta["content"] = out.text_delta
                 if out.images:
-                    delta["content"] = [image_part(img) for img in out.images]
+                    delta["images"] = [image_part(img) for img in out.images]
                 extra: dict[str, Any] = {}
                 if out.logprobs:
                     extra["logprobs"] = chat_logprobs(out.logprobs)

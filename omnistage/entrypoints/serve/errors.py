@@ -117,6 +117,11 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
         if error.get("type") == "json_invalid":
             reason = (error.get("ctx") or {}).get("error", "JSON decode error")
             parts.append(f"body: malformed JSON ({reason})")
+        elif error.get("type") == "extra_forbidden":
+            parts.append(
+                f"{_field_path(error.get('loc', ()))}: not supported by omnistage (a field "
+                "it does not implement is refused, never ignored)"
+            )
         else:
             parts.append(f"{_field_path(error.get('loc', ()))}: {error.get('msg')}")
     return "; ".join(parts)
