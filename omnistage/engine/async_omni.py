@@ -21,6 +21,7 @@ from omnistage.engine.control import StageControl
 from omnistage.engine.input_processors import get_input_processor
 from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, StageLauncher
 from omnistage.engine.outputs import OmniRequestOutput
+from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
 from omnistage.engine.stage_client import EngineStageClient, StageClient
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
@@ -268,6 +269,10 @@ class AsyncOmni:
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
             await self.router.abort(request_id)
+
+    def add_request_listener(self, listener: StatsListener) -> None:
+        """``listener(stats)`` when a stage finishes a sample of a request (its timings)."""
+        self.router.stats_listeners.append(listener)
 
     def add_control_listener(self, listener: AckListener) -> None:
         """``listener(operation, acks)`` after every sleep / wake_up / update_weights."""

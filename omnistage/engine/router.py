@@ -20,6 +20,7 @@ from omnistage.config import PipelineConfig, StageConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.input_processors import NEEDS_HIDDEN_STATES, StageResult, get_input_processor
 from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import InvalidRequestError, StageAsleepError
 from omnistage.stage.kinds import stage_kind
@@ -44,6 +45,7 @@ class RequestRouter:
         self.active: dict[str, int] = {}  # request id -> stage currently serving it
         self._downstream = self._compute_downstream()
         self._preparers: dict[int, tuple[Any, RequestPreparer]] = {}
+        self.stats_listeners: list[StatsListener] = []  # per-stage request timings
 
     def _compute_downstream(self) -> dict[int, int]:
         downstream: dict[int, int] = {}
@@ -201,8 +203,10 @@ class RequestRouter:
                 bound.discard(stage_id)
                 queue = client.add_request(request_id, request)
                 self.active[request_id] = stage_id
+            timer = StageTimer(request_id, stage_id, client.kind, self.stats_listeners)
             while True:
                 out = await queue.get()
+                timer.observe(out)
                 unfinished -= out.finished
                 finished = unfinished == 0 or out.error is not None
                 yield out, finished

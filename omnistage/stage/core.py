@@ -105,6 +105,7 @@ def to_output_message(out: StageOutput) -> OutputMessage:
         images=list(payload.get("images") or []),
         logprobs=out.logprobs,
         prompt_logprobs=out.prompt_logprobs,
+        queue_time_s=out.queue_time_s,
     )
 
 

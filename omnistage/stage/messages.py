@@ -193,6 +193,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     images: list[ImageOutput] = []
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    queue_time_s: float | None = None  # on a request's first output: its wait to be scheduled
 
 
 class OutputBatch(msgspec.Struct, tag=True):

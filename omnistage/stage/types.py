@@ -31,3 +31,6 @@ class StageOutput:
     payload: dict[str, Any] | None = None
     logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output
+    # Seconds between the request's arrival at the stage and its first scheduling; set on
+    # the first output of each request (the scheduler's wait, not the compute).
+    queue_time_s: float | None = None

@@ -150,3 +150,31 @@ def test_every_log_line_is_json_uvicorns_included(server):
     assert {"uvicorn.error", "uvicorn.access", "omnistage.engine.control"} <= loggers
     for r in records(server):
         assert r["time"].endswith("+00:00") and r["level"] in {"INFO", "WARNING", "ERROR"}
+
+
+def test_each_request_logs_its_arrival_and_end_with_its_id(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.status_code == 200, r.text
+    request_id = r.json()["id"]
+    received = wait_for(server, "request_received", request_id=request_id)
+    finished = wait_for(server, "request_finished", request_id=request_id)
+    assert received["route"] == "chat" and received["logger"] == "omnistage.requests"
+    assert finished["finish_reason"] in ("stop", "length") and finished["latency_ms"] > 0
+    assert finished["completion_tokens"] == r.json()["usage"]["completion_tokens"]
+    assert "Hello" not in json.dumps([received, finished])  # prompts are never logged
+
+
+def test_disable_log_requests_silences_request_lines_but_not_control_events():
+    with running_server(
+        "--pipeline",
+        "tiny-chat",
+        "--enable-sleep-mode",
+        "--disable-log-requests",
+        "--log-format",
+        "json",
+    ) as quiet:
+        chat(quiet)
+        control(quiet, "/v1/omni/sleep", {"stage_ids": [0], "level": 1})
+        wait_for(quiet, "sleep", stage_id=0)
+        assert not find(quiet, "request_received") and not find(quiet, "request_finished")
+        assert not any('"logger": "uvicorn.access"' in line for line in quiet.log)

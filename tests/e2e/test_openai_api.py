@@ -151,7 +151,7 @@ def test_image_stage_sleep_keeps_text_working_and_wake_restores_exact_outputs(cl
 def test_models_and_metrics(omni_server, client):
     assert [m.id for m in client.models.list().data] == ["tiny-omni"]
     metrics = httpx.get(omni_server.url + "/metrics").text
-    assert "omnistage_stage_state" in metrics and "omnistage_sleep_latency_seconds" in metrics
+    assert "omnistage:stage_state" in metrics and "omnistage:engine_sleep_state" in metrics
 
 
 @pytest.mark.parametrize(

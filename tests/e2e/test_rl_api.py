@@ -79,7 +79,12 @@ def test_prefix_cache_reset_and_hit_rate(omni_server):
     stages = httpx.get(omni_server.url + "/v1/omni/stages", headers=CONTROL).json()["stages"]
     assert stages[0]["prefix_cache"]["hit_tokens"] > 0
     metrics = httpx.get(omni_server.url + "/metrics").text
-    assert 'omnistage_prefix_cache_hit_rate{stage_id="0"}' in metrics
+    hits = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("omnistage:prefix_cache_hits_total{") and 'stage="0"' in line
+    ]
+    assert len(hits) == 1 and float(hits[0].split()[-1]) > 0
     reset = httpx.post(omni_server.url + "/v1/omni/reset_prefix_cache", headers=CONTROL)
     assert reset.status_code == 200 and reset.json()["stage_ids"] == [0]
     stages = httpx.get(omni_server.url + "/v1/omni/stages", headers=CONTROL).json()["stages"]

@@ -26,9 +26,12 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.served_model_name = config.model_name
     state.api_key = config.api_key
     state.control_api_key = resolve_control_api_key(config.control_api_key)
-    state.metrics = ServerMetrics()
+    state.log_requests = not config.disable_log_requests
+    state.metrics = ServerMetrics(config.model_name)
     if hasattr(engine_client, "add_control_listener"):
         engine_client.add_control_listener(state.metrics.observe_control)
+    if hasattr(engine_client, "add_request_listener"):
+        engine_client.add_request_listener(state.metrics.observe_request)
 
 
 def resolve_pipeline(config: ServerConfig, progress: Callable[[str], None]) -> PipelineConfig:
@@ -71,6 +74,7 @@ def build_app(
     """The FastAPI app. With ``engine_client`` given, the app serves it and does not own it."""
     from omnistage.entrypoints.openai import serving_chat, serving_images
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
+    from omnistage.entrypoints.openai.http_metrics import HttpMetrics
     from omnistage.entrypoints.openai.server_routes import health_router, models_router
     from omnistage.entrypoints.serve import rl_routes, vllm_compat
     from omnistage.entrypoints.serve.auth import require_api_key
@@ -107,6 +111,7 @@ def build_app(
         openapi_url=None,
     )
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(HttpMetrics)  # outermost: counts the body limit's 413s too
     register_exception_handlers(app)
     data = [Depends(require_api_key)]
 

@@ -1,104 +1,233 @@
-"""Prometheus metrics of the server, in a registry of its own (one per app)."""
+"""Prometheus metrics of the server, in a registry of its own (one per app).
+
+Names follow vLLM's families with omnistage's prefix (``vllm:time_to_first_token_seconds``
+→ ``omnistage:time_to_first_token_seconds``), every series labelled with ``model_name`` and,
+where it belongs to one, ``stage`` (the stage id). Three sources:
+
+- request timings, observed as each stage finishes a sample (``StageRequestStats``);
+- stage state, read from the stages when ``/metrics`` is scraped (queues, KV cache usage,
+  memory, prefix cache, sleep state) — a collector turns that snapshot into series;
+- control events (sleep and wake latencies, freed bytes) and HTTP responses (by status).
+
+The table of every family is in docs/metrics.md.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from omnistage.engine.admission import STATES
 from omnistage.engine.protocol import EngineClient
+from omnistage.engine.request_stats import StageRequestStats
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+PREFIX = "omnistage:"
+# vLLM's buckets for request latencies (seconds).
+_REQUEST_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+_CONTROL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# vLLM's engine_sleep_state values for the levels.
+SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "omnistage") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.stage_state = Gauge(
-            "omnistage_stage_state",
-            "1 for the state each stage is in.",
-            ["stage_id", "state"],
-            registry=self.registry,
+        self.stages = StageStateCollector(model_name)
+        self.registry.register(self.stages)
+        stage = ["model_name", "stage"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...], extra: list[str]) -> Any:
+            return Histogram(
+                PREFIX + name, doc, [*stage, *extra], buckets=buckets, registry=self.registry
+            )
+
+        def counter(name: str, doc: str, labels: list[str]) -> Any:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
+            "Time from a request's admission to a stage to its first token (AR stages).",
+            _REQUEST_BUCKETS,
+            [],
         )
-        self.stage_restarts = Gauge(
-            "omnistage_stage_restarts",
-            "Times the server restarted each stage's process.",
-            ["stage_id"],
-            registry=self.registry,
+        self.inter_token = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive tokens of a request (AR stages).",
+            _TOKEN_BUCKETS,
+            [],
         )
-        self.prefix_cache_hit_rate = Gauge(
-            "omnistage_prefix_cache_hit_rate",
-            "Share of prompt tokens found in the prefix cache (AR stages).",
-            ["stage_id"],
-            registry=self.registry,
+        self.e2e = histogram(
+            "e2e_request_latency_seconds",
+            "Time from a request's admission to a stage to the end of its sample there.",
+            _REQUEST_BUCKETS,
+            [],
         )
-        self.prefix_cache_tokens = Gauge(
-            "omnistage_prefix_cache_tokens",
-            "Prompt tokens looked up in / found in the prefix cache (AR stages).",
-            ["stage_id", "kind"],
-            registry=self.registry,
+        self.queue_time = histogram(
+            "request_queue_time_seconds",
+            "Time a request waited in a stage before it was first scheduled.",
+            _REQUEST_BUCKETS,
+            [],
         )
-        self.stage_in_flight = Gauge(
-            "omnistage_stage_in_flight_requests",
-            "Requests in flight per stage.",
-            ["stage_id"],
-            registry=self.registry,
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of finished requests (AR stages).", stage
         )
-        self.sleep_latency = Histogram(
-            "omnistage_sleep_latency_seconds",
-            "Stage sleep latency.",
-            ["stage_id", "level"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.generation_tokens = counter(
+            "generation_tokens", "Tokens generated by finished samples (AR stages).", stage
         )
-        self.wake_latency = Histogram(
-            "omnistage_wake_latency_seconds",
-            "Stage wake latency.",
-            ["stage_id"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+        self.request_success = counter(
+            "request_success",
+            "Samples a stage finished, by finish reason.",
+            [*stage, "finished_reason"],
         )
-        self.freed_bytes = Counter(
-            "omnistage_freed_bytes",
-            "Bytes really released by sleeps (measured).",
-            ["stage_id"],
-            registry=self.registry,
+        self.sleep_latency = histogram(
+            "sleep_latency_seconds", "Stage sleep latency.", _CONTROL_BUCKETS, ["level"]
         )
-        self.requests = Counter(
-            "omnistage_requests",
-            "Requests by route and outcome.",
-            ["route", "outcome"],
-            registry=self.registry,
+        self.wake_latency = histogram(
+            "wake_latency_seconds", "Stage wake latency.", _CONTROL_BUCKETS, []
         )
+        self.freed_bytes = counter(
+            "sleep_freed_bytes", "Bytes really released by sleeps (measured).", stage
+        )
+        self.http_requests = counter(
+            "http_requests",
+            "HTTP responses by route template and status code (4xx and 5xx included).",
+            ["model_name", "method", "route", "status"],
+        )
+
+    # -- observers ------------------------------------------------------------------------
+
+    def observe_request(self, stats: StageRequestStats) -> None:
+        labels = (self.model_name, str(stats.stage_id))
+        self.e2e.labels(*labels).observe(stats.e2e_s)
+        self.request_success.labels(*labels, stats.finish_reason or "unknown").inc()
+        if stats.queue_s is not None:
+            self.queue_time.labels(*labels).observe(stats.queue_s)
+        if stats.kind != "ar":
+            return
+        if stats.ttft_s is not None:
+            self.ttft.labels(*labels).observe(stats.ttft_s)
+        for gap in stats.inter_token_s:
+            self.inter_token.labels(*labels).observe(gap)
+        if stats.index == 0:  # the n samples of a request share one prompt
+            self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
+        self.generation_tokens.labels(*labels).inc(stats.num_output_tokens)
 
     def observe_control(self, operation: str, acks: list[dict[str, Any]]) -> None:
         for ack in acks:
             if ack.get("status") != "SUCCESS":
                 continue
-            sid = str(ack["stage_id"])
+            labels = (self.model_name, str(ack["stage_id"]))
             latency_s = float(ack["metadata"].get("latency_ms", 0.0)) / 1e3
             if operation == "sleep":
-                self.sleep_latency.labels(sid, str(ack["metadata"].get("level"))).observe(latency_s)
-                self.freed_bytes.labels(sid).inc(max(0, int(ack.get("freed_bytes", 0))))
-            else:
-                self.wake_latency.labels(sid).observe(latency_s)
+                level = str(ack["metadata"].get("level"))
+                self.sleep_latency.labels(*labels, level).observe(latency_s)
+                self.freed_bytes.labels(*labels).inc(max(0, int(ack.get("freed_bytes", 0))))
+            elif operation == "wake_up":
+                self.wake_latency.labels(*labels).observe(latency_s)
+
+    def observe_http(self, method: str, route: str, status: int) -> None:
+        self.http_requests.labels(self.model_name, method, route, str(status)).inc()
 
     def render(self, engine: EngineClient, statuses: list[dict[str, Any]] | None = None) -> bytes:
-        """Refresh the per-stage gauges from the engine client's state (and the stages' own
-        ``statuses``, when given), then export."""
-        for status in statuses or []:
-            cache = status.get("prefix_cache")
-            if isinstance(cache, dict):
-                label = str(status["stage_id"])
-                self.prefix_cache_hit_rate.labels(label).set(float(cache.get("hit_rate", 0.0)))
-                self.prefix_cache_tokens.labels(label, "queried").set(
-                    cache.get("queried_tokens", 0)
-                )
-                self.prefix_cache_tokens.labels(label, "hit").set(cache.get("hit_tokens", 0))
-        for sid, stage in enumerate(engine.stage_states()):
-            for state in STATES:
-                self.stage_state.labels(str(sid), state).set(1.0 if stage.state == state else 0.0)
-            self.stage_in_flight.labels(str(sid)).set(engine.num_in_flight(sid))
-            self.stage_restarts.labels(str(sid)).set(stage.restarts)
+        """Export, with the stage series taken from the engine client's state and the
+        stages' own ``statuses`` (read now)."""
+        self.stages.update(engine, statuses or [])
         return generate_latest(self.registry)
+
+
+class StageStateCollector(Collector):
+    """Series read from the stages at scrape time (absolute values, so counters such as the
+    prefix cache's are exported as the stages count them)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.rows: list[dict[str, Any]] = []
+
+    def update(self, engine: EngineClient, statuses: list[dict[str, Any]]) -> None:
+        by_id = {int(s["stage_id"]): s for s in statuses}
+        rows = []
+        for sid, stage in enumerate(engine.stage_states()):
+            row = dict(by_id.get(sid, {}))
+            row.update(
+                stage_id=sid,
+                state=stage.state,
+                sleep_level=stage.level if stage.state == "asleep" else 0,
+                restarts=stage.restarts,
+                in_flight=engine.num_in_flight(sid),
+            )
+            rows.append(row)
+        self.rows = rows
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the families depend on the stages: nothing to check at register
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model_name", "stage"]
+
+        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=[*labels, *(extra or [])])
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+
+        state = gauge("stage_state", "1 for the state each stage is in.", ["state"])
+        sleep = gauge(
+            "engine_sleep_state",
+            "1 for each stage's sleep state (awake, weights_offloaded: level 1, "
+            "discard_all: level 2), as vLLM's engine_sleep_state.",
+            ["sleep_state"],
+        )
+        running = gauge("num_requests_running", "Requests a stage is running now.")
+        waiting = gauge("num_requests_waiting", "Requests waiting in a stage's queue.")
+        in_flight = gauge(
+            "stage_in_flight_requests", "Requests the server has in flight at a stage."
+        )
+        kv_usage = gauge(
+            "kv_cache_usage_perc", "Share of an AR stage's KV cache blocks in use (0 to 1)."
+        )
+        resident = gauge("stage_resident_bytes", "Memory a stage holds now (its arena).")
+        released = gauge(
+            "stage_released_bytes", "Memory a stage's arena has released (asleep tags)."
+        )
+        restarts = counter("stage_restarts", "Times the server restarted a stage's process.")
+        queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in an AR stage's prefix cache."
+        )
+        hits = counter("prefix_cache_hits", "Prompt tokens found in an AR stage's prefix cache.")
+        for row in self.rows:
+            ids = [self.model_name, str(row["stage_id"])]
+            for name in STATES:
+                state.add_metric([*ids, name], 1.0 if row["state"] == name else 0.0)
+            for level, name in SLEEP_STATES.items():
+                sleep.add_metric([*ids, name], 1.0 if row["sleep_level"] == level else 0.0)
+            in_flight.add_metric(ids, row["in_flight"])
+            restarts.add_metric(ids, row["restarts"])
+            if "num_running" in row:
+                running.add_metric(ids, row["num_running"])
+                waiting.add_metric(ids, row["num_waiting"])
+            blocks = row.get("num_kv_blocks")
+            if blocks:
+                kv_usage.add_metric(ids, 1.0 - row["num_free_kv_blocks"] / blocks)
+            memory = row.get("memory")
+            if isinstance(memory, dict):
+                resident.add_metric(ids, memory.get("resident_bytes", 0))
+                reserved = memory.get("reserved_bytes", 0)
+                released.add_metric(ids, max(0, reserved - memory.get("resident_bytes", 0)))
+            cache = row.get("prefix_cache")
+            if isinstance(cache, dict):
+                queries.add_metric(ids, cache.get("queried_tokens", 0))
+                hits.add_metric(ids, cache.get("hit_tokens", 0))
+        yield from (state, sleep, running, waiting, in_flight, kv_usage, resident, released)
+        yield from (restarts, queries, hits)

@@ -24,7 +24,6 @@ from omnistage.entrypoints.openai.choices import (
     prompt_logprobs_json,
 )
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
-from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -36,7 +35,8 @@ from omnistage.entrypoints.openai.protocol import (
     new_id,
     now,
 )
-from omnistage.entrypoints.serve.deps import EngineClientDep, MetricsDep
+from omnistage.entrypoints.openai.request_log import RequestLog
+from omnistage.entrypoints.serve.deps import EngineClientDep
 
 router = APIRouter(tags=["openai"])
 
@@ -71,9 +71,9 @@ async def _collect(stream: Stream) -> Collected:
     return collected
 
 
-def _client_gone(metrics: ServerMetrics, route: str) -> Response:
+def _client_gone(log: RequestLog) -> Response:
     """The reply to a client that hung up: nobody reads it; 499 shows in the access log."""
-    metrics.requests.labels(route, "disconnect").inc()
+    log.finished("disconnect")
     return Response(status_code=499)
 
 
@@ -100,10 +100,12 @@ def fingerprint(engine: Any) -> str | None:
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_SSE)
 async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, engine: EngineClientDep, metrics: MetricsDep
+    body: ChatCompletionRequest, request: Request, engine: EngineClientDep
 ) -> Any:
     request_id = new_id("chatcmpl")
     modalities: list[str] = list(body.modalities or ["text"])
+    log = RequestLog(request, request_id, "chat")
+    log.received(messages=len(body.messages), modalities=modalities, n=body.n, stream=body.stream)
     stream = engine.generate(
         {"messages": [{"role": m.role, "content": m.text()} for m in body.messages]},
         body.sampling_params(body.max_completion_tokens or body.max_tokens),
@@ -115,10 +117,10 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _chat_events(
-            request, stream, metrics, request_id, model, include_usage, modalities == ["text"]
+            request, stream, log, request_id, model, include_usage, modalities == ["text"]
         )
     reply = await _chat_reply(
-        request, stream, metrics, request_id, model, modalities, body.return_tokens_as_token_ids
+        request, stream, log, request_id, model, modalities, body.return_tokens_as_token_ids
     )
     if isinstance(reply, ChatCompletionResponse):
         reply.system_fingerprint = fingerprint(engine)
@@ -128,7 +130,7 @@ async def create_chat_completion(
 async def _chat_reply(
     request: Request,
     stream: Stream,
-    metrics: ServerMetrics,
+    log: RequestLog,
     request_id: str,
     model: str,
     modalities: list[str],
@@ -136,7 +138,7 @@ async def _chat_reply(
 ) -> ChatCompletionResponse | Response:
     collected = await unless_disconnected(request, _collect(stream))
     if collected is None:
-        return _client_gone(metrics, "chat")
+        return _client_gone(log)
     choices = []
     for c in collected.choices:
         message = AssistantMessage(
@@ -158,7 +160,7 @@ async def _chat_reply(
                 ),
             )
         )
-    metrics.requests.labels("chat", collected.finish_reason or "unknown").inc()
+    log.finished(collected.finish_reason, **collected.usage.model_dump())
     return ChatCompletionResponse(
         id=request_id, created=now(), model=model, choices=choices, usage=collected.usage
     )
@@ -167,7 +169,7 @@ async def _chat_reply(
 async def _chat_events(
     request: Request,
     stream: Stream,
-    metrics: ServerMetrics,
+    log: RequestLog,
     request_id: str,
     model: str,
     include_usage: bool,
@@ -177,7 +179,7 @@ async def _chat_events(
     done — for text only, when its text is; with images, when the whole request is."""
     primed = await unless_disconnected(request, _primed(stream))
     if primed is None:
-        return _client_gone(metrics, "chat")
+        return _client_gone(log)
     base = {"id": request_id, "object": "chat.completion.chunk", "created": now(), "model": model}
 
     def chunk(index: int, delta: dict[str, Any], **extra: Any) -> str:
@@ -205,11 +207,11 @@ async def _chat_events(
                     reason = collected.choice(out.index).finish_reason
                     yield chunk(out.index, {}, finish_reason=reason)
         except Exception as exc:  # mid-stream failure: tell the client in-band, then end
-            metrics.requests.labels("chat", "error").inc()
+            log.finished("error", error=str(exc))
             yield _error_event(exc)
             yield "data: [DONE]\n\n"
             return
-        metrics.requests.labels("chat", collected.finish_reason or "unknown").inc()
+        log.finished(collected.finish_reason, **collected.usage.model_dump())
         if include_usage:
             yield _sse({**base, "choices": [], "usage": collected.usage.model_dump()})
         yield "data: [DONE]\n\n"
@@ -222,9 +224,11 @@ async def _chat_events(
 
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_SSE)
 async def create_completion(
-    body: CompletionRequest, request: Request, engine: EngineClientDep, metrics: MetricsDep
+    body: CompletionRequest, request: Request, engine: EngineClientDep
 ) -> Any:
     request_id = new_id("cmpl")
+    log = RequestLog(request, request_id, "completions")
+    log.received(n=body.n, stream=body.stream)
     prompt: dict[str, Any] = (
         {"prompt": body.prompt}
         if isinstance(body.prompt, str)
@@ -236,11 +240,11 @@ async def create_completion(
     model = _model_name(request, body.model)
     echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
     if body.stream:
-        return await _completion_events(request, stream, metrics, request_id, model, echo)
+        return await _completion_events(request, stream, log, request_id, model, echo)
     collected = await unless_disconnected(request, _collect(stream))
     if collected is None:
-        return _client_gone(metrics, "completions")
-    metrics.requests.labels("completions", collected.finish_reason or "unknown").inc()
+        return _client_gone(log)
+    log.finished(collected.finish_reason, **collected.usage.model_dump())
     choices = []
     for c in collected.choices:
         entries: list[Any] = list(c.logprobs)
@@ -272,11 +276,11 @@ async def create_completion(
 
 
 async def _completion_events(
-    request: Request, stream: Stream, metrics: ServerMetrics, request_id: str, model: str, echo: str
+    request: Request, stream: Stream, log: RequestLog, request_id: str, model: str, echo: str
 ) -> Response:
     primed = await unless_disconnected(request, _primed(stream))
     if primed is None:
-        return _client_gone(metrics, "completions")
+        return _client_gone(log)
     base = {"id": request_id, "object": "text_completion", "created": now(), "model": model}
 
     def chunk(index: int, text: str, finish_reason: str | None = None, **extra: Any) -> str:
@@ -285,8 +289,11 @@ async def _completion_events(
 
     async def events() -> AsyncIterator[str]:
         echoed: set[int] = set()
+        reason: str | None = None
         try:
             async for out in primed:
+                if out.final:
+                    reason = out.finish_reason
                 if echo and out.index not in echoed:
                     echoed.add(out.index)
                     yield chunk(out.index, echo)
@@ -297,8 +304,10 @@ async def _completion_events(
                     reason = out.finish_reason if out.finished else None
                     yield chunk(out.index, out.text_delta, reason, **extra)
         except Exception as exc:
-            metrics.requests.labels("completions", "error").inc()
+            log.finished("error", error=str(exc))
             yield _error_event(exc)
+        else:
+            log.finished(reason)
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")

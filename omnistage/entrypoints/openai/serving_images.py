@@ -18,15 +18,19 @@ from omnistage.entrypoints.openai.protocol import (
     new_id,
     now,
 )
-from omnistage.entrypoints.serve.deps import EngineClientDep, MetricsDep
+from omnistage.entrypoints.openai.request_log import RequestLog
+from omnistage.entrypoints.serve.deps import EngineClientDep
 
 router = APIRouter(tags=["openai"])
 
 
 @router.post("/v1/images/generations", response_model=ImagesResponse)
 async def create_images(
-    body: ImageGenerationRequest, request: Request, engine: EngineClientDep, metrics: MetricsDep
+    body: ImageGenerationRequest, request: Request, engine: EngineClientDep
 ) -> Any:
+    log = RequestLog(request, new_id("img"), "images")
+    log.received(n=body.n, size=body.size)
+
     async def one(index: int) -> list[OmniImage]:
         seed = None if body.seed is None else body.seed + index
         images: list[OmniImage] = []
@@ -35,7 +39,7 @@ async def create_images(
             {"seed": seed} if seed is not None else {},
             ["image"],
             image_params=body.image_params(seed),
-            request_id=new_id("img"),
+            request_id=f"{log.request_id}-{index}",
         ):
             images.extend(out.images)
         return images
@@ -50,10 +54,10 @@ async def create_images(
 
     results = await unless_disconnected(request, all_images())
     if results is None:
-        metrics.requests.labels("images", "disconnect").inc()
+        log.finished("disconnect")
         return Response(status_code=499)
     images = [img for batch in results for img in batch]
-    metrics.requests.labels("images", "stop" if images else "abort").inc()
+    log.finished("stop" if images else "abort", images=len(images))
     return ImagesResponse(
         created=now(),
         data=[ImageData(b64_json=base64.b64encode(img.png).decode("ascii")) for img in images],

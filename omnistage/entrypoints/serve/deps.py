@@ -3,7 +3,7 @@
 ``EngineClientDep`` is ``app.state.engine_client`` (an ``AsyncOmni`` in the server, a fake in
 tests), typed as the ``EngineClient`` protocol; ``SleepingStagesDep`` is
 ``app.state.sleeping_stages``, the set of stage ids the control routes have recorded as
-sleeping; ``MetricsDep`` is the app's ``ServerMetrics``. Routers apply the key checks with
+sleeping. Routers apply the key checks with
 ``dependencies=[Depends(require_api_key)]`` or ``[Depends(require_control_key)]``; the aliases
 below serve routes that prefer a parameter.
 """
@@ -15,7 +15,6 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from omnistage.engine.protocol import EngineClient
-from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.serve.auth import require_api_key, require_control_key
 
 
@@ -23,11 +22,6 @@ async def get_engine_client(request: Request) -> EngineClient:
     """The engine client the app factory stored on ``app.state``."""
     engine: EngineClient = request.app.state.engine_client
     return engine
-
-
-async def get_metrics(request: Request) -> ServerMetrics:
-    metrics: ServerMetrics = request.app.state.metrics
-    return metrics
 
 
 async def get_sleeping_stages(request: Request) -> set[int]:
@@ -40,7 +34,6 @@ async def get_sleeping_stages(request: Request) -> set[int]:
 
 
 EngineClientDep = Annotated[EngineClient, Depends(get_engine_client)]
-MetricsDep = Annotated[ServerMetrics, Depends(get_metrics)]
 SleepingStagesDep = Annotated[set[int], Depends(get_sleeping_stages)]
 ApiKeyDep = Annotated[None, Depends(require_api_key)]
 ControlKeyDep = Annotated[None, Depends(require_control_key)]

@@ -56,7 +56,8 @@ def append_token(
     delta = seq.output_text[seq.num_emitted_chars : max(emit_end, seq.num_emitted_chars)]
     seq.num_emitted_chars += len(delta)
     seq.finish_reason = reason
-    prompt_logprobs = None if seq.has_output else seq.prompt_logprobs
+    first = not seq.has_output
+    prompt_logprobs = seq.prompt_logprobs if first else None
     seq.has_output = True
     return StageOutput(
         request_id=seq.request_id,
@@ -70,6 +71,7 @@ def append_token(
         payload=final_payload(seq) if reason is not None else None,
         logprobs=[logprobs] if logprobs is not None else None,
         prompt_logprobs=prompt_logprobs,
+        queue_time_s=seq.queue_time_s if first else None,
     )
 
 

@@ -7,6 +7,7 @@ samples that fork from it after its prefill (a sequence slot and a copied block 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from omnistage.stage.ar.block_manager import BlockManager
@@ -47,6 +48,8 @@ class Scheduler:
             num_slots += 1 + forks
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
+            if seq.queue_time_s is None:
+                seq.queue_time_s = time.monotonic() - seq.arrival_time
             num_batched_tokens += seq.num_tokens
             scheduled.append(self.waiting.popleft())
         if scheduled:

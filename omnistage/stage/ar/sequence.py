@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -64,6 +65,8 @@ class Sequence:
         self.output_text = ""
         self.num_emitted_chars = 0
         self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic()
+        self.queue_time_s: float | None = None  # set when first scheduled
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -209,8 +210,10 @@ class DiffusionStageEngine:
         key = batch_key(self.pipeline, runnable[0])
         batch = [r for r in runnable if batch_key(self.pipeline, r) == key]
         batch = batch[: self.config.max_batch_size]
+        started = time.monotonic()
         for request in batch:
             self._waiting.remove(request)
+            request.queue_time_s = started - request.arrival_time
         seeds = [
             r.params.seed if r.params.seed is not None else secrets.randbelow(MAX_SEED)
             for r in batch
@@ -237,6 +240,7 @@ class DiffusionStageEngine:
                         finished=True,
                         finish_reason="stop",
                         payload={"images": [image]},
+                        queue_time_s=request.queue_time_s,
                     )
                 )
         except Exception as exc:

@@ -9,6 +9,7 @@ loaded pipeline can do and raises ``InvalidRequestError`` naming the offending f
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import msgspec
@@ -64,6 +65,8 @@ class DiffusionRequest:
     prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
     params: DiffusionParams = field(default_factory=DiffusionParams)
+    arrival_time: float = field(default_factory=time.monotonic)
+    queue_time_s: float | None = None  # set when its batch starts
 
 
 class ImageOutput(msgspec.Struct):
