@@ -44,6 +44,7 @@ PACKAGES=(
   uvicorn==0.54.0
   pyzmq==27.3.0
   msgspec==0.23.0
+  setproctitle==1.3.8
   diffusers==0.42.1
   openai==3.57.0
   pytest-asyncio==1.5.0

@@ -44,10 +44,15 @@ class Server:
 
 @contextmanager
 def running_server(
-    *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None
+    *args: str,
+    timeout_s: float = 240.0,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    entry: tuple[str, ...] = ("omnistage.cli", "serve"),
 ) -> Iterator[Server]:
+    """``python -m <entry> --port P <args>``: by default ``omnistage serve``."""
     port = free_port()
-    cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(port), *args]
+    cmd = [python, "-m", *entry, "--port", str(port), *args]
     process = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

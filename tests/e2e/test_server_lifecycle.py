@@ -58,7 +58,7 @@ def test_bad_settings_fail_before_serving_with_one_clear_line(tmp_path):
     import sys
 
     cases = [
-        (["--model", str(tmp_path / "missing")], "stages.0.model: no such checkpoint"),
+        (["--model", str(tmp_path / "missing")], "model: no such checkpoint folder"),
         (["--pipeline", "tiny-chat", "--device", "tpu"], "stages.0.device"),
         (
             ["--pipeline", "tiny-chat", "--idle-sleep-s", "5"],
