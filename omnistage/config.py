@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -28,6 +29,54 @@ DType = Literal["auto", "float32", "float16", "bfloat16"]
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SleepMode = Literal["abort", "wait", "keep"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """``"4096"``, ``"512MiB"``, ``"2GB"``, ``"1.5g"`` -> bytes (``ValueError`` otherwise)."""
+    match = _BYTES_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(
+            f"must be a byte count such as 1073741824, '512MiB' or '2GB', got {text!r}"
+        )
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def _dtype_alias(value: Any) -> Any:
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+def _byte_count(value: Any) -> Any:
+    return parse_bytes(value) if isinstance(value, str) else value
+
+
+# A dtype setting (vLLM's aliases accepted) and a byte count (units accepted), for every config
+# that takes one.
+DTypeSetting = Annotated[DType, BeforeValidator(_dtype_alias)]
+ByteCount = Annotated[int, BeforeValidator(_byte_count)]
 
 
 class ConfigError(ValueError):
@@ -49,13 +98,13 @@ class StageConfig(_Frozen):
     )
     name: str | None = Field(default=None, description="Display name; defaults to the kind.")
     device: str = Field(default="cpu", description="'cpu', 'cuda' or 'cuda:N'.")
-    dtype: DType = Field(
+    dtype: DTypeSetting = Field(
         default="auto",
         description="'auto' (float32 on CPU; on CUDA the checkpoint's dtype, bfloat16 as "
         "float16 where the GPU lacks it), 'float32', 'float16' ('half') or 'bfloat16'.",
     )
     enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of this stage.")
-    kv_cache_bytes: int | None = Field(
+    kv_cache_bytes: ByteCount | None = Field(
         default=None,
         gt=0,
         validation_alias=AliasChoices("kv_cache_bytes", "kv_cache_memory"),
@@ -135,16 +184,6 @@ class StageConfig(_Frozen):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {v!r}")
         return v
 
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype_alias(cls, v: Any) -> Any:
-        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
-
-    @field_validator("kv_cache_bytes", mode="before")
-    @classmethod
-    def _byte_units(cls, v: Any) -> Any:
-        return parse_bytes(v) if isinstance(v, str) else v
-
     @model_validator(mode="after")
     def _check_input(self) -> StageConfig:
         if self.input_from is not None and self.input_from >= self.stage_id:
@@ -184,40 +223,6 @@ class PipelineConfig(_Frozen):
     @property
     def num_stages(self) -> int:
         return len(self.stages)
-
-
-_BYTE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str) -> int:
-    """``"4096"``, ``"512MiB"``, ``"2GB"``, ``"1.5g"`` -> bytes (``ValueError`` otherwise)."""
-    match = _BYTES_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _BYTE_UNITS:
-        raise ValueError(
-            f"must be a byte count such as 1073741824, '512MiB' or '2GB', got {text!r}"
-        )
-    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 def _format_error(exc: ValidationError, source: str) -> str:

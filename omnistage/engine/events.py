@@ -45,15 +45,8 @@ def log_sleep(
         fields["host_backup_bytes"] = m.host_backup_bytes
     if m.aborted or m.preempted:
         fields.update(aborted=m.aborted, preempted=m.preempted)
-    if ack.status == "ERROR":
-        fields.update(sleeping_tags=m.sleeping_tags, error=ack.error_msg)
-        message = f"sleep of {name} failed"
-        log_event(logger, logging.WARNING, "sleep", message, **fields)
-    elif ack.status == "SKIPPED":
-        log_event(logger, logging.INFO, "sleep", f"{name} is already asleep", **fields)
-    else:
-        message = f"{name} is asleep (level {m.level}, {ack.freed_bytes} bytes freed)"
-        log_event(logger, logging.INFO, "sleep", message, **fields)
+    done = f"{name} is asleep (level {m.level}, {ack.freed_bytes} bytes freed)"
+    _log_outcome(logger, "sleep", ack, fields, logging.WARNING, f"{name} is already asleep", done)
 
 
 def log_wake(
@@ -80,15 +73,27 @@ def log_wake(
         "weights_valid": m.weights_valid,
         "trigger": trigger,
     }
+    done = f"{name} is awake (from level {m.level})"
+    _log_outcome(logger, "wake", ack, fields, logging.ERROR, f"{name} is already awake", done)
+
+
+def _log_outcome(
+    logger: logging.Logger,
+    event: str,
+    ack: Ack,
+    fields: dict[str, Any],
+    failure_severity: int,
+    skipped: str,
+    done: str,
+) -> None:
+    """The line of a sleep or wake ACK: failed (with the error), skipped, or done."""
     if ack.status == "ERROR":
-        fields.update(sleeping_tags=m.sleeping_tags, error=ack.error_msg)
-        message = f"wake of {name} failed"
-        log_event(logger, logging.ERROR, "wake", message, **fields)
-    elif ack.status == "SKIPPED":
-        log_event(logger, logging.INFO, "wake", f"{name} is already awake", **fields)
+        fields.update(sleeping_tags=ack.metadata.sleeping_tags, error=ack.error_msg)
+        stage = f"stage {ack.stage_id} ({fields['stage']})"
+        log_event(logger, failure_severity, event, f"{event} of {stage} failed", **fields)
     else:
-        message = f"{name} is awake (from level {m.level})"
-        log_event(logger, logging.INFO, "wake", message, **fields)
+        message = skipped if ack.status == "SKIPPED" else done
+        log_event(logger, logging.INFO, event, message, **fields)
 
 
 def log_weights(

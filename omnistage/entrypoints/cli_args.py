@@ -106,9 +106,16 @@ def _literal_choices(annotation: object) -> list[str]:
     args = [annotation]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if len(args) == 1 and typing.get_origin(args[0]) is typing.Literal:
-        return [str(v) for v in typing.get_args(args[0])]
-    return []
+    if len(args) != 1:
+        return []
+    inner = args[0]
+    if typing.get_origin(inner) is typing.Annotated:
+        inner = typing.get_args(inner)[0]
+    return (
+        [str(v) for v in typing.get_args(inner)]
+        if typing.get_origin(inner) is typing.Literal
+        else []
+    )
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

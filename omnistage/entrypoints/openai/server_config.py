@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omnistage.config import (
-    DTYPE_ALIASES,
-    DType,
+    ByteCount,
+    DTypeSetting,
     PipelineConfig,
     apply_overrides,
     load_pipeline_config,
-    parse_bytes,
     parse_pipeline_config,
 )
 
@@ -47,7 +46,7 @@ class ServerConfig(BaseModel):
     device: str | None = Field(
         default=None, description="Device for every stage ('cpu', 'cuda' or 'cuda:N')."
     )
-    dtype: DType | None = Field(
+    dtype: DTypeSetting | None = Field(
         default=None,
         description="dtype for every stage: auto, float32, float16 (half) or bfloat16 "
         "(default: each stage's own, 'auto': float32 on CPU, the checkpoint's on CUDA).",
@@ -71,7 +70,7 @@ class ServerConfig(BaseModel):
         description="CUDA stages: share of the device's memory a stage may fill; its KV "
         "cache gets what the weights and everything else on the device leave of it.",
     )
-    kv_cache_memory: int | None = Field(
+    kv_cache_memory: ByteCount | None = Field(
         default=None,
         gt=0,
         description="AR stages: KV cache size in bytes, on every device (units such as "
@@ -130,16 +129,6 @@ class ServerConfig(BaseModel):
     disable_log_requests: bool = Field(
         default=False, description="No log line per request (errors are still logged)."
     )
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _dtype_alias(cls, v: Any) -> Any:
-        return DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
-
-    @field_validator("kv_cache_memory", mode="before")
-    @classmethod
-    def _byte_units(cls, v: Any) -> Any:
-        return parse_bytes(v) if isinstance(v, str) else v
 
     @field_validator("api_key", "control_api_key")
     @classmethod
