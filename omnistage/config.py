@@ -23,7 +23,7 @@ from pydantic import (
     model_validator,
 )
 
-StageKind = Literal["ar", "diffusion"]
+StageKind = Literal["ar", "diffusion", "code2wav"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
 # vLLM's spellings of the same dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -89,9 +89,17 @@ class _Frozen(BaseModel):
 
 class StageConfig(_Frozen):
     stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
-    kind: StageKind = Field(description="'ar' (autoregressive LLM) or 'diffusion'.")
+    kind: StageKind = Field(
+        description="'ar' (autoregressive LLM), 'diffusion' (images) or 'code2wav' (speech "
+        "codes to a waveform)."
+    )
     model: str = Field(
         min_length=1, description="Checkpoint folder (HF layout or diffusers layout)."
+    )
+    model_stage: str | None = Field(
+        default=None,
+        description="The part of a multi-part checkpoint this stage runs (Qwen2.5-Omni: "
+        "'thinker', 'talker' or 'code2wav').",
     )
     preset: str | None = Field(
         default=None, description="Built-in tiny preset to build into `model` when it is missing."

@@ -7,6 +7,7 @@ explicit ``head_dim``) and Llama (optional bias everywhere). Both the transforme
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,12 @@ class ARModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # what the checkpoint was saved in ("bfloat16", ...)
+    # A part of a multi-part checkpoint (Qwen2.5-Omni "thinker" / "talker"), else None.
+    checkpoint_part: str | None = None
+    # Input embeddings of another width, projected to hidden_size (the Qwen2.5-Omni talker).
+    embedding_size: int | None = None
+    suppress_token_ids: tuple[int, ...] = ()  # never sampled (the talker's codec bos)
+    emits_text: bool = True  # False: the tokens are codes, not text (no detokenizing)
 
     @property
     def num_kv_groups(self) -> int:
@@ -101,11 +108,33 @@ class ARModelConfig:
         return config
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ARModelConfig:
+    def from_pretrained(cls, path: str | Path, model_stage: str | None = None) -> ARModelConfig:
+        """The config of the checkpoint in ``path``; for a multi-part checkpoint (Qwen2.5-Omni)
+        the config of the part ``model_stage`` names."""
+        from omnistage.models import qwen_omni
+
         file = Path(path) / "config.json"
         if not file.is_file():
             raise CheckpointError(f"no config.json in {path}")
-        return cls.from_dict(json.loads(file.read_text()))
+        raw = json.loads(file.read_text())
+        if isinstance(raw, dict) and raw.get("model_type") == qwen_omni.MODEL_TYPE:
+            part = qwen_omni.ar_part_config(raw, model_stage)
+            talker = part.pop("_omni_talker", None)
+            config = cls.from_dict(part)
+            extra: dict[str, Any] = {"checkpoint_part": model_stage}
+            if talker is not None:
+                extra.update(
+                    embedding_size=talker["embedding_size"],
+                    suppress_token_ids=tuple(talker["suppress_token_ids"]),
+                    emits_text=False,
+                )
+            return dataclasses.replace(config, **extra)
+        if model_stage is not None:
+            raise CheckpointError(
+                f"model_stage {model_stage!r} names a part of a multi-part checkpoint; "
+                f"{path} is a single model ({raw.get('model_type')!r})"
+            )
+        return cls.from_dict(raw)
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -125,6 +154,8 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     params.update(raw.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope":  # text-only positions make multimodal RoPE the plain one
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"

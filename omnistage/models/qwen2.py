@@ -216,7 +216,8 @@ class DecoderLayer(nn.Module):
 class Qwen2Model(nn.Module):
     def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        embed_dim = config.embedding_size or config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim, dtype=dtype)
         self.layers = nn.ModuleList(
             [DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)]
         )
@@ -231,6 +232,11 @@ class Qwen2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Qwen2Model(config, dtype)
+        # Inputs of another width (the Qwen2.5-Omni talker's thinker-sized embeddings) are
+        # projected to the decoder's.
+        self.input_proj: nn.Linear | None = None
+        if config.embedding_size is not None:
+            self.input_proj = nn.Linear(config.embedding_size, config.hidden_size, dtype=dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -241,18 +247,31 @@ class Qwen2ForCausalLM(nn.Module):
         with torch.device("meta"):
             return cls(config, dtype)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[T, embedding_size]`` (what ``inputs_embeds`` are made of)."""
+        return self.model.embed_tokens(input_ids)
+
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
         context: AttentionContext | None = None,
         kv_caches: list[KVCacheLayer] | None = None,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm.
+        """Hidden states ``[T, hidden]`` after the final norm, from token ids or from
+        ``inputs_embeds`` (``[T, embedding_size]``, instead of the ids' embeddings).
 
         Without ``context`` the tokens form one sequence and no cache is used.
         """
-        x = self.model.embed_tokens(input_ids)
+        if inputs_embeds is not None:
+            x = inputs_embeds
+        elif input_ids is not None:
+            x = self.embed(input_ids)
+        else:
+            raise ValueError("give input_ids or inputs_embeds")
+        if self.input_proj is not None:
+            x = self.input_proj(x)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, context, kv_caches[i] if kv_caches is not None else None)

@@ -103,6 +103,7 @@ def to_output_message(out: StageOutput) -> OutputMessage:
         num_output_tokens=out.num_output_tokens,
         hidden_states=payload.get("hidden_states"),
         images=list(payload.get("images") or []),
+        audio=list(payload.get("audio") or []),
         logprobs=out.logprobs,
         prompt_logprobs=out.prompt_logprobs,
         queue_time_s=out.queue_time_s,

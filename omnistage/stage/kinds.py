@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.config import StageConfig
-from omnistage.stage.messages import ARStageRequest, DiffusionStageRequest
+from omnistage.stage.messages import ARStageRequest, Code2WavStageRequest, DiffusionStageRequest
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,14 @@ STAGE_KINDS: dict[str, StageKind] = {
         preparer="omnistage.stage.diffusion.prepare:DiffusionRequestPreparer",
         request_type=DiffusionStageRequest,
         modality="image",
+        resumes_after_wake=True,
+    ),
+    "code2wav": StageKind(
+        name="code2wav",
+        engine="omnistage.stage.code2wav.engine:Code2WavStageEngine",
+        preparer="omnistage.stage.code2wav.prepare:Code2WavRequestPreparer",
+        request_type=Code2WavStageRequest,
+        modality="audio",
         resumes_after_wake=True,
     ),
 }

@@ -19,6 +19,7 @@ import torch
 
 from omnistage.errors import error_fields, rebuild_error
 from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.code2wav.params import AudioOutput, Code2WavLimits, Code2WavParams
 from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput, PipelineLimits
 
 _TENSOR_EXT = 1
@@ -60,7 +61,14 @@ class DiffusionStageRequest(msgspec.Struct, tag="diffusion", forbid_unknown_fiel
     params: DiffusionParams = msgspec.field(default_factory=DiffusionParams)
 
 
-StageRequest = ARStageRequest | DiffusionStageRequest
+class Code2WavStageRequest(msgspec.Struct, tag="code2wav", forbid_unknown_fields=True):
+    """Speech-codec tokens (without the end token) for a code2wav stage to speak."""
+
+    codes: list[int]
+    params: Code2WavParams = msgspec.field(default_factory=Code2WavParams)
+
+
+StageRequest = ARStageRequest | DiffusionStageRequest | Code2WavStageRequest
 
 
 # -- API process -> stage ------------------------------------------------------------------
@@ -191,6 +199,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     num_output_tokens: int = 0
     hidden_states: torch.Tensor | None = None
     images: list[ImageOutput] = []
+    audio: list[AudioOutput] = []
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     queue_time_s: float | None = None  # on a request's first output: its wait to be scheduled
@@ -214,7 +223,13 @@ class DiffusionStageInfo(msgspec.Struct, tag="diffusion"):
     limits: PipelineLimits
 
 
-StageInfo = ARStageInfo | DiffusionStageInfo
+class Code2WavStageInfo(msgspec.Struct, tag="code2wav"):
+    """What the API process needs to validate requests for a code2wav stage."""
+
+    limits: Code2WavLimits
+
+
+StageInfo = ARStageInfo | DiffusionStageInfo | Code2WavStageInfo
 
 
 class Ready(msgspec.Struct, tag=True):

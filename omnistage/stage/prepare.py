@@ -22,6 +22,7 @@ PROMPT_FIELDS = (
     "prompt_embeds",
     "negative_prompt",
     "negative_prompt_embeds",
+    "codes",
 )
 HIDDEN_STATES = "hidden_states"
 
@@ -32,6 +33,8 @@ class RequestOptions:
 
     sampling_params: Mapping[str, Any] = field(default_factory=dict)
     image_params: Mapping[str, Any] = field(default_factory=dict)
+    talker_params: Mapping[str, Any] = field(default_factory=dict)  # a talker stage's sampling
+    audio_params: Mapping[str, Any] = field(default_factory=dict)  # voice, seed, ... (code2wav)
 
 
 class RequestPreparer(Protocol):

@@ -1,0 +1,79 @@
+"""What a code2wav request asks for and what it returns; travels on the wire as is."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import torch
+
+from omnistage.errors import InvalidRequestError
+
+SEED_RANGE = (-(2**63), 2**64)
+MAX_NUM_STEPS = 100
+
+
+class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``voice``: a speaker of the checkpoint's ``spk_dict.pt`` (None: the stage's default);
+    ``seed``: the initial noise is ``torch.randn(shape, generator=torch.Generator("cpu")
+    .manual_seed(seed))`` (transformers' draw after ``torch.manual_seed(seed)``), random when
+    None; ``num_steps``, ``guidance_scale``, ``sway_coefficient``: the DiT's ODE solve, with
+    transformers' defaults."""
+
+    voice: str | None = None
+    seed: int | None = None
+    num_steps: int = 10
+    guidance_scale: float = 0.5
+    sway_coefficient: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.voice is not None and (not isinstance(self.voice, str) or not self.voice):
+            raise InvalidRequestError("voice", "must be a non-empty string")
+        seed = self.seed
+        if seed is not None and (
+            not isinstance(seed, int)
+            or isinstance(seed, bool)
+            or not SEED_RANGE[0] <= seed < SEED_RANGE[1]
+        ):
+            raise InvalidRequestError("seed", "must be an integer in [-2**63, 2**64) or None")
+        steps = self.num_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 2 <= steps <= MAX_NUM_STEPS:
+            raise InvalidRequestError(
+                "num_steps", f"must be an integer in [2, {MAX_NUM_STEPS}], got {steps!r}"
+            )
+        for name in ("guidance_scale", "sway_coefficient"):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or abs(value) > 100:
+                raise InvalidRequestError(
+                    name, f"must be a finite number in [-100, 100], got {value!r}"
+                )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Code2WavParams:
+        unknown = sorted(set(data) - set(cls.__struct_fields__))
+        if unknown:
+            raise InvalidRequestError(
+                unknown[0], f"unknown audio parameter; known: {sorted(cls.__struct_fields__)}"
+            )
+        return cls(**data)
+
+
+class AudioOutput(msgspec.Struct):
+    """A finished waveform: float32 samples in [-1, 1] (1-D, on the CPU) at ``sample_rate``."""
+
+    samples: torch.Tensor
+    sample_rate: int
+    voice: str
+    seed: int | None = None
+
+
+class Code2WavLimits(msgspec.Struct, frozen=True):
+    """What the API process checks before a request reaches the stage."""
+
+    voices: list[str]
+    default_voice: str
+    codebook_size: int  # codes are in [0, codebook_size)
+    max_codes: int  # the DiT's positions / repeats
+    sample_rate: int
