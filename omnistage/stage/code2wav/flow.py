@@ -1,0 +1,167 @@
+"""The token2wav loop, one ODE step at a time, written to match transformers' Qwen2.5-Omni.
+
+A ``Code2WavJob`` is one request (utterances are never batched together: their lengths
+differ, and transformers decodes each sample alone too). ``advance()`` is one step of
+``RungeKutta4ODESolver`` — four DiT calls, each with classifier-free guidance run as
+``Qwen2_5OmniToken2WavDiTModel.sample`` runs it — so the engine can interleave the steps of
+several jobs and check for aborts between them. ``finish()`` runs the BigVGAN on the final mel.
+
+Per request, as ``Qwen2_5OmniToken2WavModel.forward`` after ``torch.manual_seed(seed)``:
+noise ``[1, len(codes) * repeats, mel_dim]`` from a CPU generator seeded with the seed (the
+same draw as the global CPU generator), the voice's ``cond`` repeated along time as the
+speaker embedding, its ``ref_mel`` as the reference, time points ``linspace(0, 1, num_steps)``
+swayed by ``sway_coefficient``. The arithmetic is transformers', term by term, so the
+waveform equals its output; a job's result never depends on the jobs beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from omnistage.stage.code2wav.params import AudioOutput
+from omnistage.stage.code2wav.pipeline import Token2WavPipeline
+from omnistage.stage.code2wav.request import Code2WavRequest
+
+# RungeKutta4ODESolver's constants (Python floats, as there)
+ONE_THIRD = 1 / 3
+TWO_THIRDS = 2 / 3
+NO_GUIDANCE_BELOW = 1e-5  # sample(): guidance_scale < 1e-5 runs the DiT once, unguided
+
+
+def time_points(num_steps: int, sway_coefficient: float, device: torch.device) -> torch.Tensor:
+    """``sample()``'s time grid: ``linspace(0, 1, num_steps)`` plus the sway term."""
+    t = torch.linspace(0, 1, num_steps, device=device, dtype=torch.float32)
+    t += sway_coefficient * (torch.cos(torch.pi / 2 * t) - 1 + t)
+    return t
+
+
+def _interpolate(
+    t0: torch.Tensor, t1: torch.Tensor, y0: torch.Tensor, y1: torch.Tensor, t: torch.Tensor
+) -> torch.Tensor:
+    """``RungeKutta4ODESolver._linear_interpolation``."""
+    if t == t0:
+        return y0
+    if t == t1:
+        return y1
+    weight = (t - t0) / (t1 - t0)
+    return y0 + weight * (y1 - y0)
+
+
+class Code2WavJob:
+    """One request's ODE solve, one RK4 step per ``advance``, then its waveform."""
+
+    @torch.inference_mode()
+    def __init__(self, pipeline: Token2WavPipeline, request: Code2WavRequest, seed: int) -> None:
+        self.pipeline = pipeline
+        self.request = request
+        self.seed = seed
+        self._dropped = False
+        params = request.params
+        device = pipeline.device
+        self.voice = params.voice or pipeline.default_voice
+        voice = pipeline.voices[self.voice]
+        frames = len(request.codes) * pipeline.repeats
+        self.codes = torch.tensor([request.codes], dtype=torch.long, device=device)
+        # sample(): ``conditioning_vector.unsqueeze(1).repeat(1, maximum_duration, 1)``
+        self.speaker = voice.cond.unsqueeze(1).repeat(1, frames, 1)
+        self.ref_mel = voice.ref_mel
+        noise = torch.randn(
+            [1, frames, pipeline.mel_dim],
+            generator=torch.Generator("cpu").manual_seed(seed),
+            dtype=torch.float32,
+        )
+        self.value = noise.to(device)
+        self.times = time_points(params.num_steps, params.sway_coefficient, device)
+        self.step_index = 0  # RK4 steps done
+        # integrate(): the solution entry to fill next; the last entry is the result
+        self._solution_index = 1
+        self._result: torch.Tensor | None = None
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [] if self._dropped else [self.request.request_id]
+
+    @property
+    def is_done(self) -> bool:
+        return self.step_index >= len(self.times) - 1
+
+    def drop(self, request_id: str) -> Code2WavRequest | None:
+        if self._dropped or request_id != self.request.request_id:
+            return None
+        self._dropped = True
+        return self.request
+
+    def _velocity(self, t: torch.Tensor, y: torch.Tensor) -> Any:
+        """``sample()``'s ``ode_function``."""
+        dit, guidance = self.pipeline.dit, self.request.params.guidance_scale
+        if guidance < NO_GUIDANCE_BELOW:
+            return dit(
+                hidden_states=y,
+                speaker_embedding=self.speaker,
+                condition_vector=self.ref_mel,
+                quantized_code=self.codes,
+                time_step=t,
+                drop_audio_conditioning=False,
+                drop_code=False,
+                apply_cfg=False,
+            )
+        output = dit(
+            hidden_states=y,
+            quantized_code=self.codes,
+            speaker_embedding=self.speaker,
+            condition_vector=self.ref_mel,
+            time_step=t,
+            apply_cfg=True,
+        )
+        guided, null = torch.chunk(output, 2, dim=0)
+        return guided + (guided - null) * guidance
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """One step of ``RungeKutta4ODESolver.integrate``."""
+        times, i = self.times, self.step_index
+        t0, t1 = times[i], times[i + 1]
+        dt = t1 - t0
+        y = self.value
+        f = self._velocity
+        k1 = f(t0, y)
+        k2 = f(t0 + dt * ONE_THIRD, y + dt * k1 * ONE_THIRD)
+        k3 = f(t0 + dt * TWO_THIRDS, y + dt * (k2 - k1 * ONE_THIRD))
+        k4 = f(t1, y + dt * (k1 - k2 + k3))
+        y_next = y + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        last = len(times) - 1
+        while self._solution_index <= last and t1 >= times[self._solution_index]:
+            if self._solution_index == last:
+                self._result = _interpolate(t0, t1, y, y_next, times[last])
+            self._solution_index += 1
+        self.value = y_next
+        self.step_index += 1
+
+    @torch.inference_mode()
+    def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
+        """The waveform: the BigVGAN on the final mel (it clamps to [-1, 1] and returns the
+        samples on the CPU), flattened to 1-D float32.
+
+        The final mel is the solver's last solution entry; where a time grid that is not
+        increasing (a large ``sway_coefficient``) leaves that entry unset — transformers then
+        returns uninitialised memory — it is the last step's value."""
+        final = self._result if self._result is not None else self.value
+        waveform = self.pipeline.vocoder(final.permute(0, 2, 1))
+        samples = waveform.reshape(-1).float()
+        output = AudioOutput(
+            samples=samples,
+            sample_rate=self.pipeline.sample_rate,
+            voice=self.voice,
+            seed=self.seed,
+        )
+        return [(self.request, output)]
+
+
+def synthesize(pipeline: Token2WavPipeline, request: Code2WavRequest, seed: int) -> AudioOutput:
+    """One request's waveform, all steps at once."""
+    job = Code2WavJob(pipeline, request, seed)
+    while not job.is_done:
+        job.advance()
+    return job.finish()[0][1]

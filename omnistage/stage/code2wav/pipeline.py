@@ -1,0 +1,249 @@
+"""Qwen2.5-Omni's token2wav loaded into one stage arena: a DiT and a BigVGAN, and the voices.
+
+The modules are transformers' own (``Qwen2_5OmniToken2WavDiTModel``,
+``Qwen2_5OmniToken2WavBigVGANModel``), built from ``config.json``'s ``token2wav_config`` with
+their parameters on ``meta``, adopted into the arena under tag ``weights`` and filled by the
+loader. Always float32, as transformers runs token2wav. Their non-persistent buffers (the
+DiT's rotary ``inv_freq``, the BigVGAN's anti-aliasing filters) are derived data that no
+checkpoint holds: they are computed for real at construction (``parameters_on_meta`` moves
+parameters only) and put on the stage's device. The voices come from ``spk_dict.pt``
+(``{voice: {"cond", "ref_mel", "bos_token"}}``, read with ``weights_only``).
+
+Weight names are the checkpoint's own: ``token2wav.code2wav_dit_model.<tensor>`` and
+``token2wav.code2wav_bigvgan_model.<tensor>`` (also accepted without the leading
+``token2wav.``, as a ``Qwen2_5OmniToken2WavModel`` saves them). A weight source — the
+checkpoint folder for a load or a level-2 reload, a safetensors file or folder for
+``update_weights`` — is read for those names only: the thinker's and talker's tensors of the
+same folder are never mapped to a target, so never read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.memory import Arena
+from omnistage.models import qwen_omni
+from omnistage.models.loader import (
+    CheckpointError,
+    checkpoint_files,
+    module_targets,
+    open_files,
+    plan_copies,
+    shown,
+)
+from omnistage.stage.code2wav.params import Code2WavLimits
+from omnistage.stage.diffusion.components import parameters_on_meta
+from omnistage.stage.sleep_control import WEIGHTS
+
+logger = logging.getLogger(__name__)
+
+PART = "token2wav."
+MODULES = ("code2wav_dit_model", "code2wav_bigvgan_model")
+DEFAULT_VOICE = "Chelsie"
+DEFAULT_SAMPLE_RATE = 24000
+_NAMES_HINT = (
+    " (names are 'token2wav.code2wav_dit_model.<tensor>' or "
+    "'token2wav.code2wav_bigvgan_model.<tensor>')"
+)
+
+
+@dataclass(frozen=True)
+class Voice:
+    """One speaker of ``spk_dict.pt``, float32 on the stage's device."""
+
+    cond: torch.Tensor  # [1, enc_emb_dim]: the DiT's speaker embedding
+    ref_mel: torch.Tensor  # [1, frames, mel_dim]: its reference mel (the ECAPA encoder's input)
+
+
+def token2wav_configs(raw: dict[str, Any], where: object) -> tuple[Any, Any]:
+    """``(dit_config, bigvgan_config)`` of a Qwen2.5-Omni ``config.json``, as transformers
+    reads them."""
+    from transformers import Qwen2_5OmniToken2WavConfig
+
+    section = raw.get("token2wav_config")
+    if not isinstance(section, dict) or not section:
+        raise CheckpointError(f"{shown(where)} has no token2wav_config: no speech decoder")
+    try:
+        config = Qwen2_5OmniToken2WavConfig.from_dict(section)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{shown(where)}: token2wav_config is not valid: {exc}") from exc
+    return config.dit_config, config.bigvgan_config
+
+
+def build_empty(cls: Any, config: Any) -> nn.Module:
+    """``cls(config)`` with parameters on ``meta``, float32, sdpa attention (as transformers'
+    ``Qwen2_5OmniToken2WavModel`` builds it), in eval mode."""
+    with parameters_on_meta():
+        module = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        module.float()
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def load_voices(
+    path: Path, enc_emb_dim: int, mel_dim: int, device: torch.device
+) -> dict[str, Voice]:
+    """The voices of ``spk_dict.pt``, checked against the DiT's sizes."""
+    if not path.is_file():
+        raise CheckpointError(f"no voices: {shown(path)} is not a file")
+    try:
+        raw = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # unpickling refused, truncated file, ...
+        raise CheckpointError(f"cannot read the voices in {shown(path)}: {exc}") from exc
+    if not isinstance(raw, dict) or not raw:
+        raise CheckpointError(f"{shown(path)} must hold a non-empty mapping of voices")
+    voices = {}
+    for name, entry in raw.items():
+        cond = entry.get("cond") if isinstance(entry, dict) else None
+        ref_mel = entry.get("ref_mel") if isinstance(entry, dict) else None
+        if (
+            not isinstance(name, str)
+            or not isinstance(cond, torch.Tensor)
+            or not isinstance(ref_mel, torch.Tensor)
+            or cond.numel() != enc_emb_dim
+            or ref_mel.dim() not in (2, 3)
+            or ref_mel.shape[-1] != mel_dim
+            or ref_mel.numel() == 0
+            or (ref_mel.dim() == 3 and ref_mel.shape[0] != 1)
+        ):
+            raise CheckpointError(
+                f"{shown(path)}: voice {name!r} needs 'cond' [1, {enc_emb_dim}] and 'ref_mel' "
+                f"[1, frames, {mel_dim}] tensors"
+            )
+        # transformers: ``.to(device).float().expand(batch, ...)``
+        voices[name] = Voice(
+            cond=cond.to(device).float().reshape(1, enc_emb_dim),
+            ref_mel=ref_mel.to(device).float().reshape(1, -1, mel_dim),
+        )
+    return voices
+
+
+class Token2WavPipeline:
+    """The DiT, the BigVGAN and the voices of one Qwen2.5-Omni checkpoint folder."""
+
+    def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniToken2WavBigVGANModel,
+            Qwen2_5OmniToken2WavDiTModel,
+        )
+
+        self.folder = Path(folder)
+        self.device = arena.device
+        raw = qwen_omni.read_config(self.folder)
+        if raw is None:
+            raise CheckpointError(
+                f"{shown(self.folder)} is not a Qwen2.5-Omni checkpoint "
+                f"(config.json with model_type {qwen_omni.MODEL_TYPE!r})"
+            )
+        dit_config, bigvgan_config = token2wav_configs(raw, self.folder / "config.json")
+        self.dit: Any = build_empty(Qwen2_5OmniToken2WavDiTModel, dit_config)
+        self.vocoder: Any = build_empty(Qwen2_5OmniToken2WavBigVGANModel, bigvgan_config)
+        self.modules: dict[str, nn.Module] = dict(
+            zip(MODULES, (self.dit, self.vocoder), strict=True)
+        )
+        self.weight_bytes = 0
+        self._derived: set[str] = set()  # non-persistent buffers: never read from a source
+        for name, module in self.modules.items():
+            self.weight_bytes += arena.adopt(module, WEIGHTS)
+            self._derived |= {f"{name}.{key}" for key in _move_derived_buffers(module, self.device)}
+        self.mel_dim = int(dit_config.mel_dim)
+        self.repeats = int(dit_config.repeats)
+        self.voices = load_voices(
+            self.folder / qwen_omni.SPEAKERS_FILE,
+            int(dit_config.enc_emb_dim),
+            self.mel_dim,
+            self.device,
+        )
+        self.default_voice = (
+            DEFAULT_VOICE if DEFAULT_VOICE in self.voices else next(iter(self.voices))
+        )
+        rate = section_value(raw, "sample_rate")
+        self.sample_rate = int(rate) if isinstance(rate, int) and rate > 0 else DEFAULT_SAMPLE_RATE
+        if load:  # not for a restart asleep at level 2: released at once, unread
+            self.load_weights(self.folder, strict=True)
+
+    @property
+    def limits(self) -> Code2WavLimits:
+        config = self.dit.config
+        return Code2WavLimits(
+            voices=list(self.voices),
+            default_voice=self.default_voice,
+            codebook_size=int(config.num_embeds),
+            max_codes=int(config.max_position_embeddings) // self.repeats,
+            sample_rate=self.sample_rate,
+        )
+
+    # -- weights --------------------------------------------------------------------------
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The live weights by checkpoint name (``token2wav.<module>.<tensor>``)."""
+        return {
+            f"{PART}{name}.{key}": tensor
+            for name, module in self.modules.items()
+            for key, tensor in module_targets(module).items()
+        }
+
+    def rename(self, name: str) -> str | None:
+        """A source tensor's target name; None (not read) for other parts' tensors and for
+        derived buffers a source may hold."""
+        rest = name.removeprefix(PART)
+        if rest == name and not rest.startswith(tuple(f"{m}." for m in MODULES)):
+            return None  # thinker.*, talker.*, anything not token2wav's
+        return None if rest in self._derived else PART + rest
+
+    def load_weights(
+        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
+    ) -> int:
+        """Copy a weight source (see the module docstring) into the adopted tensors in place.
+
+        Every name and shape (and with ``check_finite`` every value) is checked before any
+        byte is copied, so a bad source leaves the weights untouched. Unknown token2wav
+        tensors raise ``CheckpointError``; missing ones only with ``strict``. Returns the
+        bytes copied.
+        """
+        files = checkpoint_files(path)
+        with open_files(files) as opened:
+            sources = [
+                (self.rename(key), st, key)
+                for st in opened
+                for key in st.keys()  # noqa: SIM118 - not a dict
+            ]
+            plan = plan_copies(
+                sources,
+                self.weight_targets(),
+                path,
+                strict=strict,
+                check_finite=check_finite,
+                hint=_NAMES_HINT,
+            )
+            return plan.run()
+
+
+def section_value(raw: dict[str, Any], key: str) -> Any:
+    """``key`` of the token2wav section or its BigVGAN part (real checkpoints have neither)."""
+    section = raw.get("token2wav_config") or {}
+    vocoder = section.get("bigvgan_config") or {}
+    return section.get(key, vocoder.get(key) if isinstance(vocoder, dict) else None)
+
+
+def _move_derived_buffers(module: nn.Module, device: torch.device) -> list[str]:
+    """Put the non-persistent buffers (outside the arena) on the stage's device; returns
+    their names."""
+    names = []
+    for prefix, mod in module.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", set()):
+            buf = mod._buffers.get(name)
+            if buf is None:
+                continue
+            if buf.device != device:
+                mod._buffers[name] = buf.to(device)
+            names.append(f"{prefix}.{name}" if prefix else name)
+    return names

@@ -1,0 +1,45 @@
+"""``Code2WavRequestPreparer``: validate code2wav requests in the API process, against the
+limits the stage reported (voices, codebook size, most codes). No model code is loaded here."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from omnistage.config import StageConfig
+from omnistage.errors import InvalidRequestError
+from omnistage.stage.code2wav.params import Code2WavParams
+from omnistage.stage.code2wav.request import check_codes, check_voice
+from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
+from omnistage.stage.prepare import RequestOptions, check_mapping
+
+FIELD = "audio_params"
+
+
+class Code2WavRequestPreparer:
+    def __init__(self, config: StageConfig, info: Code2WavStageInfo) -> None:
+        self.config = config
+        self.limits = info.limits
+
+    def params(self, options: RequestOptions) -> Code2WavParams:
+        data = dict(check_mapping(options.audio_params, FIELD))
+        try:
+            params = Code2WavParams.from_dict(data)
+            check_voice(params.voice, self.limits)
+        except InvalidRequestError as exc:
+            raise exc.under(FIELD) from None
+        except TypeError as exc:  # a key that is not a string
+            raise InvalidRequestError(FIELD, f"keys must be parameter names: {exc}") from None
+        return params
+
+    def check_options(self, options: RequestOptions) -> None:
+        self.params(options)
+
+    def prepare(
+        self, prompt: Mapping[str, Any], options: RequestOptions, wants: frozenset[str]
+    ) -> Code2WavStageRequest:
+        if "codes" not in prompt:
+            raise InvalidRequestError("codes", "is required: the speech-codec tokens to speak")
+        return Code2WavStageRequest(
+            codes=check_codes(prompt["codes"], self.limits), params=self.params(options)
+        )
