@@ -1,0 +1,467 @@
+"""Tiny random-initialised Qwen2.5-Omni checkpoints, built with transformers' own classes.
+
+``build_tiny_qwen_omni`` constructs ``transformers.Qwen2_5OmniForConditionalGeneration`` from
+a small ``Qwen2_5OmniConfig`` (thinker text decoder, the smallest audio and vision encoders
+transformers accepts, talker, DiT + BigVGAN token2wav), randomises every parameter from a
+seeded generator and writes what the real ``Qwen/Qwen2.5-Omni-*`` folders hold:
+
+- ``config.json`` / ``generation_config.json`` and safetensors saved with ``save_pretrained``
+  (keys ``thinker.model.*``, ``thinker.lm_head.*``, ``thinker.audio_tower.*``,
+  ``thinker.visual.*``, ``talker.*``, ``token2wav.code2wav_dit_model.*`` and
+  ``token2wav.code2wav_bigvgan_model.*``, exactly the real checkpoint's names), sharded with
+  a ``model.safetensors.index.json`` when the spec says so;
+- ``spk_dict.pt``: voices ``{"cond": [1, enc_emb_dim], "ref_mel": [1, T, mel_dim],
+  "bos_token": int}`` (float32 tensors; the real file's layout, batch dimension included);
+- ``tokenizer.json`` (byte-level BPE trained with the ``tokenizers`` library; the special
+  tokens come first, so every id a config points to is small) and ``tokenizer_config.json``
+  with a Qwen ChatML template (text parts only; a default system message, as Qwen's) and ``eos_token``
+  ``<|im_end|>``.
+
+Deviations from the real model's proportions, each for a random-weights reason:
+
+- the DiT's codec embedding covers the whole talker vocabulary (``num_embeds`` =
+  talker ``vocab_size``; the real one stops below the talker's special ids): a random talker
+  may emit any id, and token2wav must not index out of range;
+- ``dropout`` is 0 in the DiT (0.1 in the real config; inactive in eval mode either way).
+
+Same spec and seed → byte-identical files (no timestamps, no paths; transformers' version is
+recorded in the JSON files, so the bytes are fixed per transformers version).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from omnistage.models.tiny_ar import _corpus
+
+# The Qwen2.5-Omni tokenizer's special tokens that the configs point to, in id order (ids
+# 0, 1, 2, ...), then the two voices' text-side start tokens.
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+    "<|tts_pad|>",
+    "<|tts_text_bos|>",
+    "<|tts_text_eod|>",
+    "<|tts_bos_chelsie|>",
+    "<|tts_bos_ethan|>",
+)
+VOICES: dict[str, str] = {"Chelsie": "<|tts_bos_chelsie|>", "Ethan": "<|tts_bos_ethan|>"}
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{ part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+NORM_STD = 0.1
+SMALL_STD = 0.05
+WAVEFORM_GAIN = 0.2  # BigVGAN's last conv: keeps most samples inside its [-1, 1] clamp
+_BIGVGAN_OUT = "token2wav.code2wav_bigvgan_model.conv_post.weight"
+
+
+@dataclass(frozen=True)
+class TinyQwenOmniSpec:
+    """Sizes of a tiny Qwen2.5-Omni (defaults: the ``tiny-qwen2.5-omni`` preset)."""
+
+    # thinker text decoder (head_dim = hidden / heads, as Qwen2.5-Omni's text config has)
+    vocab_size: int = 512
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    tie_word_embeddings: bool = False
+    mrope_section: tuple[int, int, int] = (2, 3, 3)  # sums to head_dim / 2
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    # talker (explicit head_dim != hidden / heads, as the real talker: 896 / 12 heads x 128)
+    talker_vocab_size: int = 128
+    talker_hidden_size: int = 48
+    talker_intermediate_size: int = 96
+    talker_num_layers: int = 2
+    talker_num_heads: int = 4
+    talker_num_kv_heads: int = 2
+    talker_head_dim: int = 16
+    talker_mrope_section: tuple[int, int, int] = (2, 3, 3)
+    # codec ids, laid out like the real ones (pad 8292, bos 8293, eos 8294, mask 8296 of 8448)
+    codec_pad_id: int = 120
+    codec_bos_id: int = 121
+    codec_eos_id: int = 122
+    codec_mask_id: int = 124
+    # token2wav DiT
+    dit_hidden_size: int = 64
+    dit_num_layers: int = 4
+    dit_num_heads: int = 4
+    dit_head_dim: int = 16
+    dit_ff_mult: int = 2
+    dit_emb_dim: int = 32  # codec embedding width
+    dit_block_size: int = 8
+    dit_look_ahead_layers: tuple[int, ...] = (2,)
+    dit_look_backward_layers: tuple[int, ...] = (0, 3)
+    dit_repeats: int = 2
+    dit_max_position_embeddings: int = 4096  # mel frames = codes x repeats
+    mel_dim: int = 80
+    enc_emb_dim: int = 32  # the voice's ``cond`` vector
+    enc_dim: int = 16  # ECAPA speaker encoder output (from ``ref_mel``)
+    enc_channels: tuple[int, ...] = (32, 32, 32, 32, 96)
+    enc_kernel_sizes: tuple[int, ...] = (5, 3, 3, 3, 1)
+    enc_dilations: tuple[int, ...] = (1, 2, 3, 4, 1)
+    enc_attention_channels: int = 16
+    enc_se_channels: int = 16
+    # token2wav BigVGAN (waveform samples per mel frame = prod(upsample_rates))
+    bigvgan_initial_channel: int = 32
+    upsample_rates: tuple[int, ...] = (5, 3, 2)
+    upsample_kernel_sizes: tuple[int, ...] = (11, 7, 4)
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5), (1, 3, 5))
+    # voices and files
+    ref_mel_frames: int = 40
+    max_shard_size: str | None = "1MB"  # None: one model.safetensors
+
+    @property
+    def samples_per_code(self) -> int:
+        """Waveform samples per talker code: repeats x the BigVGAN's total upsampling."""
+        total = self.dit_repeats
+        for rate in self.upsample_rates:
+            total *= rate
+        return total
+
+
+DEFAULT = TinyQwenOmniSpec()
+ALT = TinyQwenOmniSpec(
+    vocab_size=384,
+    hidden_size=96,
+    intermediate_size=192,
+    num_layers=3,
+    num_heads=3,
+    num_kv_heads=1,
+    tie_word_embeddings=True,
+    mrope_section=(4, 6, 6),
+    talker_vocab_size=96,
+    talker_hidden_size=40,
+    talker_intermediate_size=80,
+    talker_num_layers=3,
+    talker_num_heads=2,
+    talker_num_kv_heads=1,
+    talker_head_dim=32,
+    talker_mrope_section=(4, 6, 6),
+    codec_pad_id=88,
+    codec_bos_id=89,
+    codec_eos_id=90,
+    codec_mask_id=92,
+    dit_hidden_size=48,
+    dit_num_layers=3,
+    dit_num_heads=3,
+    dit_head_dim=16,
+    dit_emb_dim=24,
+    dit_block_size=4,
+    dit_look_ahead_layers=(1,),
+    dit_look_backward_layers=(0, 2),
+    mel_dim=32,
+    enc_emb_dim=24,
+    enc_dim=12,
+    enc_channels=(24, 24, 24, 24, 72),
+    enc_attention_channels=8,
+    enc_se_channels=8,
+    bigvgan_initial_channel=16,
+    upsample_rates=(4, 2),
+    upsample_kernel_sizes=(8, 4),
+    resblock_kernel_sizes=(3,),
+    resblock_dilation_sizes=((1, 3, 5),),
+    ref_mel_frames=24,
+    max_shard_size=None,
+)
+TINY_QWEN_OMNI_SPECS: dict[str, TinyQwenOmniSpec] = {"default": DEFAULT, "alt": ALT}
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE tokenizer of at most ``vocab_size`` tokens, ``SPECIAL_TOKENS`` first."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = _corpus(min(vocab_size * 8, 200_000), seed) + [DEFAULT_SYSTEM_PROMPT] * 8
+    tokenizer.train_from_iterator(lines, trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > {vocab_size}")
+    return tokenizer
+
+
+def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """Every special token's id (they are the first ids, in ``SPECIAL_TOKENS`` order)."""
+    ids = {}
+    for token in SPECIAL_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"the tokenizer lacks special token {token!r}")
+        ids[token] = int(token_id)
+    return ids
+
+
+def hf_config(spec: TinyQwenOmniSpec, ids: dict[str, int]) -> Any:
+    """The ``Qwen2_5OmniConfig`` for ``spec`` whose token ids are ``ids`` (see ``token_ids``)."""
+    from transformers import Qwen2_5OmniConfig
+
+    for name in ("codec_pad_id", "codec_bos_id", "codec_eos_id", "codec_mask_id"):
+        if not 0 <= getattr(spec, name) < spec.talker_vocab_size:
+            raise ValueError(f"{name} {getattr(spec, name)} is outside the talker vocabulary")
+    multimodal_ids = {
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+    }
+    text_config = {
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.num_layers,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "mrope_section": list(spec.mrope_section),
+        },
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": None,
+    }
+    # The smallest encoders transformers accepts; omnistage does not load them (yet).
+    audio_config = {
+        "num_mel_bins": 128,
+        "encoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 32,
+        "d_model": 16,
+        "output_dim": spec.hidden_size,
+        "max_source_positions": 1500,
+        "n_window": 100,
+    }
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_heads": 2,
+        "out_hidden_size": spec.hidden_size,
+        "fullatt_block_indexes": [0],
+    }
+    thinker_config = {
+        "text_config": text_config,
+        "audio_config": audio_config,
+        "vision_config": vision_config,
+        "user_token_id": ids["<|im_start|>"],
+        # Not fields of Qwen2_5OmniThinkerConfig, but the thinker's get_rope_index reads them
+        # (the real config.json has them too): without them generate raises AttributeError.
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        **multimodal_ids,
+    }
+    talker_config = {
+        "vocab_size": spec.talker_vocab_size,
+        "embedding_size": spec.hidden_size,  # talker inputs are thinker embeddings
+        "hidden_size": spec.talker_hidden_size,
+        "intermediate_size": spec.talker_intermediate_size,
+        "num_hidden_layers": spec.talker_num_layers,
+        "num_attention_heads": spec.talker_num_heads,
+        "num_key_value_heads": spec.talker_num_kv_heads,
+        "head_dim": spec.talker_head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "max_window_layers": spec.talker_num_layers,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "mrope_section": list(spec.talker_mrope_section),
+        },
+        "tts_codec_start_token_id": spec.codec_bos_id,
+        "tts_codec_end_token_id": spec.codec_eos_id,
+        "tts_codec_pad_token_id": spec.codec_pad_id,
+        "tts_codec_mask_token_id": spec.codec_mask_id,
+        "tts_text_start_token_id": ids["<|tts_text_bos|>"],
+        "tts_text_end_token_id": ids["<|tts_text_eod|>"],
+        "tts_text_pad_token_id": ids["<|tts_pad|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        **multimodal_ids,
+    }
+    dit_config = {
+        "hidden_size": spec.dit_hidden_size,
+        "num_hidden_layers": spec.dit_num_layers,
+        "num_attention_heads": spec.dit_num_heads,
+        "head_dim": spec.dit_head_dim,
+        "ff_mult": spec.dit_ff_mult,
+        "emb_dim": spec.dit_emb_dim,
+        "max_position_embeddings": spec.dit_max_position_embeddings,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "block_size": spec.dit_block_size,
+        "look_ahead_layers": list(spec.dit_look_ahead_layers),
+        "look_backward_layers": list(spec.dit_look_backward_layers),
+        "repeats": spec.dit_repeats,
+        "num_embeds": spec.talker_vocab_size,
+        "mel_dim": spec.mel_dim,
+        "dropout": 0.0,
+        "enc_emb_dim": spec.enc_emb_dim,
+        "enc_dim": spec.enc_dim,
+        "enc_channels": list(spec.enc_channels),
+        "enc_kernel_sizes": list(spec.enc_kernel_sizes),
+        "enc_dilations": list(spec.enc_dilations),
+        "enc_attention_channels": spec.enc_attention_channels,
+        "enc_res2net_scale": 2,
+        "enc_se_channels": spec.enc_se_channels,
+    }
+    bigvgan_config = {
+        "mel_dim": spec.mel_dim,
+        "upsample_initial_channel": spec.bigvgan_initial_channel,
+        "resblock_kernel_sizes": list(spec.resblock_kernel_sizes),
+        "resblock_dilation_sizes": [list(d) for d in spec.resblock_dilation_sizes],
+        "upsample_rates": list(spec.upsample_rates),
+        "upsample_kernel_sizes": list(spec.upsample_kernel_sizes),
+    }
+    config = Qwen2_5OmniConfig(
+        thinker_config=thinker_config,
+        talker_config=talker_config,
+        token2wav_config={"dit_config": dit_config, "bigvgan_config": bigvgan_config},
+        enable_audio_output=True,
+    )
+    config.dtype = torch.float32
+    return config
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm) or type(
+        module
+    ).__name__.endswith("RMSNorm")
+
+
+@torch.no_grad()
+def randomise(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter from a generator seeded with ``seed``, in ``named_parameters`` order
+    (tied parameters once): norm weights N(1, 0.1); matrices and kernels N(0, 1 / fan_in)
+    (signals keep their scale through every part, so the waveform depends on the codes and
+    greedy decoding does not collapse); the rest (biases, SnakeBeta's log-scales)
+    N(0, 0.05^2). BigVGAN's output conv is scaled by ``WAVEFORM_GAIN``."""
+    generator = torch.Generator().manual_seed(seed)
+    norms = {name for name, module in model.named_modules() if _is_norm(module)}
+    for name, param in model.named_parameters():
+        owner, _, leaf = name.rpartition(".")
+        noise = torch.randn(param.shape, generator=generator)
+        if owner in norms and leaf == "weight":
+            param.copy_(1.0 + NORM_STD * noise)
+        elif param.ndim >= 2:
+            fan_in = param[0].numel()  # in x kernel (Linear, Conv1d/3d); dim for embeddings
+            gain = WAVEFORM_GAIN if name == _BIGVGAN_OUT else 1.0
+            param.copy_(noise * (gain / fan_in**0.5))
+        else:
+            param.copy_(SMALL_STD * noise)
+
+
+def speakers(spec: TinyQwenOmniSpec, ids: dict[str, int], seed: int) -> dict[str, dict[str, Any]]:
+    """The voices of ``spk_dict.pt``: ``cond`` [1, enc_emb_dim], ``ref_mel`` [1, T, mel_dim]
+    (log-mel-like values), ``bos_token`` an id in the thinker vocabulary."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    voices = {}
+    for name, token in VOICES.items():
+        cond = torch.randn(1, spec.enc_emb_dim, generator=generator)
+        ref_mel = torch.randn(1, spec.ref_mel_frames, spec.mel_dim, generator=generator) - 5.0
+        voices[name] = {"cond": cond, "ref_mel": ref_mel, "bos_token": ids[token]}
+    return voices
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed: int = 0) -> Path:
+    """Write a complete tiny Qwen2.5-Omni checkpoint for ``spec`` into the folder ``out``."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab_size, seed)
+    ids = token_ids(tokenizer)
+    tokenizer.save(str(out / "tokenizer.json"))
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "chat_template": CHAT_TEMPLATE,
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "model_max_length": spec.max_position_embeddings,
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        },
+    )
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # config chatter
+    hf_logging.disable_progress_bar()  # "Writing model shards"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2_5OmniForConditionalGeneration(hf_config(spec, ids)).eval()
+        randomise(model, seed)
+        kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
+        model.save_pretrained(out, safe_serialization=True, **kwargs)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
+    # The thinker's text stops where transformers' thinker stops: its generation config comes
+    # from text_config, whose only eos is <|im_end|>.
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+    )
+    torch.save(speakers(spec, ids, seed), out / "spk_dict.pt")
+    return out
+
+
+def build(out: str | Path) -> Path:
+    """The ``tiny-qwen2.5-omni`` preset (spec ``DEFAULT``, seed 0)."""
+    return build_tiny_qwen_omni(out, DEFAULT)
+
+
+def build_alt(out: str | Path) -> Path:
+    """The second tiny config (spec ``ALT``: other sizes, tied thinker embeddings, one shard)."""
+    return build_tiny_qwen_omni(out, ALT)
