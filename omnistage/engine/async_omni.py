@@ -30,6 +30,14 @@ from omnistage.stage.messages import Ack
 from omnistage.stage.prepare import RequestOptions
 
 AckListener = Callable[[str, list[dict[str, Any]]], None]
+_FROM_CONFIG_OPTIONS = (
+    "in_process",
+    "launcher",
+    "stage_init_timeout_s",
+    "resume_after_wake",
+    "auto_wake",
+    "restart_policy",
+)
 
 
 class AsyncOmni:
@@ -109,22 +117,21 @@ class AsyncOmni:
         )
 
     @classmethod
+    def from_model(cls, model: str, **overrides: Any) -> AsyncOmni:
+        """The pipeline a checkpoint folder asks for (``pipelines.pipeline_from_model``): a
+        Qwen2.5-Omni folder gives thinker → talker → code2wav, another model one AR stage.
+        ``overrides`` are stage settings for every stage, or ``from_config``'s options."""
+        from omnistage.pipelines import pipeline_from_model
+
+        options = {k: overrides.pop(k) for k in _FROM_CONFIG_OPTIONS if k in overrides}
+        return cls.from_config(pipeline_from_model(str(model), **overrides), **options)
+
+    @classmethod
     def from_pipeline(cls, name: str, **overrides: Any) -> AsyncOmni:
         """A built-in pipeline (``tiny-omni``, ``tiny-image``, ``tiny-chat``, ``bench``)."""
         from omnistage.pipelines import load_pipeline
 
-        options = {
-            k: overrides.pop(k)
-            for k in (
-                "in_process",
-                "launcher",
-                "stage_init_timeout_s",
-                "resume_after_wake",
-                "auto_wake",
-                "restart_policy",
-            )
-            if k in overrides
-        }
+        options = {k: overrides.pop(k) for k in _FROM_CONFIG_OPTIONS if k in overrides}
         return cls.from_config(load_pipeline(name, **overrides), **options)
 
     def _attach(self) -> None:
@@ -169,13 +176,20 @@ class AsyncOmni:
         modalities: Sequence[str] | None = None,
         *,
         image_params: dict[str, Any] | None = None,
+        talker_params: dict[str, Any] | None = None,
+        audio_params: dict[str, Any] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Stream a request through the pipeline (see ``RequestRouter.generate``):
-        ``sampling_params`` go to AR stages, ``image_params`` to diffusion stages."""
+        ``sampling_params`` go to AR stages (a talker takes ``talker_params``),
+        ``image_params`` to diffusion stages, ``audio_params`` (voice, seed, ...) to code2wav
+        stages. Text deltas stream as they come; images and audio when their stage ends."""
         self._attach()
         options = RequestOptions(
-            sampling_params=sampling_params or {}, image_params=image_params or {}
+            sampling_params=sampling_params or {},
+            image_params=image_params or {},
+            talker_params=talker_params or {},
+            audio_params=audio_params or {},
         )
         return self.router.generate(prompt, options, modalities, request_id=request_id)
 

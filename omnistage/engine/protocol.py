@@ -34,6 +34,8 @@ class EngineClient(Protocol):
         modalities: Sequence[str] | None = None,
         *,
         image_params: dict[str, Any] | None = None,
+        talker_params: dict[str, Any] | None = None,
+        audio_params: dict[str, Any] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[OmniRequestOutput]: ...
 

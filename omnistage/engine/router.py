@@ -18,14 +18,14 @@ from typing import Any
 
 from omnistage.config import PipelineConfig, StageConfig
 from omnistage.engine import admission as adm
-from omnistage.engine.input_processors import NEEDS_HIDDEN_STATES, StageResult, get_input_processor
-from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.engine.input_processors import ProcessorContext, StageResult, get_input_processor
+from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
 from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import InvalidRequestError, StageAsleepError
 from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import OutputMessage, StageRequest
-from omnistage.stage.prepare import HIDDEN_STATES, RequestOptions, RequestPreparer, prompt_fields
+from omnistage.stage.prepare import RequestOptions, RequestPreparer, Wants, prompt_fields
 
 
 class RequestRouter:
@@ -59,6 +59,11 @@ class RequestRouter:
         return downstream
 
     def _modality(self, stage_id: int) -> str:
+        """What the stage outputs: its kind's modality, unless its model says otherwise (an
+        AR stage whose tokens are codes — a talker — outputs "codes", never shown)."""
+        info = self.clients[stage_id].info
+        if info is not None and not getattr(info, "emits_text", True):
+            return "codes"
         return stage_kind(self.config.stages[stage_id].kind).modality
 
     def preparer(self, stage_id: int) -> RequestPreparer:
@@ -74,7 +79,8 @@ class RequestRouter:
     # -- data path ----------------------------------------------------------------------
 
     def output_modalities(self) -> list[str]:
-        return list(dict.fromkeys(self._modality(s.stage_id) for s in self.config.stages))
+        modalities = (self._modality(s.stage_id) for s in self.config.stages)
+        return list(dict.fromkeys(m for m in modalities if m != "codes"))
 
     def plan(self, modalities: Sequence[str] | None) -> list[int]:
         """The chain of stages a request with these output modalities must pass through."""
@@ -91,18 +97,22 @@ class RequestRouter:
             chain.insert(0, self.config.stages[chain[0]].input_from)  # type: ignore[arg-type]
         return chain
 
-    def _wants(self, stage_id: int, chain: list[int]) -> frozenset[str]:
-        """The payloads the next stage of ``chain`` needs from ``stage_id``."""
+    def _context(self, stage_id: int, options: RequestOptions) -> ProcessorContext:
+        return ProcessorContext(self.config.stages[stage_id], options)
+
+    def _wants(self, stage_id: int, chain: list[int], options: RequestOptions) -> Wants:
+        """What the next stage of ``chain`` needs from ``stage_id``."""
         next_stage = self._downstream.get(stage_id)
         if next_stage is None or next_stage not in chain:
-            return frozenset()
-        processor = self.config.stages[next_stage].input_processor
-        return frozenset({HIDDEN_STATES}) if processor in NEEDS_HIDDEN_STATES else frozenset()
+            return Wants()
+        processor = get_input_processor(self.config.stages[next_stage].input_processor or "")
+        return processor.wants(self._context(next_stage, options))
 
     def _prepare_request(
         self, stage_id: int, prompt: dict[str, Any], options: RequestOptions, chain: list[int]
     ) -> StageRequest:
-        return self.preparer(stage_id).prepare(prompt, options, self._wants(stage_id, chain))
+        wants = self._wants(stage_id, chain, options)
+        return self.preparer(stage_id).prepare(prompt, options, wants)
 
     async def generate(
         self,
@@ -156,6 +166,8 @@ class RequestRouter:
                             yield self._to_omni_output(request_id, stage, out, final=ends_request)
                         if is_last_sample:
                             result.hidden_states = out.hidden_states
+                            result.token_embeddings = out.token_embeddings
+                            result.num_prompt_tokens = out.num_prompt_tokens
                             if out.finish_reason == "abort":
                                 return
                 except StageAsleepError:
@@ -177,7 +189,8 @@ class RequestRouter:
                     processor = get_input_processor(
                         self.config.stages[next_id].input_processor or ""
                     )
-                    request = self._prepare_request(next_id, processor(result), options, chain)
+                    fields = processor.convert(result, self._context(next_id, options))
+                    request = self._prepare_request(next_id, fields, options, chain)
         finally:
             self.gate.release_bound(bound)
 
@@ -236,6 +249,16 @@ class RequestRouter:
             final=final,
             finish_reason=out.finish_reason,
             images=images,
+            audio=[
+                OmniAudio(
+                    samples=a.samples.numpy(),
+                    sample_rate=a.sample_rate,
+                    voice=a.voice,
+                    seed=a.seed,
+                    codes=list(a.codes),
+                )
+                for a in (out.audio if out.finished else [])
+            ],
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
             logprobs=out.logprobs,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 from omnistage.config import PipelineConfig
 from omnistage.engine.async_omni import AsyncOmni
-from omnistage.engine.outputs import OmniImage
+from omnistage.engine.outputs import OmniAudio, OmniImage
 
 T = TypeVar("T")
 
@@ -26,6 +26,7 @@ class OmniOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     images: list[OmniImage] = field(default_factory=list)
+    audio: list[OmniAudio] = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -43,6 +44,11 @@ class Omni:
         return cls(AsyncOmni.from_config(config, **options))
 
     @classmethod
+    def from_model(cls, model: str, **overrides: Any) -> Omni:
+        """See ``AsyncOmni.from_model`` (a Qwen2.5-Omni folder: thinker → talker → code2wav)."""
+        return cls(AsyncOmni.from_model(model, **overrides))
+
+    @classmethod
     def from_pipeline(cls, name: str, **overrides: Any) -> Omni:
         return cls(AsyncOmni.from_pipeline(name, **overrides))
 
@@ -55,20 +61,29 @@ class Omni:
         sampling_params: dict[str, Any] | None = None,
         modalities: Sequence[str] | None = None,
         image_params: dict[str, Any] | None = None,
+        talker_params: dict[str, Any] | None = None,
+        audio_params: dict[str, Any] | None = None,
     ) -> list[OmniOutput]:
-        """Run every prompt through the pipeline concurrently; results in input order."""
+        """Run every prompt through the pipeline concurrently; results in input order
+        (``modalities=["text", "audio"]`` on a Qwen2.5-Omni pipeline: ``OmniOutput.audio``)."""
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
 
         async def one(prompt: str | dict[str, Any]) -> OmniOutput:
             result = OmniOutput(request_id="")
             async for out in self.engine.generate(
-                prompt, sampling_params, modalities, image_params=image_params
+                prompt,
+                sampling_params,
+                modalities,
+                image_params=image_params,
+                talker_params=talker_params,
+                audio_params=audio_params,
             ):
                 result.request_id = out.request_id
                 if out.modality == "text":
                     result.text += out.text_delta
                     result.token_ids.extend(out.new_token_ids)
                 result.images.extend(out.images)
+                result.audio.extend(out.audio)
                 if out.final:
                     result.finish_reason = out.finish_reason
             return result

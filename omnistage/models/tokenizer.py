@@ -50,7 +50,13 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     jinja_file = folder / "chat_template.jinja"
     if template is None and jinja_file.is_file():
         template = jinja_file.read_text()
-    return template
+    json_file = folder / "chat_template.json"  # processors' (Qwen2.5-Omni's) own file
+    if template is None and json_file.is_file():
+        try:
+            template = json.loads(json_file.read_text()).get("chat_template")
+        except (ValueError, AttributeError):
+            template = None
+    return template if isinstance(template, str) else None
 
 
 def _raise_exception(message: str) -> None:

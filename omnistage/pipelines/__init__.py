@@ -95,3 +95,38 @@ def ensure_models(
             if on_build is not None:
                 on_build(stage.preset, Path(stage.model))
             ensure_preset(stage.preset, stage.model)
+
+
+def pipeline_from_model(folder: str, name: str | None = None, **overrides: Any) -> PipelineConfig:
+    """The pipeline a checkpoint folder asks for: a Qwen2.5-Omni folder gives three stages —
+    ``thinker`` (ar) → ``talker`` (ar, fed the thinker's embeddings and hidden states) →
+    ``code2wav`` (speech codes to a 24 kHz waveform) —, any other model one AR stage.
+    ``overrides`` go to every stage (as ``load_pipeline``'s)."""
+    from omnistage.models.qwen_omni import is_qwen_omni
+
+    if is_qwen_omni(folder):
+        stages: list[dict[str, Any]] = [
+            {"stage_id": 0, "name": "thinker", "kind": "ar", "model_stage": "thinker"},
+            {
+                "stage_id": 1,
+                "name": "talker",
+                "kind": "ar",
+                "model_stage": "talker",
+                "input_from": 0,
+                "input_processor": "thinker_to_talker",
+                "enable_prefix_caching": False,
+            },
+            {
+                "stage_id": 2,
+                "name": "code2wav",
+                "kind": "code2wav",
+                "model_stage": "code2wav",
+                "input_from": 1,
+                "input_processor": "talker_to_code2wav",
+            },
+        ]
+    else:
+        stages = [{"stage_id": 0, "kind": "ar"}]
+    stages = [apply_overrides({**stage, "model": folder}, overrides) for stage in stages]
+    data = {"name": name or Path(folder).name, "stages": stages}
+    return parse_pipeline_config(data, source=f"--model {folder}")

@@ -102,6 +102,7 @@ def to_output_message(out: StageOutput) -> OutputMessage:
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
         hidden_states=payload.get("hidden_states"),
+        token_embeddings=payload.get("token_embeddings"),
         images=list(payload.get("images") or []),
         audio=list(payload.get("audio") or []),
         logprobs=out.logprobs,

@@ -44,12 +44,26 @@ class WireError(msgspec.Struct):
 
 
 class ARStageRequest(msgspec.Struct, tag="ar", forbid_unknown_fields=True):
-    """A tokenized prompt for an AR stage. ``prompt`` is the text, for the record only."""
+    """A tokenized prompt for an AR stage. ``prompt`` is the text, for the record only.
+
+    For a stage fed by another (the Qwen2.5-Omni talker): ``prompt_embeds`` ``[L, E]`` are the
+    prompt's input embeddings (the ids then count only for lengths and penalties; positions
+    from ``token_embeds_from`` on add their token's embedding too) and
+    ``decode_embeds`` ``[R, E]`` are added to the embedding of the token fed at decode step
+    ``j`` (row ``min(j, R - 1)``). For a stage feeding one (the thinker):
+    ``hidden_states_with_embeddings`` returns each position's final hidden state plus its
+    input embedding, and ``embed_token_ids`` asks for those ids' embeddings
+    (``token_embeddings`` in the finished output)."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_hidden_states: bool = False
     prompt: str | None = None
+    hidden_states_with_embeddings: bool = False
+    embed_token_ids: list[int] | None = None
+    prompt_embeds: torch.Tensor | None = None
+    token_embeds_from: int | None = None  # prompt positions from here add their tokens' too
+    decode_embeds: torch.Tensor | None = None
 
 
 class DiffusionStageRequest(msgspec.Struct, tag="diffusion", forbid_unknown_fields=True):
@@ -198,6 +212,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     hidden_states: torch.Tensor | None = None
+    token_embeddings: torch.Tensor | None = None  # of the request's ``embed_token_ids``
     images: list[ImageOutput] = []
     audio: list[AudioOutput] = []
     logprobs: list[TokenLogprobs] | None = None
@@ -215,6 +230,8 @@ class ARStageInfo(msgspec.Struct, tag="ar"):
     vocab_size: int
     max_model_len: int
     max_num_seqs: int = 1
+    embedding_size: int = 0  # width of input embeddings a request may bring
+    emits_text: bool = True  # False: its tokens are codes (a talker)
 
 
 class DiffusionStageInfo(msgspec.Struct, tag="diffusion"):

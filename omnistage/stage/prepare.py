@@ -23,8 +23,19 @@ PROMPT_FIELDS = (
     "negative_prompt",
     "negative_prompt_embeds",
     "codes",
+    "token_embeds_from",
+    "decode_embeds",
 )
-HIDDEN_STATES = "hidden_states"
+
+
+@dataclass(frozen=True)
+class Wants:
+    """What the next stage needs from a stage's finished output: its hidden states (plus
+    each position's input embedding), the embeddings of some token ids."""
+
+    hidden_states: bool = False
+    hidden_states_with_embeddings: bool = False
+    embed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -43,10 +54,10 @@ class RequestPreparer(Protocol):
         ...
 
     def prepare(
-        self, prompt: Mapping[str, Any], options: RequestOptions, wants: frozenset[str]
+        self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> StageRequest:
-        """The wire request for ``prompt`` (a mapping of ``PROMPT_FIELDS``); ``wants`` names
-        the payloads the next stage needs from this one (e.g. ``hidden_states``). Raises
+        """The wire request for ``prompt`` (a mapping of ``PROMPT_FIELDS``); ``wants`` says
+        what the next stage needs from this one (hidden states, token embeddings). Raises
         ``InvalidRequestError`` naming the offending field."""
         ...
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
 from omnistage.entrypoints.openai.protocol import Usage
 from omnistage.stage.messages import TokenLogprobs
 
@@ -94,6 +94,7 @@ class Choice:
     index: int
     text: str = ""
     images: list[OmniImage] = field(default_factory=list)
+    audio: list[OmniAudio] = field(default_factory=list)
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -124,6 +125,7 @@ class Collected:
                 choice.num_output_tokens = out.num_output_tokens
                 self.num_prompt_tokens = out.num_prompt_tokens
         choice.images.extend(out.images)
+        choice.audio.extend(out.audio)
         # A text+image answer ends as its text did ("length" if the text hit max_tokens),
         # unless the request as a whole was aborted or failed.
         if out.final and (choice.finish_reason is None or out.finish_reason in ("abort", "error")):

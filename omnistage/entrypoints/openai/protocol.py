@@ -167,10 +167,22 @@ def parse_size(size: str) -> tuple[int, int]:
     return width, height
 
 
+class AudioRequest(_Strict):
+    """OpenAI's ``audio`` parameter: the voice and the format of ``message.audio.data``."""
+
+    voice: str | None = Field(default=None, min_length=1)
+    format: Literal["wav", "pcm16"] = "wav"
+
+
 class ChatCompletionRequest(_SamplingFields, ImageFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    modalities: list[Literal["text", "image"]] | None = None
+    modalities: list[Literal["text", "image", "audio"]] | None = None
+    audio: AudioRequest | None = None
+    # omnistage's extras for a speaking pipeline (Qwen2.5-Omni): the talker's sampling
+    # parameters and the code2wav stage's (seed, num_steps, guidance_scale, sway_coefficient).
+    talker_params: dict[str, Any] | None = None
+    audio_params: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -179,6 +191,22 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _audio_needs_the_modality(self) -> ChatCompletionRequest:
+        if self.audio is not None and "audio" not in (self.modalities or []):
+            raise ValueError('audio is given but modalities does not include "audio"')
+        return self
+
+    def code2wav_params(self) -> dict[str, Any]:
+        """The code2wav stage's parameters: ``audio_params``, the voice of ``audio``, the
+        request's ``seed`` for the noise unless ``audio_params`` has one."""
+        params = dict(self.audio_params or {})
+        if self.audio is not None and self.audio.voice is not None:
+            params.setdefault("voice", self.audio.voice)
+        if self.seed is not None:
+            params.setdefault("seed", self.seed)
+        return params
 
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -214,13 +242,24 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+class AudioReply(BaseModel):
+    """OpenAI's ``message.audio``: base64 ``data`` (WAV or pcm16), the text spoken."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
 class AssistantMessage(BaseModel):
     """``content`` is the text (a string, as OpenAI clients type it; ``None`` when text was
-    not asked for); generated images are PNG ``image_url`` content parts in ``images``."""
+    not asked for); generated images are PNG ``image_url`` content parts in ``images``; speech
+    is ``audio``."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
     images: list[dict[str, Any]] | None = None
+    audio: AudioReply | None = None
 
 
 class ChatChoice(BaseModel):

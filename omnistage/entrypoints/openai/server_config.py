@@ -186,15 +186,14 @@ class ServerConfig(BaseModel):
         return config
 
     def _pipeline_config(self, on_build: object) -> PipelineConfig:
-        from omnistage.pipelines import ensure_models, load_pipeline
+        from omnistage.pipelines import ensure_models, load_pipeline, pipeline_from_model
 
         overrides = self.stage_overrides()
         if self.model:
             from omnistage.models.hub import resolve_model_path
 
             folder = resolve_model_path(self.model)
-            stage = {"stage_id": 0, "kind": "ar", "model": folder, **overrides}
-            config = parse_pipeline_config({"name": self.model_name, "stages": [stage]}, "--model")
+            config = pipeline_from_model(folder, self.model_name, **overrides)
             ensure_models(config)
             return config
         if self.config:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omnistage.engine.outputs import OmniImage, OmniRequestOutput
+from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
 from omnistage.entrypoints.openai.choices import (
     Collected,
     as_token_ids,
@@ -26,6 +26,7 @@ from omnistage.entrypoints.openai.choices import (
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import (
     AssistantMessage,
+    AudioReply,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -44,6 +45,21 @@ Stream = AsyncIterator[OmniRequestOutput]
 _SSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "With stream: true."}
 }
+
+
+AUDIO_CHUNK_CHARS = 64 * 1024  # base64 characters per streamed delta.audio chunk
+AUDIO_TTL_S = 3600  # OpenAI's expires_at: how long a client may refer to the audio
+
+
+def audio_reply(audio: OmniAudio, transcript: str, audio_format: str) -> AudioReply:
+    """OpenAI's ``message.audio``: WAV (or raw pcm16) bytes, base64."""
+    raw = audio.wav_bytes() if audio_format == "wav" else audio.pcm16()
+    return AudioReply(
+        id=new_id("audio"),
+        data=base64.b64encode(raw).decode("ascii"),
+        expires_at=now() + AUDIO_TTL_S,
+        transcript=transcript,
+    )
 
 
 def image_part(image: OmniImage) -> dict[str, Any]:
@@ -106,21 +122,40 @@ async def create_chat_completion(
     modalities: list[str] = list(body.modalities or ["text"])
     log = RequestLog(request, request_id, "chat")
     log.received(messages=len(body.messages), modalities=modalities, n=body.n, stream=body.stream)
+    speech: dict[str, Any] = {}
+    if "audio" in modalities:
+        speech = {"talker_params": body.talker_params, "audio_params": body.code2wav_params()}
     stream = engine.generate(
         {"messages": [{"role": m.role, "content": m.text()} for m in body.messages]},
         body.sampling_params(body.max_completion_tokens or body.max_tokens),
         modalities,
         image_params=body.image_params(body.seed),
         request_id=request_id,
+        **speech,
     )
+    audio_format = body.audio.format if body.audio is not None else "wav"
     model = _model_name(request, body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await _chat_events(
-            request, stream, log, request_id, model, include_usage, modalities == ["text"]
+            request,
+            stream,
+            log,
+            request_id,
+            model,
+            include_usage,
+            modalities == ["text"],
+            audio_format,
         )
     reply = await _chat_reply(
-        request, stream, log, request_id, model, modalities, body.return_tokens_as_token_ids
+        request,
+        stream,
+        log,
+        request_id,
+        model,
+        modalities,
+        body.return_tokens_as_token_ids,
+        audio_format,
     )
     if isinstance(reply, ChatCompletionResponse):
         reply.system_fingerprint = fingerprint(engine)
@@ -135,6 +170,7 @@ async def _chat_reply(
     model: str,
     modalities: list[str],
     token_ids: bool = False,
+    audio_format: str = "wav",
 ) -> ChatCompletionResponse | Response:
     collected = await unless_disconnected(request, _collect(stream))
     if collected is None:
@@ -144,6 +180,7 @@ async def _chat_reply(
         message = AssistantMessage(
             content=c.text if "text" in modalities else None,
             images=[image_part(img) for img in c.images] if c.images else None,
+            audio=audio_reply(c.audio[0], c.text, audio_format) if c.audio else None,
         )
         choices.append(
             ChatChoice(
@@ -174,6 +211,7 @@ async def _chat_events(
     model: str,
     include_usage: bool,
     text_only: bool,
+    audio_format: str = "wav",
 ) -> Response:
     """Chunks per choice; a choice closes (its ``finish_reason`` chunk) when its sample is
     done — for text only, when its text is; with images, when the whole request is."""
@@ -198,6 +236,14 @@ async def _chat_events(
                     delta["content"] = out.text_delta
                 if out.images:
                     delta["images"] = [image_part(img) for img in out.images]
+                for audio in out.audio:  # the whole reply spoken: its header, then its data
+                    text = collected.choice(out.index).text
+                    reply = audio_reply(audio, text, audio_format)
+                    header = {"id": reply.id, "expires_at": reply.expires_at, "transcript": text}
+                    yield chunk(out.index, {"audio": header})
+                    for start in range(0, len(reply.data), AUDIO_CHUNK_CHARS):
+                        data = reply.data[start : start + AUDIO_CHUNK_CHARS]
+                        yield chunk(out.index, {"audio": {"id": reply.id, "data": data}})
                 extra: dict[str, Any] = {}
                 if out.logprobs:
                     extra["logprobs"] = chat_logprobs(out.logprobs)

@@ -68,7 +68,7 @@ class ARStageEngine:
             from omnistage.models.tiny import ensure_preset
 
             ensure_preset(config.preset, config.model)
-        self.model_config = ARModelConfig.from_pretrained(config.model)
+        self.model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)
         config = resolve_ar_stage(config, self.model_config)  # dtype, max_model_len
         self.config = config
         self.max_model_len = resolved_max_model_len(config)
@@ -81,7 +81,12 @@ class ARStageEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.eos_token_ids = self.tokenizer.eos_token_ids | set(self.model_config.eos_token_ids)
+        # A stage whose tokens are codes (a talker) stops on the request's stop ids only.
+        self.eos_token_ids = (
+            self.tokenizer.eos_token_ids | set(self.model_config.eos_token_ids)
+            if self.model_config.emits_text
+            else set()
+        )
         self.device = torch.device(config.device)
         generator = torch.Generator(device=self.device)
         if seed is None:
@@ -89,12 +94,21 @@ class ARStageEngine:
         else:
             generator.manual_seed(seed)
         self.sampler = Sampler(
-            self.eos_token_ids, generator, config.logprobs_mode == "processed_logprobs"
+            self.eos_token_ids,
+            generator,
+            config.logprobs_mode == "processed_logprobs",
+            suppressed=self.model_config.suppress_token_ids,
         )
         self._held: list[Sequence] = []  # arrived while paused; scheduled on resume
         self._queued_outputs: list[StageOutput] = []  # ended from outside (abort)
         self.requests = RequestTable(
-            config, self.tokenizer, self.model_config.vocab_size, self.device
+            config,
+            self.tokenizer,
+            self.model_config.vocab_size,
+            self.device,
+            embed_dim=self.embedding_size,
+            dtype=self.worker.runner.dtype,
+            emits_text=self.model_config.emits_text,
         )
         self._decoded = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -121,7 +135,13 @@ class ARStageEngine:
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
+            embedding_size=self.embedding_size,
+            emits_text=self.model_config.emits_text,
         )
+
+    @property
+    def embedding_size(self) -> int:
+        return self.model_config.embedding_size or self.model_config.hidden_size
 
     # -- requests -----------------------------------------------------------------------
 
@@ -135,6 +155,8 @@ class ARStageEngine:
             raise StageAsleepError(self.stage_id)
         self.sleep_control.check_can_generate()
         leader = self.requests.create(request)
+        if request.embed_token_ids:
+            leader.token_embeddings = self.worker.runner.embed_tokens(request.embed_token_ids)
         if self._pause_mode is not None:
             self._held.append(leader)
         else:

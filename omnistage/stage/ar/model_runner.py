@@ -7,6 +7,7 @@ addresses across sleep and wake, which is what lets captured decode graphs be re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,8 +89,13 @@ class ModelRunner:
 
     def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
+        rename: Callable[[str], str | None] = checkpoint_rename
+        if self.model_config.checkpoint_part is not None:  # one part of a multi-part folder
+            from omnistage.models.qwen_omni import ar_rename
+
+            rename = ar_rename(self.model_config.checkpoint_part)
         return load_module(
-            self.model, path, rename=checkpoint_rename, strict=strict, check_finite=check_finite
+            self.model, path, rename=rename, strict=strict, check_finite=check_finite
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -98,6 +104,42 @@ class ModelRunner:
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         size = self.block_size
         return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
+
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """The input embeddings of ``token_ids`` (``[k, embedding_size]``, on the CPU)."""
+        with torch.no_grad():
+            return self.model.embed(self._tensor(token_ids)).float().cpu()
+
+    def _inputs_embeds(self, seq: Sequence, start: int, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The model inputs of ``seq``'s positions ``start, start + 1, ...`` (one per row of
+        ``token_embeds``, their tokens' embeddings): its prompt embeddings, plus the tokens'
+        own from ``token_embeds_from`` on; after the prompt, the tokens' plus the decode
+        embedding of that step (the last row repeating)."""
+        out = token_embeds.clone()
+        end = start + len(out)
+        prompt_len = seq.num_prompt_tokens
+        if seq.prompt_embeds is not None and start < prompt_len:
+            stop = min(end, prompt_len)
+            own = seq.prompt_embeds[start:stop]
+            keep_from = seq.token_embeds_from if seq.token_embeds_from is not None else stop
+            token_part = torch.arange(start, stop, device=out.device) >= keep_from
+            rows = out[: stop - start]
+            out[: stop - start] = own + rows * token_part.unsqueeze(1).to(rows.dtype)
+        if seq.decode_embeds is not None and end > prompt_len:
+            first = max(start, prompt_len)
+            steps = torch.arange(first - prompt_len, end - prompt_len, device=out.device)
+            steps = steps.clamp(max=len(seq.decode_embeds) - 1)
+            out[first - start :] += seq.decode_embeds[steps]
+        return out
+
+    @staticmethod
+    def _hidden_rows(
+        seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
+    ) -> torch.Tensor:
+        rows = hidden[start:end]
+        if seq.hidden_states_with_embeddings and embeds is not None:
+            return rows + embeds[start:end]
+        return rows.clone()
 
     @torch.no_grad()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
@@ -126,12 +168,18 @@ class ModelRunner:
                 [self._tensor(seq.block_table) for seq in seqs] if any(prefix_lens) else None
             ),
         )
-        hidden = self.model(
-            self._tensor(input_ids), self._tensor(positions), context, self.kv_cache.layers
-        )
+        ids = self._tensor(input_ids)
+        embeds = None
+        if any(seq.has_input_embeds or seq.hidden_states_with_embeddings for seq in seqs):
+            embeds = self.model.embed(ids)
+            for i, seq in enumerate(seqs):
+                if seq.has_input_embeds:
+                    rows = slice(cu_seqlens[i], cu_seqlens[i + 1])
+                    embeds[rows] = self._inputs_embeds(seq, seq.num_cached_tokens, embeds[rows])
+        hidden = self.model(ids, self._tensor(positions), context, self.kv_cache.layers, embeds)
         last_rows = hidden[self._tensor([end - 1 for end in cu_seqlens[1:]])]
         wanted = {
-            i: hidden[cu_seqlens[i] : cu_seqlens[i + 1]].clone()
+            i: self._hidden_rows(seq, hidden, embeds, cu_seqlens[i], cu_seqlens[i + 1])
             for i, seq in enumerate(seqs)
             if seq.return_hidden_states
         }
@@ -153,8 +201,17 @@ class ModelRunner:
         block_tables = self._tensor(
             [b for seq in seqs for b in seq.block_table + [0] * (width - len(seq.block_table))]
         ).view(len(seqs), width)
-        if self.decode_graphs is not None and self.decode_graphs.can_run(len(seqs), width):
-            hidden = self.decode_graphs.run(input_ids, positions, slots, context_lens, block_tables)
+        embeds = None
+        if any(seq.has_input_embeds or seq.hidden_states_with_embeddings for seq in seqs):
+            embeds = self.model.embed(input_ids)  # the graphs take ids: these run eagerly
+            for i, seq in enumerate(seqs):
+                if seq.has_input_embeds:
+                    embeds[i : i + 1] = self._inputs_embeds(
+                        seq, seq.num_tokens - 1, embeds[i : i + 1]
+                    )
+        graphs = self.decode_graphs
+        if embeds is None and graphs is not None and graphs.can_run(len(seqs), width):
+            hidden = graphs.run(input_ids, positions, slots, context_lens, block_tables)
         else:
             context = AttentionContext(
                 is_prefill=False,
@@ -162,8 +219,10 @@ class ModelRunner:
                 block_tables=block_tables,
                 context_lens=context_lens,
             )
-            hidden = self.model(input_ids, positions, context, self.kv_cache.layers)
+            hidden = self.model(input_ids, positions, context, self.kv_cache.layers, embeds)
         wanted = {
-            i: hidden[i : i + 1].clone() for i, seq in enumerate(seqs) if seq.return_hidden_states
+            i: self._hidden_rows(seq, hidden, embeds, i, i + 1)
+            for i, seq in enumerate(seqs)
+            if seq.return_hidden_states
         }
         return StepResult(self.model.compute_logits(hidden), wanted)

@@ -41,9 +41,11 @@ def append_token(
         params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
     ):
         reason = "length"
-    text = seq.detokenizer.push([token_id])
-    if reason is not None:
-        text += seq.detokenizer.flush()
+    text = ""
+    if seq.detokenizer is not None:
+        text = seq.detokenizer.push([token_id])
+        if reason is not None:
+            text += seq.detokenizer.flush()
     previous_len = len(seq.output_text)
     seq.output_text += text
     holdback = max((len(s) for s in params.stop_strings), default=1) - 1
@@ -76,9 +78,12 @@ def append_token(
 
 
 def final_payload(seq: Sequence) -> dict[str, torch.Tensor] | None:
-    if not seq.return_hidden_states or not seq.hidden_states:
-        return None
-    return {"hidden_states": torch.cat(seq.hidden_states).cpu()}
+    payload = {}
+    if seq.return_hidden_states and seq.hidden_states:
+        payload["hidden_states"] = torch.cat(seq.hidden_states).cpu()
+    if seq.token_embeddings is not None:
+        payload["token_embeddings"] = seq.token_embeddings
+    return payload or None
 
 
 def abort_output(

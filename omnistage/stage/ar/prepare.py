@@ -1,6 +1,8 @@
 """``ARRequestPreparer``: tokenize and validate AR requests in the API process.
 
-Only the tokenizer is loaded here (``tokenizers`` + jinja2), never the model.
+Only the tokenizer is loaded here (``tokenizers`` + jinja2), never the model. A talker stage
+(Qwen2.5-Omni) takes its sampling parameters from the request's ``talker_params`` over
+transformers' talker defaults, and stops on the codec end and pad codes.
 """
 
 from __future__ import annotations
@@ -8,12 +10,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError, RequestTooLargeError
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.messages import ARStageInfo, ARStageRequest
-from omnistage.stage.prepare import HIDDEN_STATES, RequestOptions, check_mapping
+from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
+
+# transformers' Qwen2_5OmniForConditionalGeneration.generate talker defaults.
+TALKER_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.9,
+    "top_k": 40,
+    "top_p": 0.8,
+    "repetition_penalty": 1.05,
+    "max_tokens": 4096,
+}
 
 
 class ARRequestPreparer:
@@ -21,25 +34,40 @@ class ARRequestPreparer:
         self.config = config
         self.info = info
         self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self.talker_stop_ids: list[int] | None = None
+        if config.model_stage == "talker":
+            from omnistage.models import qwen_omni
+
+            raw = qwen_omni.read_config(config.model) or {}
+            tokens = qwen_omni.TalkerTokens.from_config(raw)
+            self.talker_stop_ids = [tokens.codec_pad, tokens.codec_eos]
+
+    @property
+    def params_field(self) -> str:
+        return "sampling_params" if self.talker_stop_ids is None else "talker_params"
 
     def sampling_params(self, options: RequestOptions) -> SamplingParams:
-        data = dict(check_mapping(options.sampling_params, "sampling_params"))
+        name = self.params_field
+        given = getattr(options, name)
+        data = dict(check_mapping(given, name))
         unknown = sorted(set(data) - set(SamplingParams.__struct_fields__))
         if unknown:
             raise InvalidRequestError(
-                f"sampling_params.{unknown[0]}",
+                f"{name}.{unknown[0]}",
                 f"unknown sampling parameter; known: {sorted(SamplingParams.__struct_fields__)}",
             )
+        if self.talker_stop_ids is not None:
+            data = {**TALKER_DEFAULTS, **data, "stop_token_ids": self.talker_stop_ids}
         try:
             return SamplingParams(**data)
         except InvalidRequestError as exc:
-            raise exc.under("sampling_params") from None
+            raise exc.under(name) from None
 
     def check_options(self, options: RequestOptions) -> None:
         self.sampling_params(options)
 
     def prepare(
-        self, prompt: Mapping[str, Any], options: RequestOptions, wants: frozenset[str]
+        self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> ARStageRequest:
         sources = [k for k in ("prompt", "prompt_token_ids", "messages") if k in prompt]
         if len(sources) != 1:
@@ -63,11 +91,24 @@ class ARRequestPreparer:
                 f"{len(token_ids)} tokens leave no room to generate within "
                 f"max_model_len={self.info.max_model_len}",
             )
+        embeds = {k: prompt[k] for k in ("prompt_embeds", "decode_embeds") if k in prompt}
+        for name, value in embeds.items():
+            if not isinstance(value, torch.Tensor) or value.dim() != 2:
+                raise InvalidRequestError(name, "must be a 2-D tensor")
+            if value.shape[1] != self.info.embedding_size:
+                raise InvalidRequestError(
+                    name, f"rows must have {self.info.embedding_size} values, got {value.shape[1]}"
+                )
         return ARStageRequest(
             prompt_token_ids=token_ids,
             sampling_params=self.sampling_params(options),
-            return_hidden_states=HIDDEN_STATES in wants,
+            return_hidden_states=wants.hidden_states,
             prompt=text if isinstance(text, str) else None,
+            hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
+            embed_token_ids=list(wants.embed_token_ids) or None,
+            prompt_embeds=embeds.get("prompt_embeds"),
+            token_embeds_from=prompt.get("token_embeds_from"),
+            decode_embeds=embeds.get("decode_embeds"),
         )
 
     def _token_ids(self, value: Any) -> list[int]:

@@ -31,17 +31,33 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.sampling_params,
         request.return_hidden_states,
         request.prompt,
+        request.hidden_states_with_embeddings,
+        request.embed_token_ids,
+        request.prompt_embeds,
+        request.token_embeds_from,
+        request.decode_embeds,
     )
 
 
 class RequestTable:
     def __init__(
-        self, config: StageConfig, tokenizer: Tokenizer, vocab_size: int, device: torch.device
+        self,
+        config: StageConfig,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        device: torch.device,
+        *,
+        embed_dim: int = 0,
+        dtype: torch.dtype = torch.float32,
+        emits_text: bool = True,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.device = device
+        self.embed_dim = embed_dim  # width of input embeddings a request may bring
+        self.dtype = dtype
+        self.emits_text = emits_text  # False: tokens are codes, never detokenized
         self._samples: dict[str, list[Sequence]] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -57,6 +73,10 @@ class RequestTable:
     def create(self, request: ARRequest) -> Sequence:
         """Validate ``request`` and register its samples; returns the one to schedule."""
         self.validate(request)
+        for name in ("prompt_embeds", "decode_embeds"):  # on the device, in the model's dtype
+            value = getattr(request, name)
+            if value is not None:
+                setattr(request, name, value.to(self.device, self.dtype))
         samples = [self._sample(request, i) for i in range(request.sampling_params.n)]
         samples[0].pending_samples = samples[1:]
         self._samples[request.request_id] = samples
@@ -68,8 +88,12 @@ class RequestTable:
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+        detokenizer = (
+            IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.skip_special_tokens
+            )
+            if self.emits_text
+            else None
         )
         return Sequence(request, detokenizer, generator, index)
 
@@ -105,3 +129,28 @@ class RequestTable:
                 "prompt",
                 f"{len(ids)} tokens leave no room to generate within max_model_len={max_model_len}",
             )
+        self._validate_embeddings(request)
+
+    def _validate_embeddings(self, request: ARRequest) -> None:
+        rows = {"prompt_embeds": len(request.prompt_token_ids), "decode_embeds": None}
+        for name, want_rows in rows.items():
+            value = getattr(request, name)
+            if value is None:
+                continue
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise InvalidRequestError(name, "must be a float tensor")
+            if value.dim() != 2 or value.shape[1] != self.embed_dim or value.shape[0] < 1:
+                raise InvalidRequestError(
+                    name, f"must be [rows, {self.embed_dim}], got {list(value.shape)}"
+                )
+            if want_rows is not None and value.shape[0] != want_rows:
+                raise InvalidRequestError(
+                    name, f"has {value.shape[0]} rows for {want_rows} prompt tokens"
+                )
+            if not torch.isfinite(value).all():
+                raise InvalidRequestError(name, "holds NaN or infinite values")
+        ids = request.embed_token_ids
+        if ids is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
+        ):
+            raise InvalidRequestError("embed_token_ids", f"must be ids in [0, {self.vocab_size})")

@@ -92,18 +92,22 @@ class Sampler:
         eos_token_ids: Collection[int],
         generator: torch.Generator,
         processed_logprobs: bool = False,
+        suppressed: Collection[int] = (),
     ) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = generator  # for requests without a seed
         self.processed_logprobs = processed_logprobs
+        # Never sampled, whatever the request (the Qwen2.5-Omni talker's codec bos).
+        self.suppressed = frozenset(suppressed)
 
     def _banned_ids(self, seq: Sequence, vocab_size: int) -> list[int]:
-        """Ids that may not end the sequence yet (``min_tokens``)."""
-        if seq.num_output_tokens >= seq.params.min_tokens:
-            return []
-        banned = set(seq.params.stop_token_id_set)
-        if not seq.params.ignore_eos:
-            banned.update(self.eos_token_ids)
+        """Ids that may not come next: the suppressed ones, and those that would end the
+        sequence before ``min_tokens``."""
+        banned = set(self.suppressed)
+        if seq.num_output_tokens < seq.params.min_tokens:
+            banned.update(seq.params.stop_token_id_set)
+            if not seq.params.ignore_eos:
+                banned.update(self.eos_token_ids)
         return sorted(t for t in banned if t < vocab_size)
 
     def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> Sampled:

@@ -28,6 +28,12 @@ class ARRequest:
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     return_hidden_states: bool = False
     prompt: str | None = None
+    # See ``ARStageRequest``: embeddings in (a talker) and out (a thinker).
+    hidden_states_with_embeddings: bool = False
+    embed_token_ids: list[int] | None = None
+    prompt_embeds: torch.Tensor | None = None
+    token_embeds_from: int | None = None
+    decode_embeds: torch.Tensor | None = None
 
 
 class SequenceStatus(Enum):
@@ -42,7 +48,7 @@ class Sequence:
     def __init__(
         self,
         request: ARRequest,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: IncrementalDetokenizer | None,  # None: its tokens are codes, not text
         generator: torch.Generator | None,
         index: int = 0,
     ) -> None:
@@ -52,6 +58,12 @@ class Sequence:
         self.token_ids = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.return_hidden_states = request.return_hidden_states
+        self.hidden_states_with_embeddings = request.hidden_states_with_embeddings
+        self.embed_token_ids = request.embed_token_ids
+        self.prompt_embeds = request.prompt_embeds
+        self.token_embeds_from = request.token_embeds_from
+        self.token_embeddings: torch.Tensor | None = None  # of embed_token_ids, on the CPU
+        self.decode_embeds = request.decode_embeds
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
@@ -95,7 +107,16 @@ class Sequence:
     def may_use_prefix_cache(self) -> bool:
         """Whether its prefill may skip cached blocks: not when every prompt position's output
         (hidden states, prompt logprobs) is asked for."""
-        return not self.return_hidden_states and self.params.prompt_logprobs is None
+        return (
+            not self.return_hidden_states
+            and self.params.prompt_logprobs is None
+            and self.prompt_embeds is None  # its ids do not say what its prompt is
+        )
+
+    @property
+    def has_input_embeds(self) -> bool:
+        """Whether its model inputs are not (only) its tokens' embeddings."""
+        return self.prompt_embeds is not None or self.decode_embeds is not None
 
     @property
     def key(self) -> tuple[str, int]:

@@ -155,6 +155,7 @@ class Code2WavJob:
             sample_rate=self.pipeline.sample_rate,
             voice=self.voice,
             seed=self.seed,
+            codes=list(self.request.codes),
         )
         return [(self.request, output)]
 

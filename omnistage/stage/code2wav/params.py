@@ -67,6 +67,7 @@ class AudioOutput(msgspec.Struct):
     sample_rate: int
     voice: str
     seed: int | None = None
+    codes: list[int] = []  # the speech codes it speaks (what the talker produced)
 
 
 class Code2WavLimits(msgspec.Struct, frozen=True):

@@ -11,7 +11,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stage.code2wav.params import Code2WavParams
 from omnistage.stage.code2wav.request import check_codes, check_voice
 from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions, check_mapping
+from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
 
 FIELD = "audio_params"
 
@@ -36,7 +36,7 @@ class Code2WavRequestPreparer:
         self.params(options)
 
     def prepare(
-        self, prompt: Mapping[str, Any], options: RequestOptions, wants: frozenset[str]
+        self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> Code2WavStageRequest:
         if "codes" not in prompt:
             raise InvalidRequestError("codes", "is required: the speech-codec tokens to speak")

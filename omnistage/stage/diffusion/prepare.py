@@ -12,7 +12,7 @@ from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.diffusion.params import DiffusionParams, check_embeddings, validate_params
 from omnistage.stage.messages import DiffusionStageInfo, DiffusionStageRequest
-from omnistage.stage.prepare import RequestOptions, check_mapping
+from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
 
 
 class DiffusionRequestPreparer:
@@ -38,7 +38,7 @@ class DiffusionRequestPreparer:
         self.params(options)
 
     def prepare(
-        self, prompt: Mapping[str, Any], options: RequestOptions, wants: frozenset[str]
+        self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> DiffusionStageRequest:
         text = prompt.get("prompt")
         embeds = prompt.get("prompt_embeds")

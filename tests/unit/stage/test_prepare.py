@@ -11,9 +11,9 @@ from omnistage.stage.ar.prepare import ARRequestPreparer
 from omnistage.stage.diffusion.params import DiffusionParams, PipelineLimits
 from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
 from omnistage.stage.messages import ARStageInfo, DiffusionStageInfo
-from omnistage.stage.prepare import HIDDEN_STATES, RequestOptions, prompt_fields
+from omnistage.stage.prepare import RequestOptions, Wants, prompt_fields
 
-NOTHING: frozenset[str] = frozenset()
+NOTHING = Wants()
 LIMITS = PipelineLimits(
     size_multiple=16, embedding_dim=8, has_text_encoder=True, native_size=64,
     max_inference_steps=100, max_image_pixels=128 * 128,
@@ -45,7 +45,7 @@ def test_text_and_chat_prompts_are_tokenized(ar):
 
 
 def test_hidden_states_are_asked_for_when_the_next_stage_wants_them(ar):
-    assert prepare(ar, "hi", frozenset({HIDDEN_STATES})).return_hidden_states
+    assert prepare(ar, "hi", Wants(hidden_states=True)).return_hidden_states
     assert not prepare(ar, "hi").return_hidden_states
 
 

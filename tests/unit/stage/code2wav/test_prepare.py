@@ -11,7 +11,7 @@ from omnistage.stage.code2wav.params import Code2WavLimits, Code2WavParams
 from omnistage.stage.code2wav.prepare import Code2WavRequestPreparer
 from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions
+from omnistage.stage.prepare import RequestOptions, Wants
 
 LIMITS = Code2WavLimits(
     voices=["Chelsie", "Ethan"],
@@ -36,12 +36,12 @@ def options(**audio_params) -> RequestOptions:
 
 def test_prepare_builds_the_wire_request(preparer):
     request = preparer.prepare(
-        {"codes": [0, 5, 8192]}, options(voice="Ethan", seed=3, num_steps=4), frozenset()
+        {"codes": [0, 5, 8192]}, options(voice="Ethan", seed=3, num_steps=4), Wants()
     )
     assert request == Code2WavStageRequest(
         codes=[0, 5, 8192], params=Code2WavParams(voice="Ethan", seed=3, num_steps=4)
     )
-    assert preparer.prepare({"codes": (1, 2)}, RequestOptions(), frozenset()).codes == [1, 2]
+    assert preparer.prepare({"codes": (1, 2)}, RequestOptions(), Wants()).codes == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_prepare_builds_the_wire_request(preparer):
 def test_bad_audio_params_name_the_field(preparer, audio_params, field):
     for check in (
         lambda: preparer.check_options(options(**audio_params)),
-        lambda: preparer.prepare({"codes": [1]}, options(**audio_params), frozenset()),
+        lambda: preparer.prepare({"codes": [1]}, options(**audio_params), Wants()),
     ):
         with pytest.raises(InvalidRequestError) as info:
             check()
@@ -95,7 +95,7 @@ def test_audio_params_must_be_an_object(preparer):
 )
 def test_bad_codes_name_codes(preparer, prompt, match):
     with pytest.raises(InvalidRequestError, match=match) as info:
-        preparer.prepare(prompt, RequestOptions(), frozenset())
+        preparer.prepare(prompt, RequestOptions(), Wants())
     assert info.value.field == "codes"
 
 
