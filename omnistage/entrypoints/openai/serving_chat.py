@@ -38,6 +38,7 @@ from omnistage.entrypoints.openai.protocol import (
 )
 from omnistage.entrypoints.openai.request_log import RequestLog
 from omnistage.entrypoints.serve.deps import EngineClientDep
+from omnistage.errors import InvalidRequestError
 
 router = APIRouter(tags=["openai"])
 
@@ -65,6 +66,17 @@ def audio_reply(audio: OmniAudio, transcript: str, audio_format: str) -> AudioRe
 def image_part(image: OmniImage) -> dict[str, Any]:
     url = "data:image/png;base64," + base64.b64encode(image.png).decode("ascii")
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+async def _named_as_sent(stream: Stream, names: dict[str, str]) -> Stream:
+    """``stream``, with a refused field named as the HTTP body has it (``audio.voice``)."""
+    try:
+        async for out in stream:
+            yield out
+    except InvalidRequestError as exc:
+        if exc.field not in names:
+            raise
+        raise type(exc)(names[exc.field], exc.reason) from None
 
 
 async def _primed(stream: Stream) -> Stream:
@@ -134,6 +146,8 @@ async def create_chat_completion(
         **speech,
     )
     audio_format = body.audio.format if body.audio is not None else "wav"
+    if body.audio is not None and body.audio.voice is not None:
+        stream = _named_as_sent(stream, {"audio_params.voice": "audio.voice"})
     model = _model_name(request, body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -236,14 +250,15 @@ async def _chat_events(
                     delta["content"] = out.text_delta
                 if out.images:
                     delta["images"] = [image_part(img) for img in out.images]
-                for audio in out.audio:  # the whole reply spoken: its header, then its data
+                for audio in out.audio:  # as OpenAI streams it: transcript, data, expiry
                     text = collected.choice(out.index).text
                     reply = audio_reply(audio, text, audio_format)
-                    header = {"id": reply.id, "expires_at": reply.expires_at, "transcript": text}
-                    yield chunk(out.index, {"audio": header})
+                    yield chunk(out.index, {"audio": {"id": reply.id, "transcript": text}})
                     for start in range(0, len(reply.data), AUDIO_CHUNK_CHARS):
                         data = reply.data[start : start + AUDIO_CHUNK_CHARS]
                         yield chunk(out.index, {"audio": {"id": reply.id, "data": data}})
+                    expiry = {"id": reply.id, "expires_at": reply.expires_at}
+                    yield chunk(out.index, {"audio": expiry})
                 extra: dict[str, Any] = {}
                 if out.logprobs:
                     extra["logprobs"] = chat_logprobs(out.logprobs)

@@ -1,0 +1,173 @@
+"""A real ``omnistage serve --model DIR`` on a tiny Qwen2.5-Omni checkpoint: the official
+``openai`` client gets speech as OpenAI defines it (``message.audio`` with a 24 kHz WAV,
+streamed as ``delta.audio``), the seed's sleep sequence leaves the audio unchanged, text keeps
+working while the talker sleeps, and bad requests are 400s naming the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import httpx
+import openai
+import pytest
+
+from omnistage.pipelines import load_pipeline
+from tests.e2e.server import running_server
+
+SPEAK = {
+    "modalities": ["text", "audio"],
+    "audio": {"voice": "Chelsie", "format": "wav"},
+    "temperature": 0,
+    "max_tokens": 6,
+    "seed": 5,
+}
+EXTRA = {"talker_params": {"temperature": 0, "max_tokens": 16}, "audio_params": {"num_steps": 4}}
+MESSAGES = [{"role": "user", "content": "Say something"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model  # built on first use
+    with running_server("--model", folder, "--enable-sleep-mode") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def wav_of(data: str) -> tuple[int, int, bytes]:
+    with wave.open(io.BytesIO(base64.b64decode(data))) as w:
+        return w.getframerate(), w.getnchannels(), w.readframes(w.getnframes())
+
+
+def speak(server) -> dict:
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": MESSAGES, **SPEAK, **EXTRA},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]
+
+
+def test_models_lists_text_and_audio(client):
+    (model,) = client.models.list().data
+    assert model.model_extra["modalities"] == ["text", "audio"]
+    assert [s["name"] for s in model.model_extra["stages"]] == ["thinker", "talker", "code2wav"]
+
+
+def test_the_openai_client_gets_a_24khz_wav(client):
+    import warnings
+
+    reply = client.chat.completions.create(
+        model="x", messages=MESSAGES, audio={"voice": "Chelsie", "format": "wav"},
+        modalities=["text", "audio"], temperature=0, max_tokens=6, seed=5, extra_body=EXTRA,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reply.model_dump()
+    message = reply.choices[0].message
+    assert message.audio is not None and message.audio.id and message.audio.expires_at > 0
+    assert message.audio.transcript == message.content
+    rate, channels, frames = wav_of(message.audio.data)
+    assert (rate, channels) == (24000, 1) and len(frames) > 0
+
+
+def test_streaming_sends_the_same_audio_as_delta_audio(client, server):
+    whole = speak(server)["audio"]
+    chunks = list(
+        client.chat.completions.create(
+            model="x",
+            messages=MESSAGES,
+            audio={"voice": "Chelsie", "format": "wav"},
+            modalities=["text", "audio"],
+            temperature=0,
+            max_tokens=6,
+            seed=5,
+            stream=True,
+            extra_body=EXTRA,
+        )  # fmt: skip
+    )
+    parts = [c.choices[0].delta.audio for c in chunks if c.choices and c.choices[0].delta.audio]
+    assert len({p.id for p in parts}) == 1
+    assert parts[0].transcript == whole["transcript"] and parts[-1].expires_at > 0
+    assert "".join(p.data or "" for p in parts) == whole["data"]
+
+
+def test_pcm16_is_raw_samples(server):
+    body = {"messages": MESSAGES, **SPEAK, **EXTRA, "audio": {"format": "pcm16"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    pcm = base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"])
+    _, _, frames = wav_of(speak(server)["audio"]["data"])
+    assert pcm == frames
+
+
+def test_the_seeds_sleep_sequence_leaves_the_audio_unchanged(server):
+    before = speak(server)["audio"]
+    for body in (
+        {"stage_ids": [0], "level": 2},
+        {"stage_ids": [1], "level": 1},
+        {"stage_ids": [0, 1]},
+    ):
+        r = httpx.post(server.url + "/v1/omni/sleep", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+    r = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [0, 1]}, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+    after = speak(server)["audio"]
+    assert wav_of(after["data"]) == wav_of(before["data"])
+    assert after["transcript"] == before["transcript"]
+
+
+def test_text_works_while_the_talker_sleeps_and_audio_is_503(server):
+    r = httpx.post(server.url + "/v1/omni/sleep", json={"stage_ids": [1], "level": 1}, timeout=60)
+    assert r.status_code == 200
+    try:
+        text = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 4},
+            timeout=60,
+        )
+        assert text.status_code == 200 and text.json()["choices"][0]["message"]["audio"] is None
+        speech = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": MESSAGES, **SPEAK, **EXTRA},
+            timeout=60,
+        )
+        assert speech.status_code == 503 and "Retry-After" in speech.headers
+    finally:
+        httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [1]}, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"audio": {"voice": "Nobody"}}, "audio.voice"),
+        ({"audio": {"format": "mp3"}}, "audio.format"),
+        ({"modalities": ["text"], "audio": {"voice": "Chelsie"}}, "audio"),
+        ({"talker_params": {"temperature": -1}}, "talker_params.temperature"),
+        ({"audio_params": {"num_steps": 0}}, "audio_params.num_steps"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
+                ]
+            },
+            "input_audio",
+        ),
+    ],
+)
+def test_bad_speech_requests_are_400_naming_the_field(server, change, field):
+    body = {"messages": MESSAGES, **SPEAK, **EXTRA, **change}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_audio_from_a_pipeline_without_a_speaker_is_400(plain_server):
+    body = {"messages": MESSAGES, "modalities": ["text", "audio"], "max_tokens": 2}
+    r = httpx.post(plain_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "modalities" in r.json()["error"]["message"]
