@@ -134,7 +134,11 @@ class StageConfig(_Frozen):
         "cache gets the rest. Replaces kv_cache_memory_fraction.",
     )
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
-    max_num_seqs: int = Field(default=32, gt=0, description="Most sequences decoded at once.")
+    max_num_seqs: int = Field(
+        default=32,
+        gt=0,
+        description="Most sequences decoded at once (code2wav: most utterances spoken at once).",
+    )
     enable_prefix_caching: bool = Field(
         default=True, description="AR: reuse the KV blocks of prompts that start alike."
     )

@@ -40,3 +40,15 @@ def test_relative_links_in_the_docs_resolve():
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
+
+
+def test_the_qwen_omni_guide_pipeline_is_valid():
+    import yaml
+
+    from omnistage.config import parse_pipeline_config
+
+    text = (ROOT / "docs" / "qwen-omni.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    config = parse_pipeline_config(yaml.safe_load(block), "docs/qwen-omni.md")
+    assert [s.model_stage for s in config.stages] == ["thinker", "talker", "code2wav"]
+    assert config.stages[1].kv_cache_bytes == 4 << 30

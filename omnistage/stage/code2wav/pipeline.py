@@ -37,8 +37,8 @@ from omnistage.models.loader import (
     plan_copies,
     shown,
 )
+from omnistage.models.meta import parameters_on_meta
 from omnistage.stage.code2wav.params import Code2WavLimits
-from omnistage.stage.diffusion.components import parameters_on_meta
 from omnistage.stage.sleep_control import WEIGHTS
 
 logger = logging.getLogger(__name__)

@@ -10,11 +10,8 @@ non-persistent ones (positional tables) are derived data that no checkpoint hold
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
-import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,12 +20,12 @@ import torch
 from torch import nn
 
 from omnistage.models.loader import CheckpointError
+from omnistage.models.meta import parameters_on_meta
 
 MODEL_INDEX = "model_index.json"
 # Weight file stems, in the order diffusers and transformers name them.
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 TORCH_LIBRARIES = ("diffusers", "transformers")
-_META_LOCK = threading.RLock()  # one ``parameters_on_meta`` build at a time
 
 
 @dataclass(frozen=True)
@@ -82,38 +79,6 @@ def component_weight_files(folder: str | Path) -> list[Path]:
         f"no weights in {folder}: expected diffusion_pytorch_model.safetensors or "
         "model.safetensors (or their .index.json); .bin checkpoints are not supported"
     )
-
-
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Within the block, parameters registered by this thread move to ``meta``; buffers stay
-    real.
-
-    Patches ``nn.Module.register_parameter`` process-wide (stage engines may be threads of one
-    process): builds take turns, so each restores what it found, and modules that other
-    threads build meanwhile are left alone. Each parameter is first made by its module as an
-    uninitialised CPU tensor (no pages are touched), then replaced before its initialiser runs.
-    """
-    with _META_LOCK:
-        original = nn.Module.register_parameter
-        builder = threading.get_ident()
-
-        def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-            original(module, name, param)
-            if (
-                param is not None
-                and param.device.type != "meta"
-                and threading.get_ident() == builder
-            ):
-                module._parameters[name] = nn.Parameter(
-                    param.to("meta"), requires_grad=param.requires_grad
-                )
-
-        nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
-        try:
-            yield
-        finally:
-            nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def _library_class(spec: ComponentSpec) -> Any:
