@@ -30,7 +30,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
     p.add_argument(
         "name",
-        choices=["arena", "ar", "diffusion", "control", "robustness", "rollouts", "all"],
+        choices=["arena", "ar", "diffusion", "control", "robustness", "rollouts", "omni", "all"],
         help="Which benchmark to run.",
     )
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
@@ -62,7 +62,7 @@ def _bench_list(text: str, flag: str) -> list[str]:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ["arena", "ar", "diffusion", "control", "robustness", "rollouts"]
+    names = ["arena", "ar", "diffusion", "control", "robustness", "rollouts", "omni"]
     names = names if args.name == "all" else [args.name]
     if args.repeats < 1:
         raise SystemExit(f"omnistage bench: --repeats must be at least 1, got {args.repeats}")

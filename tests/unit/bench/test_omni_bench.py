@@ -1,0 +1,110 @@
+"""The Qwen2.5-Omni benchmark: its comparisons and summaries on made-up outputs, the command
+line, and one real run with tiny settings (two prompts, 4 thinker tokens, 8 speech codes, 2
+ODE steps, one sleep cycle per stage and level; stages as threads instead of processes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omnistage import cli
+from omnistage.bench import omni as bench
+
+
+def speech(prompt: str = "hi", codes: tuple[int, ...] = (1, 2), wave: Any = (0.5, -0.25)):
+    return bench.Speech(prompt, [7, 8], list(codes), np.asarray(wave, dtype=np.float32), 4)
+
+
+def test_compare_counts_agreement_and_measures_the_difference_against_the_peak():
+    alone = [speech("a"), speech("b")]
+    same = bench.compare("x2", alone, [speech("a"), speech("b")])
+    assert same["same_codes"] == "2/2" and same["max_abs_diff_over_peak"] == 0.0
+    other = [speech("a", codes=(1, 3), wave=(0.5, -0.3)), speech("b", wave=(0.5, -0.25, 0.0))]
+    row = bench.compare("transformers", alone, other)
+    assert row["same_thinker_ids"] == "2/2" and row["same_codes"] == "1/2"
+    assert row["same_length"] == "1/2"  # the other length is left out of the difference
+    assert row["max_abs_diff_over_peak"] == pytest.approx(0.05 / 0.5)
+    assert bench.compare("none", alone[:1], other[1:])["max_abs_diff_over_peak"] is None
+    assert set(bench.AUDIO_COLUMNS) <= set(row)
+
+
+def test_identical_means_ids_codes_and_every_sample():
+    assert bench.identical(speech(), speech())
+    assert not bench.identical(speech(), speech(wave=(0.5, -0.2500001)))
+    assert not bench.identical(speech(), speech(codes=(1,)))
+
+
+def test_rows_are_ratios_against_the_baseline_and_medians():
+    run = bench.Timed(2.0, [speech(), speech()], {"thinker": [0.1, 0.3], "talker": [0.5]})
+    row = bench.throughput_row("omnistage", 8, run, baseline_s=3.0)
+    assert row["audio_s"] == pytest.approx(1.0) and row["rtf"] == pytest.approx(2.0)
+    assert row["requests_per_s"] == 1.0 and row["speedup_vs_transformers"] == 1.5
+    assert row["thinker_ms"] == pytest.approx(200) and row["code2wav_ms"] is None
+    cycles = [dict.fromkeys(bench.SLEEP_TIMED, v) | {"same_audio": v != 3} for v in (1, 3, 2)]
+    sleep = bench.sleep_row("1 (talker)", 2, cycles)
+    assert sleep["wake_ms"] == 2 and sleep["same_audio"] is False
+    bench.add_cold_start(sleep, 400.0)
+    assert sleep["wake_speedup_vs_cold_start"] == 100.0
+    assert set(bench.SLEEP_COLUMNS) <= set(sleep)
+
+
+def test_a_failed_sleep_is_an_error_not_a_figure():
+    with pytest.raises(bench.OmniBenchError, match="talker sleep"):
+        bench._check("talker sleep level 1", [{"status": "ERROR"}])
+
+
+def test_cli_runs_omni_alone_and_in_all(tmp_path, monkeypatch):
+    import importlib
+
+    called: list[str] = []
+    names = ["arena", "ar", "diffusion", "control", "robustness", "rollouts", "omni"]
+    for name in names:
+        module = importlib.import_module(f"omnistage.bench.{name}")
+        monkeypatch.setattr(module, "run", lambda out, _n=name, **kw: called.append(_n) or "")
+    assert cli.main(["bench", "omni", "--out", str(tmp_path)]) == 0
+    assert called == ["omni"]
+    assert cli.main(["bench", "all", "--out", str(tmp_path)]) == 0
+    assert called[1:] == names
+
+
+@pytest.mark.slow
+def test_a_tiny_run_writes_the_three_tables(tmp_path):
+    settings = bench.Settings(
+        prompts=bench.PROMPTS[:2],
+        thinker_tokens=4,
+        talker_tokens=8,
+        num_steps=2,
+        concurrency=(1, 2),
+        repeats=1,
+    )
+    tables = bench.run(str(tmp_path), settings=settings, in_process=True)
+    assert tables.count("| engine |") == 1 and "| 2 (code2wav) | 2 |" in tables
+
+    def load(part: str) -> dict[str, Any]:
+        return json.loads((tmp_path / f"omni-cpu-{part}.json").read_text())
+
+    throughput = load("throughput")
+    assert throughput["env"]["torch"]
+    rows = throughput["rows"]
+    assert [(r["engine"], r["concurrency"]) for r in rows] == [
+        ("transformers", 1),
+        ("omnistage", 1),
+        ("omnistage", 2),
+    ]
+    assert all(r["requests"] == 2 and r["audio_s"] > 0 and r["rtf"] > 0 for r in rows)
+    assert all(r[f"{stage}_ms"] > 0 for r in rows for stage in ("thinker", "talker", "code2wav"))
+    batch, shipped, restored = load("audio")["rows"]
+    assert batch["same_codes"] == "2/2" and batch["max_abs_diff_over_peak"] == 0.0
+    assert shipped["same_thinker_ids"] == "2/2"  # only the talker's prefill differs there
+    assert restored["same_codes"] == "2/2" and restored["max_abs_diff_over_peak"] < 1e-3
+    sleep = load("sleep")["rows"]
+    assert [(r["stage"], r["level"]) for r in sleep] == [
+        (f"{i} ({name})", level)
+        for i, name in enumerate(["thinker", "talker", "code2wav"])
+        for level in (1, 2)
+    ]
+    assert all(r["same_audio"] for r in sleep)
+    assert all(r["freed_mib"] > 0 for r in sleep if r["level"] == 2)
