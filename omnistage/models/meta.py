@@ -13,7 +13,33 @@ from collections.abc import Iterator
 
 from torch import nn
 
-_META_LOCK = threading.RLock()  # one ``parameters_on_meta`` build at a time
+_META_LOCK = threading.RLock()  # one ``parameters_on_meta`` / ``no_weight_init`` at a time
+# The in-place initialisers of ``torch.nn.init`` (``normal_``, ``kaiming_uniform_``, ...).
+_INITIALISERS = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+
+
+def _unchanged(tensor: object, *args: object, **kwargs: object) -> object:
+    return tensor
+
+
+@contextlib.contextmanager
+def no_weight_init() -> Iterator[None]:
+    """Within the block, ``torch.nn.init``'s initialisers leave tensors as they are.
+
+    Weights built on ``meta`` are filled by the loader, so initialising them is wasted work —
+    and not cheap: the first initialiser run on a meta tensor imports ``torch._dynamo``
+    (about 1 s of a stage's cold start). Patches ``torch.nn.init`` process-wide, under the
+    same lock as ``parameters_on_meta``; modules' own in-place fills still run.
+    """
+    with _META_LOCK:
+        saved = {name: getattr(nn.init, name) for name in _INITIALISERS}
+        for name in _INITIALISERS:
+            setattr(nn.init, name, _unchanged)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
 
 
 @contextlib.contextmanager
@@ -26,7 +52,7 @@ def parameters_on_meta() -> Iterator[None]:
     threads build meanwhile are left alone. Each parameter is first made by its module as an
     uninitialised CPU tensor (no pages are touched), then replaced before its initialiser runs.
     """
-    with _META_LOCK:
+    with _META_LOCK, no_weight_init():
         original = nn.Module.register_parameter
         builder = threading.get_ident()
 

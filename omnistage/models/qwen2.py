@@ -31,6 +31,7 @@ from omnistage.models.ar_attention import (
     store_kv,
 )
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
+from omnistage.models.meta import no_weight_init
 
 # ATen runs an elementwise CPU op on one thread below this many elements
 # (at::internal::GRAIN_SIZE).
@@ -244,7 +245,7 @@ class Qwen2ForCausalLM(nn.Module):
     @classmethod
     def on_meta(cls, config: ARModelConfig, dtype: torch.dtype) -> Qwen2ForCausalLM:
         """Build without memory for the weights (adopt into an arena, then load)."""
-        with torch.device("meta"):
+        with torch.device("meta"), no_weight_init():
             return cls(config, dtype)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,14 @@ from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from omnistage.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import jinja2
 
 # Prompt tokens kept as decoding context: some decoders (SentencePiece-style) drop a leading
 # space unless the text starts mid-stream.
@@ -60,6 +60,8 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.exceptions.TemplateError(message)
 
 
@@ -128,6 +130,10 @@ class Tokenizer:
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
+        # jinja2 is imported here: stage processes detokenize but never render templates.
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
         if self.chat_template is None:
             raise InvalidRequestError(
                 "messages", "this model has no chat template (tokenizer_config.json)"
@@ -146,6 +152,8 @@ class Tokenizer:
         """The prompt text for ``messages``; template errors raise ``InvalidRequestError``."""
         if not isinstance(messages, Sequence) or not all(isinstance(m, dict) for m in messages):
             raise InvalidRequestError("messages", "must be a list of {'role', 'content'} dicts")
+        import jinja2
+
         try:
             return self._compiled_template.render(
                 messages=list(messages),
