@@ -195,13 +195,7 @@ class Arena:
                 if state.is_asleep:
                     report.skipped_tags.append(tag)
                     continue
-                for region in state.regions:
-                    if region.host_backup is None:
-                        region.host_backup = self.backend.new_host_backup(region.nbytes)
-                    self.backend.prepare_host_backup(region.host_backup)
-                    region.host_backup.copy_(self.backend.as_tensor(region))
-                    report.backup_bytes += region.nbytes
-                self.backend.synchronize()
+                report.backup_bytes += self._save_all(tag, state)
                 report.freed_bytes += self._unmap_all(state)
                 state.is_asleep, state.is_offloaded = True, True
                 report.offloaded_tags.append(tag)
@@ -220,20 +214,23 @@ class Arena:
         report.latency_ms = (time.perf_counter() - start) * 1e3
         return report
 
-    def wake(self, tags: Iterable[str] | None = None) -> WakeReport:
+    def wake(self, tags: Iterable[str] | None = None, *, fill: Iterable[str] = ()) -> WakeReport:
         """Map memory back for the named tags (all asleep tags by default).
 
         Offloaded tags get their contents back; discarded tags come back with undefined
-        contents and ``is_valid(tag)`` False until ``mark_valid``. On failure everything this
-        call mapped is released again, the tags stay asleep, and ``ArenaWakeError`` carries
-        the report; a later wake can retry.
+        contents and ``is_valid(tag)`` False until ``mark_valid``. ``fill`` names discarded
+        tags the caller is about to write in full (a reload): their fresh memory is faulted
+        in by those writes instead of up front. On failure everything this call mapped is
+        released again (restored contents go back to their backups), the tags stay asleep,
+        and ``ArenaWakeError`` carries the report; a later wake can retry.
         """
         start = time.perf_counter()
         report = WakeReport()
+        lazy = set(fill)
         with self._lock:
             names = list(self._tags) if tags is None else list(dict.fromkeys(tags))
             self._check_tags(names)
-            mapped: list[Region] = []
+            mapped: list[tuple[Region, bool]] = []  # (region, restored from its backup)
             try:
                 for tag in names:
                     state = self._tags[tag]
@@ -241,20 +238,24 @@ class Arena:
                         report.skipped_tags.append(tag)
                         continue
                     for region in state.regions:
-                        self.backend.map(region)
-                        mapped.append(region)
-                        report.mapped_bytes += region.nbytes
-                        if state.is_offloaded and region.host_backup is not None:
-                            self.backend.as_tensor(region).copy_(region.host_backup)
+                        if state.is_offloaded:
+                            self.backend.restore(region)
                             report.restored_bytes += region.nbytes
+                        else:
+                            self.backend.map(region, populate=tag not in lazy)
+                        mapped.append((region, state.is_offloaded))
+                        report.mapped_bytes += region.nbytes
                     (report.restored_tags if state.is_offloaded else report.invalid_tags).append(
                         tag
                     )
                 self.backend.synchronize()
             except Exception as exc:
-                for region in mapped:
+                for region, restored in reversed(mapped):
                     with contextlib.suppress(Exception):  # keep rolling back the rest
-                        self.backend.unmap(region)
+                        if restored:
+                            self.backend.unrestore(region)
+                        else:
+                            self.backend.unmap(region)
                 report.error = f"{type(exc).__name__}: {exc}"
                 report.restored_tags.clear()
                 report.invalid_tags.clear()
@@ -269,6 +270,31 @@ class Arena:
                 state.is_asleep, state.is_offloaded = False, False
         report.latency_ms = (time.perf_counter() - start) * 1e3
         return report
+
+    def _save_all(self, tag: str, state: _Tag) -> int:
+        """Put every region of an awake tag into its host backup; all or none: on failure the
+        regions saved are put back (``ArenaError``; the tag stays awake) — or, if even that
+        fails, the tag is left asleep with its contents lost, the one consistent state."""
+        saved: list[Region] = []
+        try:
+            for region in state.regions:
+                self.backend.save(region)
+                saved.append(region)
+            self.backend.synchronize()
+        except Exception as exc:
+            try:
+                for region in reversed(saved):
+                    self.backend.unsave(region)
+            except Exception:
+                with contextlib.suppress(Exception):
+                    self._unmap_all(state)
+                state.is_asleep, state.is_offloaded, state.is_valid = True, False, False
+                raise ArenaError(
+                    f"offloading {tag!r} failed ({exc}) and so did putting it back: "
+                    "it is asleep with its contents lost"
+                ) from exc
+            raise ArenaError(f"offloading {tag!r} failed and was rolled back: {exc}") from exc
+        return sum(region.nbytes for region in saved)
 
     def _unmap_all(self, state: _Tag) -> int:
         freed = 0

@@ -4,12 +4,21 @@ A backend hands out *regions*: a fixed virtual address range whose physical memo
 released and mapped again without the address changing. The arena above it knows nothing
 of how that is done; the host backend uses an anonymous private mapping and
 ``madvise(MADV_DONTNEED)``, the CUDA backend (``cuda_vmm.py``) the driver's virtual-memory API.
+
+An offload (level 1) keeps a region's contents in a host *backup*. On CUDA that is a copy to
+pinned host memory and back. On the host the backup would be host memory too, so the host
+backend moves the pages instead of copying them (``mremap`` with ``MREMAP_DONTUNMAP``): the
+region's address stays mapped, empty, and the pages come back to it on wake — page-table
+updates, no bytes copied, no fresh pages to zero.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
+import os
+import sys
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -46,7 +55,12 @@ class Region:
 
 
 class Backend(ABC):
-    """What the arena needs from a memory backend."""
+    """What the arena needs from a memory backend.
+
+    An offload is ``save`` then ``unmap`` (``unsave`` undoes a ``save`` whose offload is rolled
+    back); a wake from it is ``restore`` (``unrestore`` undoes one whose wake is rolled back).
+    The defaults copy to and from ``new_host_backup`` buffers.
+    """
 
     device: torch.device
 
@@ -63,8 +77,11 @@ class Backend(ABC):
         """Release the region's physical memory; the address stays reserved."""
 
     @abstractmethod
-    def map(self, region: Region) -> None:
-        """Map fresh physical memory at the region's address (contents undefined)."""
+    def map(self, region: Region, populate: bool = True) -> None:
+        """Map fresh physical memory at the region's address (contents undefined).
+
+        ``populate=False`` lets a backend leave the memory to be faulted in by the first
+        writes (the host's, when a reload is about to write every page)."""
 
     @abstractmethod
     def free(self, region: Region) -> None:
@@ -87,6 +104,31 @@ class Backend(ABC):
     def prepare_host_backup(self, backup: torch.Tensor) -> None:  # noqa: B027 - optional hook
         """Make the backup ready to be written (e.g. fault its pages in) before an offload."""
 
+    def save(self, region: Region) -> None:
+        """Put the region's contents into its host backup (the first half of an offload)."""
+        if region.host_backup is None:
+            region.host_backup = self.new_host_backup(region.nbytes)
+        self.prepare_host_backup(region.host_backup)
+        region.host_backup.copy_(self.as_tensor(region))
+
+    def unsave(self, region: Region) -> None:  # noqa: B027 - a copy left the region as it was
+        """Undo ``save`` for an offload rolled back before the region was unmapped."""
+
+    def restore(self, region: Region) -> None:
+        """Map memory at the region's address holding its backup's contents."""
+        if region.host_backup is None:
+            raise ArenaError("restoring a region that has no host backup")
+        self.map(region)
+        try:
+            self.as_tensor(region).copy_(region.host_backup)
+        except BaseException:
+            self.unmap(region)
+            raise
+
+    def unrestore(self, region: Region) -> None:
+        """Undo ``restore`` for a wake rolled back (a copied backup still holds the contents)."""
+        self.unmap(region)
+
     def synchronize(self) -> None:  # noqa: B027 - a no-op where the device is the host
         """Wait for all device work touching arena memory to finish."""
 
@@ -100,6 +142,7 @@ class _HostMapping:
     mm: mmap.mmap
     offset: int
     nbytes: int
+    address: int  # of the first byte at ``offset``
 
     def tensor(self) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.offset, count=self.nbytes)  # type: ignore[call-overload]
@@ -115,21 +158,103 @@ class _HostMapping:
             self.mm.madvise(_MADV_POPULATE_WRITE, self.offset, self.nbytes)
 
 
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
+_MOVE_FLAGS = _MREMAP_MAYMOVE | _MREMAP_FIXED | _MREMAP_DONTUNMAP
+
+
+class PageMover:
+    """Moves the pages of an address range to another range of this process, in the kernel.
+
+    ``mremap(MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP)`` (Linux 5.7+): the pages'
+    page-table entries move to the destination — whatever was mapped there is unmapped — and
+    the source keeps its mapping, empty (reads give zeros, writes fault in fresh pages). A
+    2 MiB-aligned range of transparent huge pages moves as whole page-table entries.
+    """
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._mremap = libc.mremap
+        self._mremap.restype = ctypes.c_void_p
+        self._mremap.argtypes = [
+            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+        ]  # fmt: skip
+
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        if self._mremap(src, nbytes, nbytes, _MOVE_FLAGS, dst) != dst:
+            err = ctypes.get_errno()
+            raise ArenaError(f"moving {nbytes} bytes of pages failed: {os.strerror(err)}")
+
+    def works(self) -> bool:
+        """Whether this kernel moves pages as ``move`` needs (probed on two small mappings)."""
+        size = 2 * PAGE_SIZE
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        with mmap.mmap(-1, size, flags=flags) as a, mmap.mmap(-1, size, flags=flags) as b:
+            a[0], b[0] = 7, 0
+            src, dst = _address(a), _address(b)
+            try:
+                self.move(src, dst, size)
+            except ArenaError:
+                return False
+            return b[0] == 7 and a[0] == 0
+
+
+def _address(mm: mmap.mmap) -> int:
+    """The address of a mapping's first byte (the probe's buffer export ends at once)."""
+    probe = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(probe)
+    finally:
+        del probe
+
+
+_PAGE_MOVER: PageMover | None | bool = False  # False: not probed yet
+
+
+def page_mover() -> PageMover | None:
+    """The process's ``PageMover``, or None where the kernel cannot move pages (not Linux,
+    Linux before 5.7) and offloads copy instead."""
+    global _PAGE_MOVER
+    if _PAGE_MOVER is False:
+        mover = None
+        if sys.platform.startswith("linux"):
+            with contextlib.suppress(OSError, AttributeError):
+                candidate = PageMover()
+                mover = candidate if candidate.works() else None
+        _PAGE_MOVER = mover
+    return _PAGE_MOVER  # type: ignore[return-value]
+
+
 class HostBackend(Backend):
     """Anonymous private mappings on the host, released with ``MADV_DONTNEED``.
 
     ``MAP_PRIVATE`` matters: on a shared mapping ``MADV_DONTNEED`` frees nothing and the
     old contents survive. ``capacity_bytes`` caps the bytes mapped at once so tests (and
     operators who want a hard budget) can see an out-of-memory wake and its rollback.
+    ``move_pages`` (default: where the kernel can) offloads by moving pages to the backup and
+    back instead of copying them; either way the process keeps the bytes (a host offload never
+    leaves host memory) and the region's own memory is what is released.
     """
 
-    def __init__(self, capacity_bytes: int | None = None, use_huge_pages: bool = True) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        use_huge_pages: bool = True,
+        move_pages: bool | None = None,
+    ) -> None:
         self.device = torch.device("cpu")
         self.capacity_bytes = capacity_bytes
         self.use_huge_pages = use_huge_pages
+        mover = page_mover() if move_pages is not False else None
+        if move_pages and mover is None:
+            raise ArenaError("this kernel cannot move pages (mremap MREMAP_DONTUNMAP, Linux 5.7+)")
+        self._mover = mover
         self._mapped_bytes = 0
         self._lock = threading.Lock()
         self._backup_owner: dict[int, _HostMapping] = {}
+
+    @property
+    def moves_pages(self) -> bool:
+        return self._mover is not None
 
     @property
     def granularity(self) -> int:
@@ -158,14 +283,14 @@ class HostBackend(Backend):
     def _new_mapping(self, nbytes: int) -> _HostMapping:
         if not self.use_huge_pages:
             mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            return _HostMapping(mm, 0, nbytes)
+            return _HostMapping(mm, 0, nbytes, _address(mm))
         # Transparent huge pages only back 2 MiB-aligned ranges: over-map and align.
         mm = mmap.mmap(-1, nbytes + HUGE_PAGE_SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        base = torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr()  # type: ignore[call-overload]
+        base = _address(mm)
         offset = round_up(base, HUGE_PAGE_SIZE) - base
         if hasattr(mmap, "MADV_HUGEPAGE"):
             mm.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
-        return _HostMapping(mm, offset, nbytes)
+        return _HostMapping(mm, offset, nbytes, base + offset)
 
     def allocate(self, nbytes: int) -> Region:
         size = round_up(max(nbytes, 1), self.granularity)
@@ -194,14 +319,59 @@ class HostBackend(Backend):
         region.is_mapped = False
         self._uncharge(region.nbytes)
 
-    def map(self, region: Region) -> None:
+    def map(self, region: Region, populate: bool = True) -> None:
         if region.is_mapped:
             return
         self._charge(region.nbytes)
-        self._mapping(region).populate()
+        if populate:
+            self._mapping(region).populate()
         region.is_mapped = True
 
+    # -- offload by moving pages (the copying defaults where the kernel cannot) -----------
+
+    def _backup_mapping(self, region: Region) -> _HostMapping:
+        if region.host_backup is None:
+            region.host_backup = self.new_host_backup(region.nbytes)
+        return self._backup_owner[region.host_backup.data_ptr()]
+
+    def save(self, region: Region) -> None:
+        if self._mover is None:
+            return super().save(region)
+        # A fresh backup is address space only: nothing to fault in, nothing to compact.
+        backup = self._backup_mapping(region)
+        self._mover.move(self._mapping(region).address, backup.address, region.nbytes)
+
+    def unsave(self, region: Region) -> None:
+        if self._mover is not None:
+            backup = self._backup_mapping(region)
+            self._mover.move(backup.address, self._mapping(region).address, region.nbytes)
+
+    def restore(self, region: Region) -> None:
+        if self._mover is None:
+            return super().restore(region)
+        if region.is_mapped:
+            return
+        backup = self._backup_mapping(region)
+        self._charge(region.nbytes)
+        try:
+            self._mover.move(backup.address, self._mapping(region).address, region.nbytes)
+        except BaseException:
+            self._uncharge(region.nbytes)
+            raise
+        region.is_mapped = True
+
+    def unrestore(self, region: Region) -> None:
+        if self._mover is None:
+            return super().unrestore(region)
+        if not region.is_mapped:
+            return
+        backup = self._backup_mapping(region)
+        self._mover.move(self._mapping(region).address, backup.address, region.nbytes)
+        region.is_mapped = False
+        self._uncharge(region.nbytes)
+
     def free(self, region: Region) -> None:
+        self.drop_host_backup(region)
         if region.is_mapped:
             self._uncharge(region.nbytes)
             region.is_mapped = False
@@ -236,5 +406,5 @@ class HostBackend(Backend):
 
     def prepare_host_backup(self, backup: torch.Tensor) -> None:
         mapping = self._backup_owner.get(backup.data_ptr())
-        if mapping is not None:
+        if mapping is not None and self._mover is None:  # moved pages need no fresh ones
             mapping.populate()

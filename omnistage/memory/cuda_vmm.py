@@ -143,7 +143,7 @@ class CudaVmmBackend(Backend):
             raise
         return region
 
-    def map(self, region: Region) -> None:
+    def map(self, region: Region, populate: bool = True) -> None:
         """Map every chunk that is not mapped; on failure unmap what this call mapped."""
         if region.is_mapped:
             return

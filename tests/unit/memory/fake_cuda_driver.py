@@ -146,7 +146,7 @@ class FakeVmmBackend(CudaVmmBackend):
             self.memory[base] = torch.full((region.nbytes,), 0xAB, dtype=torch.uint8)
         return self.memory[base]
 
-    def map(self, region: Region) -> None:
+    def map(self, region: Region, populate: bool = True) -> None:
         was_mapped = region.is_mapped
         super().map(region)
         if not was_mapped and self._vmm(region).base in self.memory:
