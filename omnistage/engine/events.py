@@ -43,6 +43,8 @@ def log_sleep(
     }
     if m.host_backup_bytes:
         fields["host_backup_bytes"] = m.host_backup_bytes
+    if m.gbps:
+        fields["gbps"] = m.gbps
     if m.aborted or m.preempted:
         fields.update(aborted=m.aborted, preempted=m.preempted)
     done = f"{name} is asleep (level {m.level}, {ack.freed_bytes} bytes freed)"
@@ -68,11 +70,14 @@ def log_wake(
         "tags": m.tags,
         "restored_bytes": m.restored_bytes,
         "latency_ms": _ms(m.latency_ms),
+        "gbps": m.gbps,
         "elapsed_ms": _ms(elapsed_ms),
         "reload": reload,
         "weights_valid": m.weights_valid,
         "trigger": trigger,
     }
+    if m.reload_gbps:
+        fields["reload_gbps"] = m.reload_gbps
     done = f"{name} is awake (from level {m.level})"
     _log_outcome(logger, "wake", ack, fields, logging.ERROR, f"{name} is already awake", done)
 

@@ -1,8 +1,10 @@
 """Safetensors checkpoints straight into existing (arena-backed) tensors.
 
-The file is memory-mapped and each tensor is copied from the mapping into its destination,
-so no second full copy of the model is ever held. Loading into tensors that already exist is
-also how level-2 wake works: the same call refills the same addresses.
+Each tensor's bytes are read from the file straight into its destination (``file_reader``:
+``preadv`` on several threads, through pinned buffers to a device), or copied out of a memory
+mapping of the file where the dtype changes on the way; no second full copy of the model is
+ever held. Loading into tensors that already exist is also how level-2 wake works: the same
+call refills the same addresses.
 
 Checkpoint paths come from operators (``update_weights``), so nothing about a file is
 trusted: only regular files are opened, the header is validated against the file's size
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 from omnistage.errors import CheckpointError
+from omnistage.models.file_reader import FileSpan, read_spans
+from omnistage.models.finite import nonfinite_values
 
 __all__ = ["CheckpointError", "LoadReport", "SafetensorsFile", "load_into", "load_module"]
 
@@ -44,7 +48,6 @@ _DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_JSON_BYTES = 100 * 1024 * 1024  # headers and indexes; the safetensors library's limit
-_FINITE_CHUNK = 1 << 24  # elements per finiteness check: bounds the float8 widening copy
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a device", stat.S_IFBLK: "a device"}
 
 
@@ -225,8 +228,9 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 class SafetensorsFile:
     """A memory-mapped safetensors file whose tensors are zero-copy views of the mapping.
 
-    The header is validated on opening (see ``TensorEntry``); the file descriptor is closed
-    at once, the mapping by ``close``. A failed opening leaves nothing open.
+    The header is validated on opening (see ``TensorEntry``); the file stays open (``fd``, for
+    reads straight into destinations: the file checked, not a path opened again) and mapped
+    until ``close``. A failed opening leaves nothing open.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -237,9 +241,12 @@ class SafetensorsFile:
             # ACCESS_COPY: writable for torch.frombuffer, never written back to the file.
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         except OSError as exc:  # EIO, ENOMEM
-            raise CheckpointError(f"cannot read {shown(self.path)}: {exc}") from exc
-        finally:
             os.close(fd)
+            raise CheckpointError(f"cannot read {shown(self.path)}: {exc}") from exc
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -251,9 +258,20 @@ class SafetensorsFile:
         flat = torch.frombuffer(self._mm, dtype=torch.uint8, offset=entry.start, count=entry.nbytes)
         return flat.view(entry.dtype).view(entry.shape)
 
+    def span(self, key: str, dest: torch.Tensor, name: str) -> FileSpan | None:
+        """The read of tensor ``key`` straight into ``dest``; None when bytes cannot go there
+        as they are (another dtype, a non-contiguous destination)."""
+        entry = self.entries[key]
+        if dest.dtype != entry.dtype or not dest.is_contiguous() or entry.nbytes == 0:
+            return None
+        return FileSpan(self.fd, entry.start, entry.nbytes, dest, name)
+
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # a view still alive keeps the mapping
             self._mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> SafetensorsFile:
         return self
@@ -278,9 +296,15 @@ class CopyPlan:
 
     def run(self) -> int:
         """Copy every planned tensor in place; returns the bytes written."""
+        spans = []
         with torch.no_grad():
-            for _, dest, st, key in self.copies:
-                dest.copy_(st.tensor(key))  # one mapped view alive at a time
+            for name, dest, st, key in self.copies:
+                span = st.span(key, dest, name)
+                if span is not None:
+                    spans.append(span)
+                else:
+                    dest.copy_(st.tensor(key))  # converted; one mapped view alive at a time
+            read_spans(spans)
         return sum(dest.numel() * dest.element_size() for _, dest, _, _ in self.copies)
 
 
@@ -344,31 +368,6 @@ def plan_copies(
 
 def _few(names: list[str]) -> str:
     return f"{[shown(n) for n in names[:8]]}{'...' if len(names) > 8 else ''}"
-
-
-def nonfinite_values(src: torch.Tensor, target_dtype: torch.dtype) -> str:
-    """What in ``src`` is, or would become in ``target_dtype``, NaN or Inf ('' if nothing).
-
-    A finite min and max bound every value, and NaN propagates to both, so one ``aminmax``
-    pass per chunk answers; values are counted only in a chunk known to be bad.
-    """
-    if not src.is_floating_point() or src.numel() == 0:
-        return ""
-    limit = torch.finfo(src.dtype).max
-    if target_dtype.is_floating_point:  # a narrower target turns large values into Inf
-        limit = min(limit, torch.finfo(target_dtype).max)
-    nonfinite = overflow = 0
-    for chunk in src.reshape(-1).split(_FINITE_CHUNK):
-        wide = chunk.float() if chunk.element_size() == 1 else chunk  # float8 cannot reduce
-        low, high = torch.aminmax(wide)
-        if -limit <= float(low) <= float(high) <= limit:  # False for NaN
-            continue
-        finite = torch.isfinite(wide)
-        nonfinite += int(finite.numel() - finite.sum())
-        overflow += int((finite & (wide.abs() > limit)).sum())
-    found = [f"{nonfinite} non-finite (NaN/Inf) values"] if nonfinite else []
-    found += [f"{overflow} values beyond the range of {target_dtype}"] if overflow else []
-    return " and ".join(found)
 
 
 def load_into(

@@ -125,6 +125,10 @@ class AckMetadata(msgspec.Struct):
     cuda_graph_recalled: bool = False
     host_backup_bytes: int = 0
     restored_bytes: int = 0
+    # Achieved GB/s: a wake's restored_bytes over its latency_ms; a level-1 sleep's bytes
+    # offloaded over the arena's time for them. 0.0 where nothing was moved.
+    gbps: float = 0.0
+    reload_gbps: float = 0.0  # a wake that reloaded discarded weights: bytes read / reload time
     resident_bytes_before: int = 0
     resident_bytes_after: int = 0
     aborted: int = 0

@@ -35,7 +35,9 @@ class WeightSource(Protocol):
     @property
     def description(self) -> str: ...
 
-    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None: ...
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> int:
+        """Copy the weights in; returns the bytes copied."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +50,9 @@ class CheckpointSource:
     def description(self) -> str:
         return str(self.path)
 
-    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None:
-        load_weights(self.path, strict=strict, check_finite=check_finite)
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> int:
+        loaded = load_weights(self.path, strict=strict, check_finite=check_finite)
+        return int(getattr(loaded, "num_bytes", loaded) or 0)  # a LoadReport or a count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,7 @@ class SyncedSource:
     def description(self) -> str:
         return f"{SYNC_PREFIX}{self.version}"
 
-    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> None:
+    def load(self, load_weights: LoadWeights, *, strict: bool, check_finite: bool) -> int:
         if self.tensors is None or self.targets is None:
             raise CheckpointError(
                 f"weights version {self.version!r} came from a trainer and left with the process "
@@ -81,6 +84,7 @@ class SyncedSource:
         with torch.no_grad():
             for name, tensor in self.tensors.items():
                 targets[name].copy_(tensor)
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def missing(self) -> list[str]:
         """Weights this source does not carry (tied weights count once)."""
@@ -89,6 +93,10 @@ class SyncedSource:
         targets = self.targets()
         held = {t.data_ptr() for name, t in targets.items() if name in self.tensors}
         return [n for n, t in targets.items() if t.data_ptr() not in held]
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if nbytes and seconds > 0 else 0.0
 
 
 def checkpoint_source(path: str | Path, field: str = "path") -> CheckpointSource:
@@ -227,6 +235,7 @@ class SleepController:
             **metadata,
         )
         ack.freed_bytes = max(0, before - ack.metadata.resident_bytes_after)
+        ack.metadata.gbps = _gbps(report.backup_bytes, report.latency_ms / 1e3)
         return ack
 
     def wake_up(
@@ -240,8 +249,10 @@ class SleepController:
         woken_from = self.level
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()
+        # Discarded weights about to be reloaded get their pages faulted in by the reload.
+        fill = [WEIGHTS] if reload and WEIGHTS in chosen else []
         try:
-            report = self.arena.wake(chosen)
+            report = self.arena.wake(chosen, fill=fill)
         except ArenaWakeError as exc:
             return self._ack(
                 "ERROR", start, before, error_msg=str(exc), level=self.level, tags=chosen,
@@ -249,9 +260,12 @@ class SleepController:
             )  # fmt: skip
         # Weights woken without contents now, or earlier with reload=False, are reloaded.
         needs_reload = reload and WEIGHTS in chosen and not self.weights_valid
+        reload_gbps = 0.0
         if needs_reload:
             try:
-                self.reload()
+                reload_start = time.perf_counter()
+                reloaded = self.reload()
+                reload_gbps = _gbps(reloaded, time.perf_counter() - reload_start)
             except Exception as exc:
                 # Back to asleep, so that the stage is reported sleeping and a wake can retry.
                 self.arena.sleep(discard=report.invalid_tags)
@@ -273,7 +287,7 @@ class SleepController:
         if not self.is_sleeping:
             self.level = 0
         is_noop = report.is_noop and not needs_reload
-        return self._ack(
+        ack = self._ack(
             "SKIPPED" if is_noop else "SUCCESS",
             start,
             before,
@@ -281,14 +295,20 @@ class SleepController:
             level=woken_from,
             tags=[*report.restored_tags, *report.invalid_tags],
             restored_bytes=restored,
+            reload_gbps=reload_gbps,
             **metadata,
         )
+        ack.metadata.gbps = _gbps(restored, ack.metadata.latency_ms / 1e3)
+        return ack
 
-    def reload(self) -> None:
-        """Refill the (awake) weights from every source they came from, oldest first."""
+    def reload(self) -> int:
+        """Refill the (awake) weights from every source they came from, oldest first;
+        returns the bytes read."""
+        nbytes = 0
         for i, source in enumerate(self._weight_sources):
-            source.load(self._load_weights, strict=i == 0, check_finite=False)
+            nbytes += source.load(self._load_weights, strict=i == 0, check_finite=False)
         self.arena.mark_valid(WEIGHTS)
+        return nbytes
 
     def adopt_history(self, sources: Sequence[str], *, load: bool) -> None:
         """Take over the weight history of a previous process of this stage (a restart).

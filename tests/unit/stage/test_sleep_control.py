@@ -144,3 +144,67 @@ def test_sleep_failing_half_way_is_an_error_ack_that_reports_what_went_down(tmp_
     assert ack.metadata.sleeping_tags == ["weights"]
     assert control.wake_up().status == "SUCCESS"
     assert torch.equal(model.weight, expected)
+
+
+def test_acks_carry_the_achieved_throughput(stage):
+    _, control, _ = stage
+    slept = control.sleep(1)
+    assert slept.metadata.gbps > 0  # bytes offloaded over the arena's time
+    woke = control.wake_up()
+    assert woke.metadata.gbps > 0 and woke.metadata.reload_gbps == 0.0
+    control.sleep(2)
+    reloaded = control.wake_up()
+    assert reloaded.metadata.reload_gbps > 0 and reloaded.metadata.gbps > 0
+
+
+def test_a_reload_failing_half_way_is_rolled_back_and_the_next_wake_succeeds(stage, monkeypatch):
+    from omnistage.errors import CheckpointError
+    from omnistage.models import file_reader
+
+    model, control, _ = stage
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    original = file_reader._read_exactly
+    calls = {"n": 0}
+
+    def flaky(span, start, into):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first tensor is already in place
+            raise CheckpointError(f"tensor {span.name}: injected read failure")
+        original(span, start, into)
+
+    monkeypatch.setattr(file_reader, "_read_exactly", flaky)
+    control.sleep(2)
+    ack = control.wake_up()
+    assert ack.status == "ERROR" and "injected read failure" in ack.error_msg
+    assert control.is_sleeping and not control.weights_valid and control.level == 2
+    monkeypatch.undo()
+    assert control.wake_up().status == "SUCCESS"
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def test_an_offload_failing_half_way_leaves_the_stage_awake_and_serving(tmp_path, monkeypatch):
+    model = nn.Linear(64, 64)
+    expected = model.weight.detach().clone()
+    arena = Arena("cpu")
+    arena.adopt(model)
+    arena.empty((1024,), torch.float32, "weights")  # a second region under the same tag
+    control = SleepController(arena, 0, tmp_path, lambda p, strict, check_finite: 0)
+    original = arena.backend.save
+    calls = {"n": 0}
+
+    def flaky(region):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError("injected move failure")
+        original(region)
+
+    monkeypatch.setattr(arena.backend, "save", flaky)
+    ack = control.sleep(1, tags=["weights"])
+    assert ack.status == "ERROR" and "rolled back" in ack.error_msg
+    assert not control.is_sleeping and control.weights_valid and control.level == 0
+    control.check_can_generate()
+    assert torch.equal(model.weight, expected)
+    monkeypatch.undo()
+    assert control.sleep(1, tags=["weights"]).status == "SUCCESS"
+    assert control.wake_up().status == "SUCCESS"
+    assert torch.equal(model.weight, expected)

@@ -77,13 +77,20 @@ def test_time_points_sway_as_transformers():
 
 def test_the_stage_reads_only_token2wav_tensors(omni_folder, monkeypatch):
     read: list[str] = []
-    original = SafetensorsFile.tensor
+    original_tensor, original_span = SafetensorsFile.tensor, SafetensorsFile.span
 
-    def spy(self, name):
+    def spy(self, name):  # copied out of the mapping
         read.append(name)
-        return original(self, name)
+        return original_tensor(self, name)
+
+    def spy_span(self, key, dest, name):  # read straight into its destination
+        span = original_span(self, key, dest, name)
+        if span is not None:
+            read.append(key)
+        return span
 
     monkeypatch.setattr(SafetensorsFile, "tensor", spy)
+    monkeypatch.setattr(SafetensorsFile, "span", spy_span)
     arena = Arena("cpu")
     try:
         pipeline = Token2WavPipeline(omni_folder, arena)
