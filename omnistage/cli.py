@@ -26,11 +26,14 @@ def _run_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = ("arena", "ar", "diffusion", "control", "coldstart", "robustness", "rollouts", "omni")
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="Run a benchmark; writes JSON and a Markdown table.")
     p.add_argument(
         "name",
-        choices=["arena", "ar", "diffusion", "control", "robustness", "rollouts", "omni", "all"],
+        choices=[*BENCHMARKS, "all"],
         help="Which benchmark to run.",
     )
     p.add_argument("--out", default="bench-results", help="Folder for the JSON and table files.")
@@ -40,14 +43,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--pipelines",
-        default="tiny-chat,bench",
-        help="Pipelines for the control benchmark, comma-separated.",
+        default=None,
+        help="Pipelines for the control (default tiny-chat,bench) and coldstart (default "
+        "tiny-chat,tiny-omni) benchmarks, comma-separated.",
     )
     p.add_argument(
         "--repeats",
         type=int,
         default=3,
-        help="Cycles per measurement (median taken), for the arena and control benchmarks.",
+        help="Cycles per measurement (median taken), for the arena, control and coldstart "
+        "benchmarks.",
     )
     p.set_defaults(func=_run_bench)
 
@@ -62,8 +67,7 @@ def _bench_list(text: str, flag: str) -> list[str]:
 def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = ["arena", "ar", "diffusion", "control", "robustness", "rollouts", "omni"]
-    names = names if args.name == "all" else [args.name]
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
     if args.repeats < 1:
         raise SystemExit(f"omnistage bench: --repeats must be at least 1, got {args.repeats}")
     try:
@@ -72,15 +76,15 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"omnistage bench: --sizes-mib takes integers, got {args.sizes_mib!r}"
         ) from None
-    pipelines = tuple(_bench_list(args.pipelines, "--pipelines"))
+    chosen = {}
+    if args.pipelines is not None:
+        chosen["pipelines"] = tuple(_bench_list(args.pipelines, "--pipelines"))
     for name in names:
         module = importlib.import_module(f"omnistage.bench.{name}")
         if name == "arena":
             print(module.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
-        elif name == "control":
-            print(
-                module.run(args.out, device=args.device, pipelines=pipelines, repeats=args.repeats)
-            )
+        elif name in ("control", "coldstart"):
+            print(module.run(args.out, device=args.device, repeats=args.repeats, **chosen))
         else:
             print(module.run(args.out, device=args.device))
     return 0

@@ -12,8 +12,11 @@ For each size, one arena tensor under the tag ``weights`` goes through:
     host backend a level-1 offload never leaves host memory: its backup is another host
     mapping, and the sleep and wake are compared with a plain host copy.
 
-- **level 1** (``offload_*``): ``sleep(offload=["weights"])`` copies the bytes to the host
-  backup and releases the memory; ``wake()`` maps memory again and copies them back.
+- **level 1** (``offload_*``): ``sleep(offload=["weights"])`` puts the bytes in the host
+  backup and releases the memory; ``wake()`` maps memory again and puts them back. How
+  (column ``offload``): ``copy`` (CUDA; the host where the kernel cannot move pages) copies
+  them; ``move`` (the host's default) moves the pages to the backup and back. On the host
+  each size gets a row per mode, so the two compare against the same baseline in one run.
   ``sleep_vs_copy`` = ``offload_sleep_gbps / copy_out_gbps``, ``wake_vs_copy`` =
   ``offload_wake_gbps / copy_in_gbps``. ``bit_exact`` says every wake gave the bytes back.
   One untimed warm-up cycle comes first (it allocates the host backup, which the arena then
@@ -42,11 +45,13 @@ from typing import Any
 import torch
 
 from omnistage.bench.report import write_results
-from omnistage.memory import Arena, device_used_bytes, process_resident_bytes
+from omnistage.memory import Arena, HostBackend, device_used_bytes, process_resident_bytes
+from omnistage.memory.backend import page_mover
 
 MiB = 1024 * 1024
 _COMMON_COLUMNS = [
     "size_mib",
+    "offload",
     "copy_out_gbps",
     "offload_sleep_gbps",
     "sleep_vs_copy",
@@ -84,6 +89,7 @@ class DeviceOps:
     baseline_buffer: Callable[[int], torch.Tensor]  # the other end of the plain copy
     new_arena: Callable[[], Arena]
     cleanup: Callable[[], None]  # after each size: give cached memory back
+    offload: str = "copy"  # how a level-1 offload keeps the bytes: "copy" or "move"
 
     @property
     def freed_key(self) -> str:
@@ -98,7 +104,14 @@ def _empty_host_cache() -> None:
         empty()
 
 
-def device_ops(device: str) -> DeviceOps:
+def offload_modes(device: str) -> tuple[str, ...]:
+    """The level-1 offload paths to measure: both on a host whose kernel can move pages."""
+    if is_cuda(device) or page_mover() is None:
+        return ("copy",)
+    return ("move", "copy")
+
+
+def device_ops(device: str, offload: str | None = None) -> DeviceOps:
     if is_cuda(device):
         dev = torch.device(device)
 
@@ -116,14 +129,16 @@ def device_ops(device: str) -> DeviceOps:
             new_arena=lambda: Arena(dev),
             cleanup=cuda_cleanup,
         )
+    mode = offload or offload_modes(device)[0]
     return DeviceOps(
         device=device,
         cuda=False,
         synchronize=lambda: None,
         used_bytes=process_resident_bytes,
         baseline_buffer=lambda n: torch.empty(n, dtype=torch.uint8),
-        new_arena=lambda: Arena(device),
+        new_arena=lambda: Arena(device, backend=HostBackend(move_pages=mode == "move")),
         cleanup=lambda: None,
+        offload=mode,
     )
 
 
@@ -201,6 +216,7 @@ def bench_size(
     freed_key = ops.freed_key
     return {
         "size_mib": nbytes // MiB,
+        "offload": ops.offload,
         "copy_out_gbps": copy_out_gbps,
         "offload_sleep_gbps": sleep_gbps,
         "sleep_vs_copy": sleep_gbps / copy_out_gbps,
@@ -225,10 +241,10 @@ def run(
 ) -> str:
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    ops = device_ops(device)
     name, cols = f"arena-{device.replace(':', '')}", columns(device)
     rows: list[dict[str, Any]] = []
     for size in sizes_mib:
-        rows.append(bench_size(size * MiB, repeats, ops))
+        for mode in offload_modes(device):
+            rows.append(bench_size(size * MiB, repeats, device_ops(device, mode)))
         write_results(out_dir, name, rows, cols)  # after each size: a cut run keeps these
     return write_results(out_dir, name, rows, cols)

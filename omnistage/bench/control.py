@@ -7,6 +7,14 @@ For each pipeline and level, medians over ``repeats`` cycles of sleep â†’ wake â
 - ``first_token_after_wake_ms``: a 1-token request right after the wake;
 - ``freed_mib``: the sleep ACK's ``freed_bytes``, which the stage measures itself (device
   memory from ``torch.cuda.mem_get_info`` on CUDA, its RSS on the host);
+- ``first_sleep_ms``: the first cycle's sleep (for level 1 the stage process's first sleep);
+- ``restore_gbps``: the wake ACK's ``gbps`` (bytes restored over the stage's wake latency);
+- level 2 only, the reload against its physical baseline (``read_baseline``): ``reload_gbps``
+  (the wake ACK's: checkpoint bytes read over the reload's time) beside ``read_gbps`` (a plain
+  one-stream read of the same page-cached files into resident memory), ``read_threads_gbps``
+  (the same on the stage's threads) and ``fresh_read_gbps`` (on the stage's threads into
+  freshly mapped memory, as a reload must), with ``reload_vs_read`` and
+  ``reload_vs_fresh_read``;
 - ``cuda_graph_recalled``: every wake ACK says the decode CUDA graphs were kept and replayed
   without capture (the AR engine captures them on CUDA only: always False on the host);
 - ``same_output``: a greedy decode (16 tokens, temperature 0, eos ignored) after every wake
@@ -21,20 +29,32 @@ so a run cut short keeps what it finished.
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from omnistage.bench.read_baseline import read_baselines
 from omnistage.bench.report import write_results
+from omnistage.config import PipelineConfig
 from omnistage.engine.async_omni import AsyncOmni
+from omnistage.models.loader import checkpoint_files
 from omnistage.pipelines import load_pipeline
 
 COLUMNS = [
     "pipeline",
     "level",
     "sleep_ms",
+    "first_sleep_ms",
     "wake_ms",
+    "restore_gbps",
+    "reload_gbps",
+    "read_gbps",
+    "read_threads_gbps",
+    "fresh_read_gbps",
+    "reload_vs_read",
+    "reload_vs_fresh_read",
     "first_token_after_wake_ms",
     "freed_mib",
     "cuda_graph_recalled",
@@ -45,7 +65,14 @@ COLUMNS = [
 FIRST_TOKEN = {"temperature": 0.0, "max_tokens": 1}
 DECODE_PROMPT = "Sleep well, wake up fast and say the same thing"
 DECODE = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
-TIMED_KEYS = ("sleep_ms", "wake_ms", "first_token_after_wake_ms", "freed_mib")
+TIMED_KEYS = (
+    "sleep_ms",
+    "wake_ms",
+    "restore_gbps",
+    "reload_gbps",
+    "first_token_after_wake_ms",
+    "freed_mib",
+)
 FLAG_KEYS = ("cuda_graph_recalled", "same_output")
 
 
@@ -88,6 +115,8 @@ async def _cycle(engine: AsyncOmni, level: int, reference: list[int]) -> dict[st
         "wake_ms": (woke - slept) * 1e3,
         "first_token_after_wake_ms": first,
         "freed_mib": slept_ack["freed_bytes"] / 2**20,
+        "restore_gbps": woke_ack["metadata"].get("gbps", 0.0),
+        "reload_gbps": woke_ack["metadata"].get("reload_gbps", 0.0),
         "cuda_graph_recalled": bool(woke_ack["metadata"]["cuda_graph_recalled"]),
         "same_output": after == reference,
         "decode_ids_after": after,
@@ -99,6 +128,7 @@ def summarize(name: str, level: int, cycles: Sequence[dict[str, Any]]) -> dict[s
     row: dict[str, Any] = {"pipeline": name, "level": level}
     for key in TIMED_KEYS:
         row[key] = statistics.median(c[key] for c in cycles)
+    row["first_sleep_ms"] = cycles[0]["sleep_ms"]
     for key in FLAG_KEYS:
         row[key] = all(c[key] for c in cycles)
     # Kept in the JSON only: what came out after a wake that did not match, if one did not.
@@ -106,6 +136,20 @@ def summarize(name: str, level: int, cycles: Sequence[dict[str, Any]]) -> dict[s
     if mismatch:
         row["decode_ids_after_mismatch"] = mismatch[0]
     return row
+
+
+def add_read_baseline(row: dict[str, Any], baseline: dict[str, float]) -> None:
+    """A level-2 row's reload beside the plain reads of the same files (``read_baseline``)."""
+    for key in ("read_gbps", "read_threads_gbps", "fresh_read_gbps"):
+        row[key] = baseline[key]
+    row["reload_vs_read"] = row["reload_gbps"] / baseline["read_gbps"]
+    row["reload_vs_fresh_read"] = row["reload_gbps"] / baseline["fresh_read_gbps"]
+
+
+def stage_threads(config: PipelineConfig) -> int:
+    """The torch threads of stage 0, as ``AsyncOmni`` gives them."""
+    share = max(1, (os.cpu_count() or 1) // len(config.stages))
+    return config.stages[0].torch_threads or share
 
 
 def add_cold_start(row: dict[str, Any], cold_ms: float) -> None:
@@ -134,7 +178,7 @@ def bench_pipeline(
 ) -> list[dict[str, Any]]:
     """Rows for levels 1 and 2; ``on_rows`` gets them (without the cold start) as soon as
     the cycles are done."""
-    load_pipeline(name, device=device)  # build the models outside the timings
+    config = load_pipeline(name, device=device)  # build the models outside the timings
     engine = AsyncOmni.from_pipeline(name, device=device, enable_sleep_mode=True)
     rows: list[dict[str, Any]] = []
     try:
@@ -156,6 +200,10 @@ def bench_pipeline(
         asyncio.run(cycles())
     finally:
         engine.shutdown()
+    baseline = read_baselines(checkpoint_files(config.stages[0].model), stage_threads(config))
+    for row in rows:
+        if row["level"] == 2:
+            add_read_baseline(row, baseline)
     if on_rows is not None:
         on_rows(rows)
     cold = statistics.median(_cold_start_ms(name, device) for _ in range(cold_starts))

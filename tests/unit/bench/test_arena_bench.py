@@ -112,6 +112,16 @@ def test_cpu_row_has_the_cpu_columns():
     assert row["bit_exact"] is True and row["discard_rss_freed_mib"] > 0
 
 
+def test_the_host_measures_moved_and_copied_offloads_against_one_baseline():
+    assert bench.offload_modes("cpu") == ("move", "copy")
+    assert bench.offload_modes("cuda:0") == ("copy",)
+    for mode in ("move", "copy"):
+        ops = bench.device_ops("cpu", mode)
+        row = bench.bench_size(4 * MiB, 1, ops)
+        assert row["offload"] == mode and row["bit_exact"] is True
+        assert ops.new_arena().backend.moves_pages == (mode == "move")
+
+
 def test_device_ops_for_cuda_are_built_without_touching_cuda():
     ops = bench.device_ops("cuda:0")  # only closures: nothing runs until they are called
     assert ops.cuda and ops.freed_key == "device_freed_mib"
@@ -131,7 +141,7 @@ def test_a_run_cut_short_keeps_the_sizes_it_finished(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="cut"):
         bench.run(str(tmp_path), sizes_mib=(1, 2), repeats=1)
     rows = json.loads((tmp_path / "arena-cpu.json").read_text())["rows"]
-    assert [r["size_mib"] for r in rows] == [1]
+    assert [(r["size_mib"], r["offload"]) for r in rows] == [(1, "move"), (1, "copy")]
     assert "| 1 |" in (tmp_path / "arena-cpu.md").read_text()
 
 

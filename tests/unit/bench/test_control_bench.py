@@ -67,15 +67,50 @@ async def test_a_failed_wake_is_an_error_not_a_figure():
 def test_summary_takes_medians_and_flags_only_when_every_cycle_held():
     cycles = [
         {"sleep_ms": s, "wake_ms": 2.0, "first_token_after_wake_ms": 1.0, "freed_mib": 4.0,
+         "restore_gbps": 8.0, "reload_gbps": 6.0 + s,
          "cuda_graph_recalled": True, "same_output": same, "decode_ids_after": [s]}
         for s, same in ((1.0, True), (3.0, False), (2.0, True))
     ]  # fmt: skip
-    row = control.summarize("tiny-chat", 1, cycles)
+    row = control.summarize("tiny-chat", 2, cycles)
     assert row["sleep_ms"] == 2.0 and row["cuda_graph_recalled"] is True
+    assert row["first_sleep_ms"] == 1.0 and row["reload_gbps"] == 8.0
     assert row["same_output"] is False and row["decode_ids_after_mismatch"] == [3.0]
     control.add_cold_start(row, 300.0)
     assert row["wake_speedup_vs_cold_start"] == pytest.approx(100.0)
+    control.add_read_baseline(
+        row, {"read_gbps": 4.0, "read_threads_gbps": 10.0, "fresh_read_gbps": 8.0}
+    )
+    assert row["reload_vs_read"] == 2.0 and row["reload_vs_fresh_read"] == 1.0
     assert set(control.COLUMNS) <= set(row)
+
+
+def test_wake_acks_throughputs_reach_the_cycle():
+    engine = FakeEngine()
+    original = engine.wake_up
+
+    async def wake_up(stage_ids):
+        acks = await original(stage_ids)
+        acks[0]["metadata"].update(gbps=12.5, reload_gbps=6.25)
+        return acks
+
+    engine.wake_up = wake_up  # type: ignore[method-assign]
+    import asyncio
+
+    cycle = asyncio.run(control._cycle(engine, 2, REFERENCE))  # type: ignore[arg-type]
+    assert cycle["restore_gbps"] == 12.5 and cycle["reload_gbps"] == 6.25
+
+
+def test_read_baselines_read_real_files(tmp_path):
+    from omnistage.bench.read_baseline import read_baselines
+
+    files = []
+    for i in range(2):
+        path = tmp_path / f"shard{i}.safetensors"
+        path.write_bytes(bytes(range(256)) * 8192 * (i + 1))  # 2 MiB and 4 MiB
+        files.append(path)
+    baseline = read_baselines(files, threads=2, repeats=1)
+    assert baseline["read_mib"] == 6.0
+    assert all(baseline[k] > 0 for k in ("read_gbps", "read_threads_gbps", "fresh_read_gbps"))
 
 
 def test_cli_passes_pipelines_and_repeats_to_control(tmp_path, monkeypatch):
@@ -113,3 +148,31 @@ def test_results_are_written_per_pipeline(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "control-cpu.json").read_text())["rows"]
     assert [r["pipeline"] for r in rows] == ["tiny-chat", "bench"]
     assert rows[0]["cold_start_ms"] == 10.0 and "cold_start_ms" not in rows[1]
+
+
+def test_coldstart_gets_its_own_pipelines_unless_given(tmp_path, monkeypatch):
+    from omnistage.bench import coldstart
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(coldstart, "run", lambda out, **kw: seen.append(kw) or "")
+    assert cli.main(["bench", "coldstart", "--out", str(tmp_path)]) == 0
+    assert cli.main(["bench", "coldstart", "--out", str(tmp_path), "--pipelines", "bench"]) == 0
+    assert seen == [
+        {"device": "cpu", "repeats": 3},
+        {"device": "cpu", "repeats": 3, "pipelines": ("bench",)},
+    ]
+
+
+def test_import_breakdown_sums_self_times_by_top_level_package():
+    from omnistage.bench.coldstart import import_breakdown
+
+    stderr = "\n".join(
+        [
+            "import time: self [us] | cumulative | imported package",
+            "import time:       100 |        150 |     torch._C",
+            "import time:        50 |        200 |   torch",
+            "import time:         7 |          7 | omnistage.stage.proc",
+            "something else",
+        ]
+    )
+    assert import_breakdown(stderr) == {"torch": 150, "omnistage": 7}
