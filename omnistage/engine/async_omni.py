@@ -10,11 +10,10 @@ default). The public control methods return ACKs as plain dicts, vLLM-Omni's sha
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from omnistage.config import PipelineConfig, StageConfig
+from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.control import StageControl
@@ -23,6 +22,7 @@ from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, S
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
+from omnistage.engine.spawn import SpawnedStage, stage_threads
 from omnistage.engine.stage_client import EngineStageClient, StageClient
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
 from omnistage.engine.weights import WeightSyncClient
@@ -82,21 +82,23 @@ class AsyncOmni:
         resume_after_wake: bool = False,
         auto_wake: bool = False,
         restart_policy: RestartPolicy | None = None,
+        prestarted: dict[int, SpawnedStage] | None = None,
     ) -> AsyncOmni:
-        """Start every stage (in parallel) and wait for their ready handshakes."""
+        """Start every stage (in parallel) and wait for their ready handshakes; stages in
+        ``prestarted`` (``spawn.prestart``) are taken over instead of spawned."""
         for stage in config.stages:
             if stage.input_processor is not None:
                 get_input_processor(stage.input_processor)  # fail early on a typo
         if launcher is None:
-            threads = max(1, (os.cpu_count() or 1) // len(config.stages))
-
-            def num_threads(stage: StageConfig) -> int:
-                return stage.torch_threads or threads
-
+            num_stages = len(config.stages)
             launcher = (
                 InProcessLauncher()
                 if in_process
-                else LocalProcessLauncher(num_threads, ready_timeout_s=stage_init_timeout_s)
+                else LocalProcessLauncher(
+                    lambda stage: stage_threads(stage, num_stages),
+                    ready_timeout_s=stage_init_timeout_s,
+                    prestarted=prestarted,
+                )
             )
         clients = [StageClient(stage, launcher) for stage in config.stages]
         try:

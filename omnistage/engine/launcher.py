@@ -20,8 +20,6 @@ import os
 import queue
 import shutil
 import signal
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from typing import Any, Protocol
 import zmq
 
 from omnistage.config import StageConfig
+from omnistage.engine.spawn import SpawnedStage, spawn_stage
 from omnistage.errors import StageDeadError, StageStartupError
 from omnistage.stage.messages import (
     FromStage,
@@ -42,7 +41,6 @@ from omnistage.stage.messages import (
     ToStage,
     decode_from_stage,
     encode,
-    encode_startup,
 )
 
 Deliver = Callable[[FromStage], None]
@@ -88,33 +86,6 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-_SPAWN_LOCK = threading.Lock()
-
-
-def start_without_main(process: multiprocessing.process.BaseProcess) -> None:
-    """Start a ``spawn`` process without running the parent's ``__main__`` again in it.
-
-    ``spawn`` re-imports the parent's main module in the child, so that objects defined there
-    unpickle. A stage needs none (it gets JSON and bytes): re-importing would cost it the
-    imports of the CLI or of a user's script, and run the whole script again in every stage
-    if it lacks the ``if __name__ == "__main__"`` guard. The main module's ``__spec__`` and
-    ``__file__`` are hidden while the child's start-up data is taken.
-    """
-    main = sys.modules.get("__main__")
-    with _SPAWN_LOCK:
-        saved = dict(vars(main)) if main is not None else {}
-        if main is not None:
-            main.__spec__ = None
-            vars(main).pop("__file__", None)
-        try:
-            process.start()
-        finally:
-            if main is not None:
-                main.__spec__ = saved.get("__spec__")
-                if "__file__" in saved:
-                    main.__file__ = saved["__file__"]
-
-
 class ProcessStageHandle:
     """A stage in a spawned process of this machine, reached over ipc:// sockets."""
 
@@ -126,44 +97,24 @@ class ProcessStageHandle:
         num_threads: int,
         ready_timeout_s: float,
         heartbeat_timeout_s: float,
+        spawned: SpawnedStage | None = None,
     ) -> None:
-        from omnistage.stage.proc import stage_main
-
+        if spawned is None:
+            spawned = spawn_stage(config, options, num_threads)
         self.stage_id = config.stage_id
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._ipc_dir = tempfile.mkdtemp(prefix=f"omnistage-stage{self.stage_id}-")
-        in_addr = f"ipc://{self._ipc_dir}/in"
-        out_addr = f"ipc://{self._ipc_dir}/out"
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._to_stage = self._ctx.socket(zmq.PUSH)
-        self._to_stage.setsockopt(zmq.LINGER, 0)
-        # No high-water mark: sends never block the event loop on a busy stage, and a send
-        # that would block can only mean the stage is gone (see ``send``).
-        self._to_stage.setsockopt(zmq.SNDHWM, 0)
-        self._to_stage.bind(in_addr)
-        self._from_stage = self._ctx.socket(zmq.PULL)
-        self._from_stage.setsockopt(zmq.LINGER, 0)
-        self._from_stage.bind(out_addr)
+        self._ipc_dir = spawned.ipc_dir
+        self._ctx = spawned.ctx
+        self._to_stage = spawned.to_stage
+        self._from_stage = spawned.from_stage
+        self.process = spawned.process
         self._send_lock = threading.Lock()
         self._closing = False
         self._closed = False
         self._waiting_ready = False
         self._receiver: threading.Thread | None = None
         self._last_heard = time.monotonic()
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=stage_main,
-            args=(
-                config.model_dump_json(),
-                in_addr,
-                out_addr,
-                num_threads,
-                encode_startup(options),
-            ),
-            name=f"omnistage-stage{self.stage_id}-{config.display_name}",
-            daemon=True,
-        )
-        start_without_main(self.process)
 
     @property
     def pid(self) -> int | None:
@@ -301,25 +252,34 @@ class ProcessStageHandle:
 
 
 class LocalProcessLauncher:
-    """Each stage in a process of its own on this machine."""
+    """Each stage in a process of its own on this machine.
+
+    ``prestarted`` (``spawn.prestart``): stages already spawned, awake and fresh, that the
+    first launch of each takes over instead of spawning another (restarts spawn anew)."""
 
     def __init__(
         self,
         num_threads: Callable[[StageConfig], int],
         ready_timeout_s: float = 600.0,
         heartbeat_timeout_s: float = 60.0,
+        prestarted: dict[int, SpawnedStage] | None = None,
     ) -> None:
         self.num_threads = num_threads
         self.ready_timeout_s = ready_timeout_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.prestarted = prestarted if prestarted is not None else {}
 
     def launch(self, config: StageConfig, options: StartupOptions) -> ProcessStageHandle:
+        spawned = None
+        if options == StartupOptions():
+            spawned = self.prestarted.pop(config.stage_id, None)
         return ProcessStageHandle(
             config,
             options,
             num_threads=self.num_threads(config),
             ready_timeout_s=self.ready_timeout_s,
             heartbeat_timeout_s=self.heartbeat_timeout_s,
+            spawned=spawned,
         )
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnistage.models.loader import CheckpointError
+from omnistage.errors import CheckpointError
 
 MODEL_TYPE = "qwen2_5_omni"
 AR_PARTS = ("thinker", "talker")

@@ -21,6 +21,9 @@ from omnistage.errors import error_fields, rebuild_error
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.code2wav.params import AudioOutput, Code2WavLimits, Code2WavParams
 from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput, PipelineLimits
+from omnistage.stage.startup import StartupOptions as StartupOptions  # re-exported
+from omnistage.stage.startup import decode_startup as decode_startup
+from omnistage.stage.startup import encode_startup as encode_startup
 
 _TENSOR_EXT = 1
 
@@ -274,17 +277,6 @@ class Heartbeat(msgspec.Struct, tag=True):
 FromStage = OutputBatch | UtilityResult | Ready | StartupFailed | Heartbeat
 
 
-class StartupOptions(msgspec.Struct):
-    """How a stage process starts. A restarted stage comes back as the old one was: asleep
-    at ``sleep_level`` (``None``: awake; level 2: its weights are never loaded), paused, and
-    with the weight updates it had taken (``weight_sources``, replayed over the checkpoint)."""
-
-    sleep_level: int | None = None
-    paused: bool = False
-    weight_sources: list[str] = []
-    heartbeat_interval_s: float = 1.0
-
-
 # -- encoding ------------------------------------------------------------------------------
 
 
@@ -322,7 +314,6 @@ def _dec_hook(type_: type, obj: Any) -> Any:
 _encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _to_stage = msgspec.msgpack.Decoder(ToStage, ext_hook=_ext_hook, dec_hook=_dec_hook)
 _from_stage = msgspec.msgpack.Decoder(FromStage, ext_hook=_ext_hook, dec_hook=_dec_hook)
-_startup = msgspec.json.Decoder(StartupOptions)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -335,11 +326,3 @@ def decode_to_stage(data: bytes) -> ToStage:
 
 def decode_from_stage(data: bytes) -> FromStage:
     return _from_stage.decode(data)
-
-
-def encode_startup(options: StartupOptions) -> str:
-    return msgspec.json.encode(options).decode()
-
-
-def decode_startup(data: str) -> StartupOptions:
-    return _startup.decode(data)

@@ -93,7 +93,7 @@ def check_pipeline_limits(stages: list[StageConfig]) -> None:
     """Fail early (``ConfigError``, before any stage starts) on an AR stage whose
     ``max_model_len`` its checkpoint cannot serve; unreadable checkpoints are left for the
     stage to report."""
-    from omnistage.models.loader import CheckpointError
+    from omnistage.errors import CheckpointError
 
     for stage in stages:
         if stage.kind != "ar" or stage.max_model_len is None:

@@ -192,7 +192,8 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert not re.search(r"\d+ (failed|error)", tests_log)
 
     arena = json.loads((out / "arena-cpu.json").read_text())
-    assert arena["env"]["torch"] and [r["size_mib"] for r in arena["rows"]] == [16]
+    assert arena["env"]["torch"]
+    assert [(r["size_mib"], r["offload"]) for r in arena["rows"]] == [(16, "move"), (16, "copy")]
     row = arena["rows"][0]
     for key in ("copy_out_gbps", "copy_in_gbps", "offload_sleep_gbps", "offload_wake_gbps"):
         assert row[key] > 0, key

@@ -6,19 +6,20 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
-
-from fastapi import Depends, FastAPI
+from typing import TYPE_CHECKING, Any
 
 from omnistage.config import PipelineConfig
-from omnistage.entrypoints.openai.metrics import ServerMetrics
 from omnistage.entrypoints.openai.server_config import ServerConfig
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 logger = logging.getLogger("omnistage.server")
 
 
 def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None:
     """Everything the routes read from ``app.state``."""
+    from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
 
     state.engine_client = engine_client
@@ -44,9 +45,13 @@ def resolve_pipeline(config: ServerConfig, progress: Callable[[str], None]) -> P
 
 
 def start_engine(
-    config: ServerConfig, pipeline: PipelineConfig, progress: Callable[[str], None]
+    config: ServerConfig,
+    pipeline: PipelineConfig,
+    progress: Callable[[str], None],
+    prestarted: dict[int, Any] | None = None,
 ) -> Any:
-    """Start the stages (``StageStartupError`` if one cannot start)."""
+    """Start the stages (``StageStartupError`` if one cannot start), taking over those in
+    ``prestarted`` (``spawn.prestart``)."""
     from omnistage.engine.async_omni import AsyncOmni
     from omnistage.engine.supervisor import RestartPolicy
 
@@ -63,6 +68,7 @@ def start_engine(
         restart_policy=RestartPolicy(
             max_restarts=config.max_stage_restarts, window_s=config.stage_restart_window_s
         ),
+        prestarted=prestarted,
     )
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine
@@ -72,6 +78,8 @@ def build_app(
     config: ServerConfig, engine_client: Any = None, progress: Callable[[str], None] | None = None
 ) -> FastAPI:
     """The FastAPI app. With ``engine_client`` given, the app serves it and does not own it."""
+    from fastapi import Depends, FastAPI
+
     from omnistage.entrypoints.openai import serving_chat, serving_images
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.http_metrics import HttpMetrics
@@ -168,7 +176,17 @@ def run_server(config: ServerConfig) -> None:
 
     # Everything that can fail on bad settings fails here, before the HTTP server starts, so
     # the CLI reports it in one line; the stages are shut down on every exit path after this.
-    engine = start_engine(config, resolve_pipeline(config, progress), progress)
+    pipeline = resolve_pipeline(config, progress)
+    # The stages start now, importing torch and their models' code while this process
+    # imports the engine client and the app (no torch has been imported here yet).
+    from omnistage.engine.spawn import prestart
+
+    prestarted = prestart(pipeline)
+    try:
+        engine = start_engine(config, pipeline, progress, prestarted)
+    finally:
+        for stage in prestarted.values():  # not taken over: start-up failed before
+            stage.discard()
     try:
         _serve(config, build_app(config, engine_client=engine), progress)
     finally:
