@@ -160,7 +160,7 @@ def format_response(op: str, data: Any) -> str:
     ]
     acks = data.get("acks") or []
     if acks:
-        rows = [["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "TAGS", "ERROR"]]
+        rows = [["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "GB/s", "TAGS", "ERROR"]]
         for a in acks:
             meta = a.get("metadata") or {}
             rows.append(
@@ -169,6 +169,7 @@ def format_response(op: str, data: Any) -> str:
                     str(a.get("status")),
                     _mib(a.get("freed_bytes")),
                     f"{float(meta.get('latency_ms') or 0):.1f}",
+                    f"{float(meta.get('gbps') or 0):.2f}" if meta.get("gbps") else "-",
                     ",".join(meta.get("tags") or []) or "-",
                     a.get("error_msg") or "",
                 ]

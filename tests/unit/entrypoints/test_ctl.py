@@ -39,3 +39,12 @@ def test_connection_flags_go_before_or_after_the_subcommand(argv):
 
     args = build_parser().parse_args(argv)
     assert (args.url, args.api_key, args.json, args.stage_ids) == ("http://h:1", "k", True, [0])
+
+
+def test_the_ack_table_shows_the_achieved_throughput(monkeypatch, capsys):
+    ack = make_ack(0, latency_ms=12.5, restored_bytes=2**30, gbps=85.9, tags=["weights"])
+    reply = {"status": "SUCCESS", "acks": [ack.to_dict()]}
+    monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(200, json=reply))
+    assert ctl.run(parse("wakeup", "0")) == 0
+    out = capsys.readouterr().out
+    assert "GB/s" in out and "85.90" in out and "12.5" in out
