@@ -32,6 +32,16 @@ from omnistage.models.ar_attention import (
 )
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.meta import no_weight_init
+from omnistage.models.tensor_parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    even_split,
+    kv_head_split,
+)
 
 # ATen runs an elementwise CPU op on one thread below this many elements
 # (at::internal::GRAIN_SIZE).
@@ -135,18 +145,31 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+    """Self-attention over this rank's query heads (all of them with one rank) and the kv
+    heads they use."""
+
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim = d = config.head_dim
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         hidden, bias = config.hidden_size, config.qkv_bias
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias, dtype=dtype)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
+        if tp.size == 1:
+            self.num_heads = config.num_attention_heads
+            self.num_kv_heads = config.num_key_value_heads
+            q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+            self.q_proj = nn.Linear(hidden, q_size, bias=bias, dtype=dtype)
+            self.k_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+            self.v_proj = nn.Linear(hidden, kv_size, bias=bias, dtype=dtype)
+            self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias, dtype=dtype)
+        else:
+            first_q, self.num_heads = even_split(config.num_attention_heads, tp, "heads")
+            first_kv, self.num_kv_heads = kv_head_split(config.num_key_value_heads, tp)
+            q = (first_q * d, self.num_heads * d)
+            kv = (first_kv * d, self.num_kv_heads * d)
+            self.q_proj = ColumnParallelLinear(hidden, *q, bias=bias, dtype=dtype)
+            self.k_proj = ColumnParallelLinear(hidden, *kv, bias=bias, dtype=dtype)
+            self.v_proj = ColumnParallelLinear(hidden, *kv, bias=bias, dtype=dtype)
+            self.o_proj = RowParallelLinear(*q, hidden, bias=config.o_bias, dtype=dtype, tp=tp)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -183,22 +206,31 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
+        self.gate_proj: nn.Linear
+        self.up_proj: nn.Linear
+        self.down_proj: nn.Linear
+        if tp.size == 1:
+            self.gate_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+            self.up_proj = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+            self.down_proj = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
+        else:
+            part = even_split(inner, tp, "intermediate_size")
+            self.gate_proj = ColumnParallelLinear(hidden, *part, bias=bias, dtype=dtype)
+            self.up_proj = ColumnParallelLinear(hidden, *part, bias=bias, dtype=dtype)
+            self.down_proj = RowParallelLinear(*part, hidden, bias=bias, dtype=dtype, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(rowwise(F.silu, self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(config, dtype)
-        self.mlp = MLP(config, dtype)
+        self.self_attn = Attention(config, dtype, tp)
+        self.mlp = MLP(config, dtype, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -215,12 +247,16 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen2Model(nn.Module):
-    def __init__(self, config: ARModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         embed_dim = config.embedding_size or config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, embed_dim, dtype=dtype)
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, embed_dim, dtype=dtype)
+            if tp.size == 1
+            else VocabParallelEmbedding(config.vocab_size, embed_dim, dtype, tp)
+        )
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, dtype) for _ in range(config.num_hidden_layers)]
+            [DecoderLayer(config, dtype, tp) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
@@ -229,24 +265,33 @@ class Qwen2Model(nn.Module):
 class Qwen2ForCausalLM(nn.Module):
     """A qwen2-family causal LM; ``forward`` returns final hidden states, not logits."""
 
-    def __init__(self, config: ARModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: ARModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen2Model(config, dtype)
+        self.tp = tp
+        self.model = Qwen2Model(config, dtype, tp)
         # Inputs of another width (the Qwen2.5-Omni talker's thinker-sized embeddings) are
         # projected to the decoder's.
         self.input_proj: nn.Linear | None = None
         if config.embedding_size is not None:
             self.input_proj = nn.Linear(config.embedding_size, config.hidden_size, dtype=dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = (
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+            if tp.size == 1
+            else VocabParallelLMHead(config.hidden_size, config.vocab_size, dtype, tp)
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def on_meta(cls, config: ARModelConfig, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    def on_meta(
+        cls, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE
+    ) -> Qwen2ForCausalLM:
         """Build without memory for the weights (adopt into an arena, then load)."""
         with torch.device("meta"), no_weight_init():
-            return cls(config, dtype)
+            return cls(config, dtype, tp)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, embedding_size]`` (what ``inputs_embeds`` are made of)."""

@@ -156,7 +156,7 @@ class ARStageEngine:
         self.sleep_control.check_can_generate()
         leader = self.requests.create(request)
         if request.embed_token_ids:
-            leader.token_embeddings = self.worker.runner.embed_tokens(request.embed_token_ids)
+            leader.token_embeddings = self.worker.embed_tokens(request.embed_token_ids)
         if self._pause_mode is not None:
             self._held.append(leader)
         else:

@@ -7,6 +7,7 @@ addresses across sleep and wake, which is what lets captured decode graphs be re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from omnistage.models.ar_attention import AttentionContext
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import LoadReport, load_module
 from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
+from omnistage.models.tensor_parallel import SINGLE, TPGroup, rank_heads
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
 from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
 from omnistage.stage.ar.sequence import Sequence
@@ -45,26 +47,36 @@ class ModelRunner:
         arena: Arena,
         *,
         load_weights: bool = True,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self.config = config
         self.model_config = model_config
+        self.tp = tp
         self.device = torch.device(config.device)
         self.dtype = DTYPES[resolve_dtype(config, model_config.torch_dtype)]
         self.block_size = config.block_size
-        self.model = Qwen2ForCausalLM.on_meta(model_config, self.dtype)
+        self.model = Qwen2ForCausalLM.on_meta(model_config, self.dtype, tp)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
         if load_weights:  # not for a restart asleep at level 2: released at once, unread
             self.load_weights(Path(config.model), strict=True)
+        # A rank caches the k/v of its own kv heads only.
+        heads, kv_heads = rank_heads(
+            model_config.num_attention_heads, model_config.num_key_value_heads, tp
+        )
+        rank_config = dataclasses.replace(
+            model_config, num_attention_heads=heads, num_key_value_heads=kv_heads
+        )
         self.kv_cache = KVCache(
             arena,
-            model_config,
-            plan_kv_cache(config, model_config, self.dtype, self.device),
+            rank_config,
+            plan_kv_cache(config, rank_config, self.dtype, self.device),
             self.dtype,
         )
         self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.block_size)
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
+        # Decode graphs are captured with one rank only (a graph would hold the collectives).
+        if self.device.type == "cuda" and tp.size == 1:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.kv_cache.layers,

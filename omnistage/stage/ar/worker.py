@@ -17,6 +17,7 @@ from omnistage.config import StageConfig
 from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import module_targets
+from omnistage.models.tensor_parallel import SINGLE, TPGroup
 from omnistage.stage.ar.kv_cache import KV_CACHE_TAG
 from omnistage.stage.ar.model_runner import ModelRunner, StepResult
 from omnistage.stage.ar.sequence import Sequence
@@ -33,11 +34,14 @@ class ARWorker:
         arena: Arena | None = None,
         rank: int = 0,
         load_weights: bool = True,
+        tp: TPGroup = SINGLE,
     ) -> None:
         self._owns_arena = arena is None
         self.arena = arena if arena is not None else Arena(config.device)
         try:
-            self.runner = ModelRunner(config, model_config, self.arena, load_weights=load_weights)
+            self.runner = ModelRunner(
+                config, model_config, self.arena, load_weights=load_weights, tp=tp
+            )
         except BaseException:
             if self._owns_arena:
                 self.arena.close()
@@ -56,6 +60,9 @@ class ARWorker:
 
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         return self.runner.run(seqs, is_prefill)
+
+    def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        return self.runner.embed_tokens(token_ids)
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """The live weights by checkpoint name (what a trainer's state dict names them)."""

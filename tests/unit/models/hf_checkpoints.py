@@ -21,6 +21,8 @@ COMMON = dict(
     max_position_embeddings=256,
 )
 ARCHS = ["qwen2-tied", "qwen3", "llama-llama3-rope"]
+# Tensor parallelism also meets multi-query attention: one kv head for two ranks.
+TP_ARCHS = [*ARCHS, "qwen2-mqa"]
 
 
 def hf_model(arch: str):
@@ -28,6 +30,8 @@ def hf_model(arch: str):
 
     if arch == "qwen2-tied":
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**COMMON, tie_word_embeddings=True))
+    if arch == "qwen2-mqa":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**{**COMMON, "num_key_value_heads": 1}))
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32))
     llama3 = {
