@@ -179,7 +179,14 @@ class StageConfig(_Frozen):
         default=None, description="Named function turning that output into this stage's input."
     )
     torch_threads: int | None = Field(
-        default=None, gt=0, description="torch threads in the stage process."
+        default=None, gt=0, description="torch threads in the stage process (in each rank's)."
+    )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="AR: ranks the stage's model is split over (Megatron-style), each a "
+        "process of its own with its own memory; sleep and wake reach every rank.",
     )
     drain_timeout_s: float = Field(
         default=30.0, gt=0, description="Longest wait for mode 'wait' drains."
@@ -206,6 +213,10 @@ class StageConfig(_Frozen):
             raise ValueError("input_processor is required when input_from is set")
         if self.idle_sleep_s is not None and not self.enable_sleep_mode:
             raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
+        if self.tensor_parallel_size > 1 and self.kind != "ar":
+            raise ValueError(
+                f"tensor_parallel_size applies to AR stages; this stage is {self.kind!r}"
+            )
         if self.gpu_memory_utilization is not None:
             if not self.device.startswith("cuda"):
                 raise ValueError(
@@ -252,8 +263,11 @@ _KV_SIZING = ("gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
 
 def apply_overrides(stage: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """``stage`` (a stage mapping) with ``overrides`` (flags given for every stage) applied;
-    ``None`` values leave the stage's own setting."""
+    ``None`` values leave the stage's own setting, and ``tensor_parallel_size`` reaches AR
+    stages only."""
     given = {k: v for k, v in overrides.items() if v is not None}
+    if stage.get("kind", "ar") != "ar":  # the other kinds run on one rank
+        given.pop("tensor_parallel_size", None)
     out = dict(stage)
     if any(k in given for k in _KV_SIZING):
         for key in _KV_SIZING:

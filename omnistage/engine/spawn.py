@@ -13,42 +13,14 @@ import multiprocessing
 import multiprocessing.process
 import os
 import shutil
-import sys
 import tempfile
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from omnistage.config import PipelineConfig, StageConfig
-from omnistage.stage.startup import StartupOptions, encode_startup
-
-_SPAWN_LOCK = threading.Lock()
-
-
-def start_without_main(process: multiprocessing.process.BaseProcess) -> None:
-    """Start a ``spawn`` process without running the parent's ``__main__`` again in it.
-
-    ``spawn`` re-imports the parent's main module in the child, so that objects defined there
-    unpickle. A stage needs none (it gets JSON and bytes): re-importing would cost it the
-    imports of the CLI or of a user's script, and run the whole script again in every stage
-    if it lacks the ``if __name__ == "__main__"`` guard. The main module's ``__spec__`` and
-    ``__file__`` are hidden while the child's start-up data is taken.
-    """
-    main = sys.modules.get("__main__")
-    with _SPAWN_LOCK:
-        saved = dict(vars(main)) if main is not None else {}
-        if main is not None:
-            main.__spec__ = None
-            vars(main).pop("__file__", None)
-        try:
-            process.start()
-        finally:
-            if main is not None:
-                main.__spec__ = saved.get("__spec__")
-                if "__file__" in saved:
-                    main.__file__ = saved["__file__"]
+from omnistage.stage.startup import StartupOptions, encode_startup, start_without_main
 
 
 def stage_threads(stage: StageConfig, num_stages: int) -> int:

@@ -17,8 +17,6 @@ from omnistage.entrypoints.openai.server_config import ServerConfig
 # generic one, so a command line copied from vLLM says what to drop.
 VLLM_ONLY_FLAGS = frozenset(
     [
-        "--tensor-parallel-size",
-        "-tp",
         "--pipeline-parallel-size",
         "-pp",
         "--data-parallel-size",
@@ -90,6 +88,7 @@ VLLM_ONLY_FLAGS = frozenset(
 FLAG_ALIASES = {
     "config": ["--stage-configs-path"],
     "kv_cache_memory": ["--kv-cache-memory-bytes"],
+    "tensor_parallel_size": ["-tp"],
 }
 
 

@@ -23,6 +23,7 @@ _STAGE_OVERRIDES = frozenset(
         "dtype",
         "enable_sleep_mode",
         "torch_threads",
+        "tensor_parallel_size",
         "drain_timeout_s",
         "max_num_seqs",
         "max_num_batched_tokens",

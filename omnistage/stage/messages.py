@@ -155,6 +155,9 @@ class Ack(msgspec.Struct):
     freed_bytes: int = 0
     error_msg: str | None = None
     metadata: AckMetadata = msgspec.field(default_factory=AckMetadata)
+    # A tensor-parallel stage: the ACKs of ranks 1..N-1 (this one is rank 0's, its status
+    # the whole stage's). Listed beside it, one per rank, in HTTP replies.
+    rank_acks: list[Ack] = []
 
     def to_dict(self) -> dict[str, Any]:
         return dict(msgspec.to_builtins(self))

@@ -43,6 +43,7 @@ from omnistage.stage.messages import (
 )
 
 logger = logging.getLogger(__name__)
+IS_STAGE_PROCESS = False  # set by ``stage_main``: this process is a stage's, nobody else's
 
 
 class ZmqChannel:
@@ -129,7 +130,12 @@ def build_engine(config: StageConfig, options: StartupOptions | None = None) -> 
 def restore(engine: Any, options: StartupOptions) -> None:
     """Bring a fresh engine to the state a previous process of its stage was in."""
     if options.weight_sources:
-        engine.sleep_control.adopt_history(options.weight_sources, load=options.sleep_level != 2)
+        load = options.sleep_level != 2
+        adopt = getattr(engine, "adopt_history", None)  # every rank's (an AR stage's)
+        if adopt is not None:
+            adopt(options.weight_sources, load=load)
+        else:
+            engine.sleep_control.adopt_history(options.weight_sources, load=load)
     if options.sleep_level is not None:
         engine.sleep(level=options.sleep_level, mode="abort")
     elif options.paused:
@@ -183,6 +189,8 @@ def stage_main(
     config_json: str, in_addr: str, out_addr: str, num_threads: int, startup_json: str = "{}"
 ) -> None:
     """Entry point of a stage process."""
+    global IS_STAGE_PROCESS
+    IS_STAGE_PROCESS = True
     _die_with_parent()
     # Ctrl-C goes to the whole process group; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

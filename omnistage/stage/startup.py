@@ -3,6 +3,10 @@ server can spawn its stages before it imports the heavy parts of itself)."""
 
 from __future__ import annotations
 
+import multiprocessing.process
+import sys
+import threading
+
 import msgspec
 
 
@@ -26,3 +30,37 @@ def encode_startup(options: StartupOptions) -> str:
 
 def decode_startup(data: str) -> StartupOptions:
     return _startup.decode(data)
+
+
+_SPAWN_LOCK = threading.Lock()
+
+
+def start_without_main(process: multiprocessing.process.BaseProcess) -> None:
+    """Start a ``spawn`` process without running the parent's ``__main__`` again in it.
+
+    ``spawn`` re-imports the parent's main module in the child, so that objects defined there
+    unpickle. A stage needs none (it gets JSON and bytes): re-importing would cost it the
+    imports of the CLI or of a user's script, and run the whole script again in every stage
+    if it lacks the ``if __name__ == "__main__"`` guard. The main module's ``__spec__`` and
+    ``__file__`` are hidden while the child's start-up data is taken.
+    """
+    main = sys.modules.get("__main__")
+    # A stage process is a daemon, and multiprocessing refuses children to daemons; a
+    # stage's own children (its other tensor-parallel ranks) die with it (PDEATHSIG).
+    current = multiprocessing.process.current_process()
+    was_daemon = current._config.get("daemon")  # type: ignore[attr-defined]
+    with _SPAWN_LOCK:
+        current._config["daemon"] = False  # type: ignore[attr-defined]
+        saved = dict(vars(main)) if main is not None else {}
+        if main is not None:
+            main.__spec__ = None
+            vars(main).pop("__file__", None)
+        try:
+            process.start()
+        finally:
+            if was_daemon is not None:
+                current._config["daemon"] = was_daemon  # type: ignore[attr-defined]
+            if main is not None:
+                main.__spec__ = saved.get("__spec__")
+                if "__file__" in saved:
+                    main.__file__ = saved["__file__"]

@@ -60,6 +60,12 @@ class ServerConfig(BaseModel):
     max_num_seqs: int | None = Field(
         default=None, gt=0, description="AR stages: most sequences decoded at once."
     )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="AR stages: ranks each model is split over (a process and memory each).",
+    )
     max_num_batched_tokens: int | None = Field(
         default=None, gt=0, description="AR stages: most tokens in one engine step."
     )
@@ -167,6 +173,7 @@ class ServerConfig(BaseModel):
             "max_image_pixels": self.max_image_pixels,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
+            "tensor_parallel_size": self.tensor_parallel_size,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "kv_cache_bytes": self.kv_cache_memory,

@@ -191,3 +191,14 @@ class BlockManager:
         self.ref_counts = [0] * self.num_blocks
         self.free_block_ids = OrderedDict.fromkeys(range(self.num_blocks))
         self.clear_cache()
+
+    def cache_status(self) -> dict[str, object]:
+        """The prefix cache as ``status()`` reports it."""
+        return {
+            "enabled": self.enable_prefix_caching,
+            "cached_blocks": self.num_cached_blocks,
+            "queried_tokens": self.stats.queried_tokens,
+            "hit_tokens": self.stats.hit_tokens,
+            "hit_rate": self.stats.hit_rate,
+            "resets": self.stats.resets,
+        }

@@ -35,11 +35,11 @@ from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import KV_CACHE_TAG, resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.output import abort_output, append_token
+from omnistage.stage.ar.ranks import make_worker
 from omnistage.stage.ar.requests import RequestTable, from_wire
 from omnistage.stage.ar.sampler import Sampler
 from omnistage.stage.ar.scheduler import Scheduler
 from omnistage.stage.ar.sequence import ARRequest, Sequence
-from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.faults import is_process_fault
 from omnistage.stage.messages import Ack, ARStageInfo
 from omnistage.stage.resolve import resolve_ar_stage
@@ -74,7 +74,7 @@ class ARStageEngine:
         self.max_model_len = resolved_max_model_len(config)
         self.stage_id = config.stage_id
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.worker = ARWorker(config, self.model_config, arena=arena, load_weights=load_weights)
+        self.worker = make_worker(config, self.model_config, arena, load_weights)
         self.block_manager = BlockManager(
             self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -124,6 +124,10 @@ class ARStageEngine:
     @property
     def sleep_control(self) -> SleepController:
         return self.worker.sleep_control
+
+    def adopt_history(self, sources: list[str], *, load: bool) -> None:
+        """Take over a previous process's weight history (every rank's; see ``restore``)."""
+        self.worker.adopt_history(sources, load=load)
 
     @property
     def arena(self) -> Arena:
@@ -403,15 +407,10 @@ class ARStageEngine:
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_kv_blocks": self.worker.num_kv_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
-            "prefix_cache": {
-                "enabled": self.block_manager.enable_prefix_caching,
-                "cached_blocks": self.block_manager.num_cached_blocks,
-                "queried_tokens": self.block_manager.stats.queried_tokens,
-                "hit_tokens": self.block_manager.stats.hit_tokens,
-                "hit_rate": self.block_manager.stats.hit_rate,
-                "resets": self.block_manager.stats.resets,
-            },
+            "prefix_cache": self.block_manager.cache_status(),
             "cuda_graphs": self.worker.has_cuda_graphs,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "rank_pids": getattr(self.worker, "rank_pids", []),  # ranks 1..N-1
             "memory": control.memory_stats(),
         }
 

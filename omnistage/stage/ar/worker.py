@@ -46,6 +46,7 @@ class ARWorker:
             if self._owns_arena:
                 self.arena.close()
             raise
+        self.rank = rank
         self.sleep_control = SleepController(
             self.arena, config.stage_id, config.model, self.runner.load_weights, rank=rank
         )
@@ -88,6 +89,9 @@ class ARWorker:
 
     def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack:
         return self.sleep_control.update_weights(path, check_finite=check_finite)
+
+    def adopt_history(self, sources: list[str], *, load: bool) -> None:
+        self.sleep_control.adopt_history(sources, load=load)
 
     def close(self) -> None:
         if self._owns_arena:

@@ -78,8 +78,16 @@ def ack_to_dict(ack: Any) -> dict[str, Any]:
 
 
 def normalize_acks(acks: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """The engine's ACK list as dicts (``None`` counts as no ACKs)."""
-    return [ack_to_dict(ack) for ack in acks or ()]
+    """The engine's ACK list as dicts (``None`` counts as no ACKs); a tensor-parallel
+    stage's ACK is followed by its other ranks' (one ACK per rank, vLLM-Omni's shape)."""
+    flat: list[dict[str, Any]] = []
+    for ack in acks or ():
+        data = ack_to_dict(ack)
+        ranks = [ack_to_dict(r) for r in data.pop("rank_acks", None) or []]
+        for rank in ranks:
+            rank.pop("rank_acks", None)
+        flat += [data, *ranks]
+    return flat
 
 
 def failed_stage_ids(acks: Iterable[Mapping[str, Any]]) -> set[int]:

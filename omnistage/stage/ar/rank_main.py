@@ -1,0 +1,87 @@
+"""Ranks 1..N-1 of a tensor-parallel AR stage: a process that joins the stage's group, builds
+its ``ARWorker`` (its slices of the weights, the KV cache of its kv heads) and does what rank 0
+sends it, answering control calls with its own ACK (see ``ranks.py``)."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import zmq
+
+from omnistage.config import StageConfig
+from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.tensor_parallel import join_group
+from omnistage.stage.ar.worker import ARWorker
+
+
+def follower_entry(
+    config_json: str,
+    rank: int,
+    size: int,
+    store: str,
+    in_addr: str,
+    out_addr: str,
+    num_threads: int,
+    load_weights: bool,
+) -> None:
+    """Spawn target of ranks 1..N-1 (imports the stage's code in the child)."""
+    from omnistage.stage.proc import _die_with_parent, set_process_title
+
+    _die_with_parent()
+    config = StageConfig.model_validate_json(config_json)
+    set_process_title(f"omnistage-stage{config.stage_id}-{config.display_name}-rank{rank}")
+    torch.set_num_threads(num_threads)
+    ctx: zmq.Context[Any] = zmq.Context()
+    inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    inbox.connect(in_addr)
+    outbox.connect(out_addr)
+    try:
+        _serve_rank(config, rank, size, store, inbox, outbox, load_weights)
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        ctx.term()
+
+
+def _serve_rank(
+    config: StageConfig,
+    rank: int,
+    size: int,
+    store: str,
+    inbox: zmq.Socket[Any],
+    outbox: zmq.Socket[Any],
+    load_weights: bool,
+) -> None:
+    from omnistage.stage.resolve import resolve_ar_stage
+
+    def reply(*msg: object) -> None:
+        outbox.send(pickle.dumps(msg))
+
+    try:
+        tp = join_group(store, rank, size, torch.device(config.device))
+        model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)
+        config = resolve_ar_stage(config, model_config)
+        worker = ARWorker(config, model_config, rank=rank, load_weights=load_weights, tp=tp)
+    except BaseException as exc:
+        reply("failed", rank, f"{type(exc).__name__}: {exc}")
+        raise
+    reply("ready", rank, worker.num_kv_blocks)
+    try:
+        while True:
+            msg = pickle.loads(inbox.recv())
+            kind = msg[0]
+            if kind == "step":
+                worker.execute(msg[1], msg[2])
+            elif kind == "embed":
+                worker.embed_tokens(msg[1])
+            elif kind == "copy_kv":
+                worker.copy_kv_block(msg[1], msg[2])
+            elif kind == "call":
+                _, method, kwargs = msg
+                reply("ack", rank, getattr(worker, method)(**kwargs))
+            elif kind == "shutdown":
+                return
+    finally:
+        worker.close()
