@@ -87,6 +87,18 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class Placement(_Frozen):
+    """Where a stage runs in a Ray cluster: the resources each of its ranks asks for (the
+    ranks of one stage are placed on one node)."""
+
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per rank (e.g. {node_a: 1} to pin it to a node).",
+    )
+    num_cpus: float = Field(default=1, ge=0, description="CPUs per rank.")
+    num_gpus: float = Field(default=0, ge=0, description="GPUs per rank.")
+
+
 class StageConfig(_Frozen):
     stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
     kind: StageKind = Field(
@@ -180,6 +192,11 @@ class StageConfig(_Frozen):
     )
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch threads in the stage process (in each rank's)."
+    )
+    placement: Placement | None = Field(
+        default=None,
+        description="Run the stage as a Ray actor with these resources (the pipeline then "
+        "runs on Ray: RAY_ADDRESS, a running cluster, or a local one).",
     )
     tensor_parallel_size: int = Field(
         default=1,

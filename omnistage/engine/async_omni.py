@@ -22,7 +22,7 @@ from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, S
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
-from omnistage.engine.spawn import SpawnedStage, stage_threads
+from omnistage.engine.spawn import SpawnedStage, stage_threads, uses_ray
 from omnistage.engine.stage_client import EngineStageClient, StageClient
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
 from omnistage.engine.weights import WeightSyncClient
@@ -32,6 +32,7 @@ from omnistage.stage.prepare import RequestOptions
 AckListener = Callable[[str, list[dict[str, Any]]], None]
 _FROM_CONFIG_OPTIONS = (
     "in_process",
+    "distributed_executor_backend",
     "launcher",
     "stage_init_timeout_s",
     "resume_after_wake",
@@ -83,6 +84,7 @@ class AsyncOmni:
         auto_wake: bool = False,
         restart_policy: RestartPolicy | None = None,
         prestarted: dict[int, SpawnedStage] | None = None,
+        distributed_executor_backend: str = "mp",
     ) -> AsyncOmni:
         """Start every stage (in parallel) and wait for their ready handshakes; stages in
         ``prestarted`` (``spawn.prestart``) are taken over instead of spawned."""
@@ -91,15 +93,17 @@ class AsyncOmni:
                 get_input_processor(stage.input_processor)  # fail early on a typo
         if launcher is None:
             num_stages = len(config.stages)
-            launcher = (
-                InProcessLauncher()
-                if in_process
-                else LocalProcessLauncher(
-                    lambda stage: stage_threads(stage, num_stages),
-                    ready_timeout_s=stage_init_timeout_s,
-                    prestarted=prestarted,
+            threads = lambda stage: stage_threads(stage, num_stages)  # noqa: E731
+            if in_process:
+                launcher = InProcessLauncher()
+            elif uses_ray(config, distributed_executor_backend):
+                from omnistage.engine.ray_launcher import RayLauncher
+
+                launcher = RayLauncher(threads, ready_timeout_s=stage_init_timeout_s)
+            else:
+                launcher = LocalProcessLauncher(
+                    threads, ready_timeout_s=stage_init_timeout_s, prestarted=prestarted
                 )
-            )
         clients = [StageClient(stage, launcher) for stage in config.stages]
         try:
             for client in clients:

@@ -23,6 +23,14 @@ from omnistage.config import PipelineConfig, StageConfig
 from omnistage.stage.startup import StartupOptions, encode_startup, start_without_main
 
 
+def uses_ray(pipeline: PipelineConfig, backend: str = "mp") -> bool:
+    """Whether the pipeline's stages start as Ray actors: the backend says so, or a stage
+    has a ``placement``."""
+    if backend not in ("mp", "ray"):
+        raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
+    return backend == "ray" or any(s.placement is not None for s in pipeline.stages)
+
+
 def stage_threads(stage: StageConfig, num_stages: int) -> int:
     """A stage's torch threads: its ``torch_threads``, else an equal share of the cores."""
     return stage.torch_threads or max(1, (os.cpu_count() or 1) // num_stages)

@@ -21,7 +21,6 @@ VLLM_ONLY_FLAGS = frozenset(
         "-pp",
         "--data-parallel-size",
         "-dp",
-        "--distributed-executor-backend",
         "--trust-remote-code",
         "--quantization",
         "-q",

@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -195,6 +196,22 @@ def stage_main(
     # Ctrl-C goes to the whole process group; the parent owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    serve_stage(
+        config_json, in_addr, out_addr, num_threads, startup_json,
+        should_stop=lambda: os.getppid() != parent,
+    )  # fmt: skip
+
+
+def serve_stage(
+    config_json: str,
+    in_addr: str,
+    out_addr: str,
+    num_threads: int,
+    startup_json: str,
+    should_stop: Callable[[], bool],
+) -> None:
+    """Build the stage, announce it on ``out_addr`` and serve ``in_addr`` until told to shut
+    down or ``should_stop()`` (a stage process's, or a Ray actor's; see ``engine/ray``)."""
     configure_from_env()
     config = StageConfig.model_validate_json(config_json)
     set_process_title(process_title(config), short_name(config))
@@ -221,7 +238,7 @@ def stage_main(
         from omnistage.stage.core import StageCore
 
         core = StageCore(engine, drain_timeout_s=config.drain_timeout_s)
-        core.serve(channel, should_stop=lambda: os.getppid() != parent)
+        core.serve(channel, should_stop=should_stop)
         engine.shutdown()
     finally:
         stop_heartbeat.set()

@@ -88,10 +88,10 @@ def test_bad_sizing_values_fail_naming_the_setting(argv, message):
 
 def test_a_vllm_flag_omnistage_lacks_is_named(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--pipeline", "tiny-chat", "--tensor-parallel-size", "2"])
+        main(["serve", "--pipeline", "tiny-chat", "--pipeline-parallel-size", "2"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--tensor-parallel-size is a vLLM flag omnistage does not support" in err
+    assert "--pipeline-parallel-size is a vLLM flag omnistage does not support" in err
     with pytest.raises(SystemExit):
         main(["serve", "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

@@ -69,6 +69,7 @@ def start_engine(
             max_restarts=config.max_stage_restarts, window_s=config.stage_restart_window_s
         ),
         prestarted=prestarted,
+        distributed_executor_backend=config.distributed_executor_backend,
     )
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine
@@ -179,9 +180,10 @@ def run_server(config: ServerConfig) -> None:
     pipeline = resolve_pipeline(config, progress)
     # The stages start now, importing torch and their models' code while this process
     # imports the engine client and the app (no torch has been imported here yet).
-    from omnistage.engine.spawn import prestart
+    from omnistage.engine.spawn import prestart, uses_ray
 
-    prestarted = prestart(pipeline)
+    ray = uses_ray(pipeline, config.distributed_executor_backend)
+    prestarted = {} if ray else prestart(pipeline)
     try:
         engine = start_engine(config, pipeline, progress, prestarted)
     finally:

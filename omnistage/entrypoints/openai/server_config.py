@@ -60,6 +60,12 @@ class ServerConfig(BaseModel):
     max_num_seqs: int | None = Field(
         default=None, gt=0, description="AR stages: most sequences decoded at once."
     )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        default="mp",
+        description="How stages start: 'mp', processes of this machine; 'ray', Ray actors "
+        "(RAY_ADDRESS, a running cluster, or a local one; also chosen by a stage's "
+        "'placement').",
+    )
     tensor_parallel_size: int | None = Field(
         default=None,
         ge=1,

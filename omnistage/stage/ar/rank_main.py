@@ -16,6 +16,15 @@ from omnistage.models.tensor_parallel import join_group
 from omnistage.stage.ar.worker import ARWorker
 
 
+def rank_device(device: str, rank: int) -> str:
+    """The device of ``rank``: the stage's for a host stage, the rank-th GPU from the stage's
+    on CUDA (``cuda:1`` with 2 ranks: ranks on ``cuda:1`` and ``cuda:2``)."""
+    if not device.startswith("cuda"):
+        return device
+    base = int(device.partition(":")[2] or 0)
+    return f"cuda:{base + rank}"
+
+
 def follower_entry(
     config_json: str,
     rank: int,
@@ -60,6 +69,9 @@ def _serve_rank(
         outbox.send(pickle.dumps(msg))
 
     try:
+        config = config.model_copy(update={"device": rank_device(config.device, rank)})
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(config.device))
         tp = join_group(store, rank, size, torch.device(config.device))
         model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)
         config = resolve_ar_stage(config, model_config)

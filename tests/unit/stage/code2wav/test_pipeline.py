@@ -83,8 +83,8 @@ def test_the_stage_reads_only_token2wav_tensors(omni_folder, monkeypatch):
         read.append(name)
         return original_tensor(self, name)
 
-    def spy_span(self, key, dest, name):  # read straight into its destination
-        span = original_span(self, key, dest, name)
+    def spy_span(self, key, dest, name, shard=None):  # read straight into its destination
+        span = original_span(self, key, dest, name, shard)
         if span is not None:
             read.append(key)
         return span

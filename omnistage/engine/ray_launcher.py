@@ -1,0 +1,258 @@
+"""Stages as Ray actors: placed by Ray (a stage's ``placement``), reached over ZMQ TCP.
+
+``RayLauncher`` joins a Ray cluster — ``RAY_ADDRESS``, else a running one
+(``ray.init(address="auto")``), else a local one it starts — and launches each stage as a
+``StageActor`` in a placement group of its own: one bundle per tensor-parallel rank, packed
+on one node (``STRICT_PACK``), each asking for the stage's ``placement`` resources. The front
+end binds a PUSH and a PULL socket on its node's address and hands the addresses to the
+actor, which serves the stage exactly as a stage process does (``proc.serve_stage``): the same
+messages, heartbeats, ACKs, so admission, the control plane, supervision and metrics are the
+ones of local processes. A rank-0 actor starts its other ranks as processes on its node.
+
+Ray is an optional dependency (``pip install 'omnistage[ray]'``): only this module imports it,
+and only when a pipeline asks for Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from omnistage.config import StageConfig
+from omnistage.engine.launcher import OnExit, ProcessStageHandle
+from omnistage.engine.spawn import SpawnedStage
+from omnistage.errors import StageStartupError
+from omnistage.stage.startup import StartupOptions, encode_startup
+
+ACTOR_NAME_PREFIX = "omnistage-stage"
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise StageStartupError(
+            "this pipeline runs on Ray (a stage has 'placement', or "
+            "--distributed-executor-backend ray) but ray is not installed: "
+            "pip install 'omnistage[ray]'"
+        ) from exc
+    return ray
+
+
+def ensure_ray() -> Any:
+    """Ray, initialised: ``RAY_ADDRESS``, else a running cluster, else a local one."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            try:
+                ray.init(address="auto", log_to_driver=False)
+            except ConnectionError:
+                ray.init(log_to_driver=False)
+    return ray
+
+
+class StageActor:
+    """A stage (rank 0 of it) in a Ray worker process; ``run`` serves until shutdown."""
+
+    def __init__(self) -> None:
+        self._stopped = threading.Event()
+
+    def node_id(self) -> str:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(
+        self, config_json: str, in_addr: str, out_addr: str, num_threads: int, startup: str
+    ) -> None:
+        from omnistage.stage import proc
+
+        proc.IS_STAGE_PROCESS = True  # a dead tensor-parallel rank ends this actor
+        proc.serve_stage(
+            config_json, in_addr, out_addr, num_threads, startup, should_stop=self._stopped.is_set
+        )
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+class ActorProcess:
+    """A stage actor behind the part of ``multiprocessing.Process`` the handle uses."""
+
+    def __init__(self, ray: Any, actor: Any, run_ref: Any, group: Any, name: str) -> None:
+        self._ray, self.actor, self._run, self._group, self.name = ray, actor, run_ref, group, name
+        self._pid: int | None = None
+        self._node_id: str | None = None
+        self._killed = False
+
+    @property
+    def pid(self) -> int | None:
+        if self._pid is None:
+            self._pid = self._ray.get(self.actor.pid.remote(), timeout=60)
+        return self._pid
+
+    @property
+    def node_id(self) -> str:
+        if self._node_id is None:
+            self._node_id = self._ray.get(self.actor.node_id.remote(), timeout=60)
+        return self._node_id
+
+    def is_alive(self) -> bool:
+        done, _ = self._ray.wait([self._run], timeout=0)
+        return not done
+
+    @property
+    def exitcode(self) -> int | None:
+        if self.is_alive():
+            return None
+        try:
+            self._ray.get(self._run, timeout=0)
+        except Exception:  # noqa: BLE001 - the actor died or its run raised
+            return 1
+        return 0
+
+    def join(self, timeout: float | None = None) -> None:
+        self._ray.wait([self._run], timeout=timeout)
+
+    def terminate(self) -> None:
+        self.kill()
+
+    def kill(self) -> None:
+        """End the actor and give its placement group back (once)."""
+        if self._killed:
+            return
+        self._killed = True
+        with contextlib.suppress(Exception):  # already gone with its node
+            self._ray.kill(self.actor, no_restart=True)
+        with contextlib.suppress(Exception):
+            self._ray.util.remove_placement_group(self._group)
+
+
+class RayStageHandle(ProcessStageHandle):
+    """A stage actor, spoken to like a stage process (over TCP instead of ipc://)."""
+
+    @property
+    def node_id(self) -> str:
+        """The Ray node the stage runs on."""
+        return self.actor_process.node_id
+
+    @property
+    def actor_process(self) -> ActorProcess:
+        process = self.process
+        assert isinstance(process, ActorProcess)
+        return process
+
+    def _watch(self, on_exit: OnExit) -> None:
+        process = self.actor_process
+        while not self._closing:
+            if not process.is_alive():
+                if not self._closing:
+                    on_exit(f"actor {process.name} ended (exit code {process.exitcode})")
+                return
+            silent_s = time.monotonic() - self._last_heard
+            if silent_s > self.heartbeat_timeout_s and not self._closing:
+                process.kill()
+                on_exit(f"actor {process.name} sent no heartbeat for {silent_s:.0f}s (killed)")
+                return
+            time.sleep(1.0)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        super().shutdown(timeout_s)
+        # A stage that served to its end leaves an idle actor and its placement group.
+        self.actor_process.kill()
+
+
+def spawn_actor(
+    config: StageConfig, options: StartupOptions, num_threads: int, ready_timeout_s: float
+) -> SpawnedStage:
+    """Bind the front end's sockets on this node's address and start the stage's actor."""
+    ray = ensure_ray()
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    placement = config.placement
+    resources = dict(placement.resources) if placement else {}
+    cpus = placement.num_cpus if placement else 1.0
+    gpus = placement.num_gpus if placement else 0.0
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
+    group = placement_group([bundle] * config.tensor_parallel_size, strategy="STRICT_PACK")
+    try:
+        ray.get(group.ready(), timeout=ready_timeout_s)
+    except Exception as exc:
+        ray.util.remove_placement_group(group)
+        raise StageStartupError(
+            f"stage {config.stage_id}: no Ray node offers {bundle} x "
+            f"{config.tensor_parallel_size} (placement) within {ready_timeout_s:g}s"
+        ) from exc
+    host = ray.util.get_node_ip_address()
+    ctx: zmq.Context[Any] = zmq.Context()
+    to_stage, from_stage = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    for sock in (to_stage, from_stage):
+        sock.setsockopt(zmq.LINGER, 0)
+    to_stage.setsockopt(zmq.SNDHWM, 0)
+    in_port = to_stage.bind_to_random_port(f"tcp://{host}")
+    out_port = from_stage.bind_to_random_port(f"tcp://{host}")
+    name = f"{ACTOR_NAME_PREFIX}{config.stage_id}-{config.display_name}"
+    actor = (
+        ray.remote(StageActor)
+        .options(
+            num_cpus=cpus,
+            num_gpus=gpus,
+            resources=resources,
+            max_concurrency=4,  # run() serves while node_id()/pid()/stop() answer
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=0
+            ),
+        )
+        .remote()
+    )
+    run = actor.run.remote(
+        config.model_dump_json(),
+        f"tcp://{host}:{in_port}",
+        f"tcp://{host}:{out_port}",
+        num_threads,
+        encode_startup(options),
+    )
+    process = ActorProcess(ray, actor, run, group, name)
+    # The handle removes its (empty) folder like a local stage's ipc:// folder.
+    return SpawnedStage(config.stage_id, process, ctx, to_stage, from_stage, tempfile.mkdtemp())  # type: ignore[arg-type]
+
+
+class RayLauncher:
+    """Each stage a Ray actor in a placement group of its own."""
+
+    def __init__(
+        self,
+        num_threads: Callable[[StageConfig], int],
+        ready_timeout_s: float = 600.0,
+        heartbeat_timeout_s: float = 60.0,
+    ) -> None:
+        ensure_ray()
+        self.num_threads = num_threads
+        self.ready_timeout_s = ready_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+
+    def launch(self, config: StageConfig, options: StartupOptions) -> RayStageHandle:
+        threads = self.num_threads(config)
+        spawned = spawn_actor(config, options, threads, self.ready_timeout_s)
+        return RayStageHandle(
+            config,
+            options,
+            num_threads=threads,
+            ready_timeout_s=self.ready_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            spawned=spawned,
+        )

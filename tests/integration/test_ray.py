@@ -1,0 +1,112 @@
+"""Stages placed by Ray: a simulated two-node cluster (``ray.cluster_utils.Cluster``, custom
+resources ``node_a`` / ``node_b``) serves tiny-omni with stage 0 pinned to node A and stage 1
+to node B; chat text + image works, the seed's sleep/wake sequence works on both stages, a
+tensor-parallel stage runs its ranks on one node, and shutdown leaves no actor behind.
+One cluster for the module (it takes ~4 s to start)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+import pytest_asyncio  # noqa: E402
+
+from omnistage.config import PipelineConfig  # noqa: E402
+from omnistage.engine.async_omni import AsyncOmni  # noqa: E402
+from omnistage.pipelines import load_pipeline  # noqa: E402
+from tests.integration.helpers import GREEDY, collect  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 2}}
+    )
+    node_b = cluster.add_node(num_cpus=3, resources={"node_b": 3})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, cluster.head_node.node_id, node_b.node_id
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def placed(name: str, *placements: dict, **overrides) -> PipelineConfig:
+    base = load_pipeline(name, enable_sleep_mode=True, **overrides)
+    stages = [
+        {**stage.model_dump(), "placement": placement}
+        for stage, placement in zip(base.stages, placements, strict=True)
+    ]
+    return PipelineConfig.model_validate({"name": base.name, "stages": stages})
+
+
+@pytest_asyncio.fixture(scope="module")
+async def omni(cluster):
+    config = placed("tiny-omni", {"resources": {"node_a": 1}}, {"resources": {"node_b": 1}})
+    engine = AsyncOmni.from_config(config)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def alive_actors() -> list[dict]:
+    from ray._private.state import state
+
+    return [a for a in state.actor_table(None).values() if a["State"] != "DEAD"]
+
+
+async def test_stages_run_on_the_nodes_their_placement_names(omni, cluster):
+    _, node_a, node_b = cluster
+    assert [client._handle.node_id for client in omni.clients] == [node_a, node_b]
+
+
+async def test_chat_text_and_image_across_nodes(omni):
+    result = await collect(omni, "a red square", ["text", "image"])
+    assert result.text and len(result.pngs) == 1 and result.pngs[0][:4] == b"\x89PNG"
+
+
+async def test_the_seeds_sleep_and_wake_sequence_on_both_stages(omni):
+    reference = await collect(omni, "a red square", ["text", "image"])
+    for stage_id, level in ((0, 2), (1, 1), (1, 2)):
+        (ack,) = await omni.sleep([stage_id], level=level)
+        assert ack["status"] == "SUCCESS", ack
+        assert ack["freed_bytes"] > 0 or level == 1  # level 1 on a host keeps the backup
+    acks = await omni.wake_up([0, 1])
+    assert [a["status"] for a in acks] == ["SUCCESS", "SUCCESS"]
+    await omni.resume_generation([0, 1])
+    again = await collect(omni, "a red square", ["text", "image"])
+    assert again.token_ids == reference.token_ids and again.pngs == reference.pngs
+
+
+async def test_a_tensor_parallel_stage_keeps_its_ranks_on_one_node(cluster):
+    _, _, node_b = cluster
+    config = placed("tiny-chat", {"resources": {"node_b": 1}}, tensor_parallel_size=2)
+    engine = AsyncOmni.from_config(config)
+    try:
+        assert engine.clients[0]._handle.node_id == node_b
+        result = await collect(engine, "hello", sampling=GREEDY)
+        assert len(result.token_ids) > 0
+        (ack,) = await engine.sleep([0], level=1)
+        assert [r["rank"] for r in ack["rank_acks"]] == [1]
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_leaves_no_actor_behind(omni, cluster):
+    omni.shutdown()
+    assert not [a for a in alive_actors() if "StageActor" in str(a.get("ActorClassName"))]
+    deadline = time.monotonic() + 10  # placement groups are removed asynchronously
+    while time.monotonic() < deadline:
+        free = ray.available_resources()
+        if free.get("node_a") == 2 and free.get("node_b") == 3:
+            break
+        time.sleep(0.2)
+    assert free.get("node_a") == 2 and free.get("node_b") == 3, free  # placement groups gone
