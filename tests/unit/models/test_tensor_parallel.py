@@ -110,3 +110,49 @@ def test_shards_name_each_ranks_slice():
     assert kv_head_split(4, TPGroup(1, 2)) == (2, 2) and kv_head_split(2, TPGroup(3, 4)) == (1, 1)
     with pytest.raises(ValueError, match="divide"):
         kv_head_split(3, TPGroup(0, 2))
+
+
+def part_outputs(folder: str, part: str, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Qwen2.5-Omni part's logits from input embeddings, and its token embeddings."""
+    from omnistage.models.qwen_omni import ar_rename
+
+    config = ARModelConfig.from_pretrained(folder, part)
+    model = Qwen2ForCausalLM.on_meta(config, torch.float32, tp)
+    arena = Arena("cpu")
+    arena.adopt(model)
+    load_module(model, folder, rename=ar_rename(part))
+    model.model.rotary_emb.to("cpu")
+    embeds = torch.randn(7, config.embedding_size or config.hidden_size, generator=seeded()) * 0.1
+    with torch.no_grad():
+        hidden = model(None, torch.arange(7), inputs_embeds=embeds)
+        return model.compute_logits(hidden), model.embed(torch.tensor([1, 5, 9, 3]))
+
+
+def seeded() -> torch.Generator:  # the same stream on every rank
+    return torch.Generator().manual_seed(0)
+
+
+def omni_rank(folder: str, store: str, rank: int, queue: multiprocessing.Queue) -> None:
+    torch.set_num_threads(1)
+    tp = join_group(store, rank, 2, torch.device("cpu"))
+    queue.put((rank, {p: part_outputs(folder, p, tp) for p in ("thinker", "talker")}))
+
+
+def test_qwen_omni_thinker_and_talker_split_over_two_ranks():
+    from omnistage.models.tiny import ensure_preset
+    from omnistage.pipelines import cache_dir
+
+    folder = str(ensure_preset("tiny-qwen2.5-omni", cache_dir() / "tiny-qwen2.5-omni"))
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    store = tempfile.mktemp(prefix="omnistage-tp-test-")
+    procs = [ctx.Process(target=omni_rank, args=(folder, store, r, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for part in ("thinker", "talker"):
+        logits, embeddings = part_outputs(folder, part, SINGLE)
+        torch.testing.assert_close(results[0][part][0], logits, atol=1e-5, rtol=1e-4)
+        assert torch.equal(results[0][part][1], embeddings)  # a sum of one non-zero row
