@@ -26,7 +26,17 @@ def _run_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("arena", "ar", "diffusion", "control", "coldstart", "robustness", "rollouts", "omni")
+BENCHMARKS = (
+    "arena",
+    "ar",
+    "diffusion",
+    "control",
+    "coldstart",
+    "tp",
+    "robustness",
+    "rollouts",
+    "omni",
+)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

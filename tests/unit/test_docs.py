@@ -52,3 +52,19 @@ def test_the_qwen_omni_guide_pipeline_is_valid():
     config = parse_pipeline_config(yaml.safe_load(block), "docs/qwen-omni.md")
     assert [s.model_stage for s in config.stages] == ["thinker", "talker", "code2wav"]
     assert config.stages[1].kv_cache_bytes == 4 << 30
+
+
+def test_the_two_node_example_is_a_valid_pipeline():
+    import re
+
+    import yaml
+
+    from omnistage.config import parse_pipeline_config
+
+    text = (ROOT / "docs" / "distributed.md").read_text()
+    block = re.search(r"`two-nodes.yaml`:\n\n```yaml\n(.*?)```", text, re.S)
+    assert block is not None
+    config = parse_pipeline_config(yaml.safe_load(block.group(1)), "docs/distributed.md")
+    thinker, decoder = config.stages
+    assert thinker.tensor_parallel_size == 2 and thinker.placement is not None
+    assert thinker.placement.resources == {"node_a": 0.5} and decoder.placement is not None

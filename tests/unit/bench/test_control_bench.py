@@ -176,3 +176,14 @@ def test_import_breakdown_sums_self_times_by_top_level_package():
         ]
     )
     assert import_breakdown(stderr) == {"torch": 150, "omnistage": 7}
+
+
+def test_tp_bench_runs_one_and_two_ranks(tmp_path):
+    from omnistage.bench import tp
+
+    table = tp.run(str(tmp_path), pipeline="tiny-chat", batch_sizes=(2,), new_tokens=4, repeats=1)
+    rows = json.loads((tmp_path / "tp-cpu.json").read_text())["rows"]
+    assert [(r["tp"], r["seqs"]) for r in rows] == [(1, 2), (2, 2)]
+    assert rows[0]["vs_tp1"] == 1 and rows[1]["tokens_per_s"] > 0
+    assert rows[1]["same_ids"] == 1.0  # greedy ids of both ranks' model equal one rank's
+    assert "| tiny-chat |" in table
