@@ -6,6 +6,9 @@ One cluster for the module (it takes ~4 s to start)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
 
 import pytest
@@ -84,6 +87,23 @@ async def test_the_seeds_sleep_and_wake_sequence_on_both_stages(omni):
     await omni.resume_generation([0, 1])
     again = await collect(omni, "a red square", ["text", "image"])
     assert again.token_ids == reference.token_ids and again.pngs == reference.pngs
+
+
+async def test_a_killed_actor_is_a_dead_stage_restarted_in_a_new_actor(omni, cluster):
+    _, node_a, _ = cluster
+    old = omni.clients[0]._handle
+    os.kill(old.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        handle = omni.clients[0]._handle
+        if handle is not old and omni.stage_states()[0].state == "awake":
+            break
+    else:
+        raise AssertionError(f"stage 0 not back: {omni.stage_states()}")
+    assert handle.node_id == node_a  # placed by its placement again
+    result = await collect(omni, "a red square", ["text", "image"])
+    assert result.text and len(result.pngs) == 1
 
 
 async def test_a_tensor_parallel_stage_keeps_its_ranks_on_one_node(cluster):
