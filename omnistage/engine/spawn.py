@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from omnistage.config import ConfigError, PipelineConfig, StageConfig
+from omnistage.config import PipelineConfig, StageConfig
 from omnistage.stage.startup import StartupOptions, encode_startup, start_without_main
 
 
@@ -28,18 +28,7 @@ def uses_ray(pipeline: PipelineConfig, backend: str = "mp") -> bool:
     has a ``placement``."""
     if backend not in ("mp", "ray"):
         raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
-    if backend != "ray" and all(s.placement is None for s in pipeline.stages):
-        return False
-    for stage in pipeline.stages:
-        gpus = stage.placement.num_gpus if stage.placement else 0
-        if stage.tensor_parallel_size > 1 and (gpus or stage.device.startswith("cuda")):
-            # Ray gives each actor its own GPUs; the other ranks, started by rank 0's actor,
-            # would not see theirs.
-            raise ConfigError(
-                f"stages.{stage.stage_id}: a tensor-parallel stage on GPUs cannot run on Ray "
-                "yet (run it as a local process, or with tensor_parallel_size: 1)"
-            )
-    return True
+    return backend == "ray" or any(s.placement is not None for s in pipeline.stages)
 
 
 def stage_threads(stage: StageConfig, num_stages: int) -> int:

@@ -112,12 +112,16 @@ async def test_a_tensor_parallel_stage_keeps_its_ranks_on_one_node(cluster):
     engine = AsyncOmni.from_config(config)
     try:
         assert engine.clients[0]._handle.node_id == node_b
+        # Rank 1 is a Ray actor of the stage's placement group, on the same node.
+        ranks = [a for a in alive_actors() if a["ActorClassName"] == "RankActor"]
+        assert [a["Address"]["NodeID"] for a in ranks] == [node_b]
         result = await collect(engine, "hello", sampling=GREEDY)
         assert len(result.token_ids) > 0
         (ack,) = await engine.sleep([0], level=1)
         assert [r["rank"] for r in ack["rank_acks"]] == [1]
     finally:
         engine.shutdown()
+    assert not [a for a in alive_actors() if a["ActorClassName"] == "RankActor"]
 
 
 def test_shutdown_leaves_no_actor_behind(omni, cluster):

@@ -69,8 +69,7 @@ def _serve_rank(
         outbox.send(pickle.dumps(msg))
 
     try:
-        config = config.model_copy(update={"device": rank_device(config.device, rank)})
-        if config.device.startswith("cuda"):
+        if config.device.startswith("cuda"):  # this rank's device, chosen by rank 0
             torch.cuda.set_device(torch.device(config.device))
         tp = join_group(store, rank, size, torch.device(config.device))
         model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)

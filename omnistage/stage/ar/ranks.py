@@ -21,12 +21,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -43,7 +43,8 @@ from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tensor_parallel import join_group
 from omnistage.stage.ar.model_runner import StepResult
-from omnistage.stage.ar.rank_main import follower_entry
+from omnistage.stage.ar.rank_main import follower_entry, rank_device
+from omnistage.stage.ar.ray_ranks import ActorRank, current_placement, start_rank_actor
 from omnistage.stage.ar.sequence import Sequence
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.messages import Ack
@@ -121,8 +122,9 @@ class RankGroup:
         self._replies = self._ctx.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._dir}/replies")
         self._outboxes: list[zmq.Socket[Any]] = []
-        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.processes: list[Any] = []  # multiprocessing processes, or ``ActorRank``s
         self._closing = False
+        on_ray = current_placement()  # rank 0 is a Ray actor: the others are actors too
         spawn = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
@@ -130,21 +132,22 @@ class RankGroup:
                 out.setsockopt(zmq.LINGER, 0)
                 out.bind(f"ipc://{self._dir}/rank{rank}")
                 self._outboxes.append(out)
-                process = spawn.Process(
-                    target=follower_entry,
-                    args=(
-                        config.model_dump_json(),
-                        rank,
-                        size,
-                        self.store,
-                        f"ipc://{self._dir}/rank{rank}",
-                        f"ipc://{self._dir}/replies",
-                        num_threads,
-                        load_weights,
-                    ),  # fmt: skip
-                    name=f"omnistage-stage{config.stage_id}-rank{rank}",
-                    daemon=True,
-                )
+                # Under Ray each rank's actor sees its own GPU as the stage's device.
+                device = config.device if on_ray else rank_device(config.device, rank)
+                args = (
+                    config.model_copy(update={"device": device}).model_dump_json(),
+                    rank, size, self.store,
+                    f"ipc://{self._dir}/rank{rank}", f"ipc://{self._dir}/replies",
+                    num_threads, load_weights,
+                )  # fmt: skip
+                name = f"omnistage-stage{config.stage_id}-rank{rank}"
+                if on_ray is not None:
+                    ray, group = on_ray
+                    self.processes.append(
+                        start_rank_actor(ray, group, rank, config.placement, name, args)
+                    )
+                    continue
+                process = spawn.Process(target=follower_entry, args=args, name=name, daemon=True)
                 start_without_main(process)
                 self.processes.append(process)
         except BaseException:
@@ -196,11 +199,12 @@ class RankGroup:
         """Call ``on_death`` (from a thread) when a rank process exits unasked."""
 
         def watch() -> None:
-            sentinels = [p.sentinel for p in self.processes]
-            ready = multiprocessing.connection.wait(sentinels)
-            if not self._closing and ready:
-                dead = next(p for p in self.processes if p.sentinel in ready)
-                on_death(f"{dead.name} (pid {dead.pid}) exited with code {dead.exitcode}")
+            # Polled (processes or Ray actors alike): twice a second costs nothing.
+            while not self._closing and all(p.is_alive() for p in self.processes):
+                time.sleep(0.5)
+            dead = [p for p in self.processes if not p.is_alive()]
+            if not self._closing and dead:
+                on_death(f"{dead[0].name} (pid {dead[0].pid}) exited with code {dead[0].exitcode}")
 
         threading.Thread(target=watch, name=f"stage{self.stage_id}-ranks", daemon=True).start()
 
@@ -215,6 +219,8 @@ class RankGroup:
                 if process.is_alive():
                     stop()
                     process.join(2.0)
+            if isinstance(process, ActorRank):
+                process.kill()  # an actor outlives its run(): end it
         for sock in [*self._outboxes, self._replies]:
             sock.close(linger=0)
         self._ctx.term()

@@ -23,13 +23,6 @@ def test_a_placement_or_the_backend_chooses_ray():
         uses_ray(pipeline(), "slurm")
 
 
-def test_a_tensor_parallel_gpu_stage_is_refused_on_ray():
-    with pytest.raises(ConfigError, match="tensor-parallel stage on GPUs cannot run on Ray"):
-        uses_ray(pipeline(tensor_parallel_size=2, placement={"num_gpus": 1}))
-    assert uses_ray(pipeline(tensor_parallel_size=2, placement={"num_cpus": 1}))
-    assert not uses_ray(pipeline(tensor_parallel_size=2, device="cuda:0"))  # local: fine
-
-
 def test_placement_fields_are_checked():
     with pytest.raises(ConfigError, match="placement.num_gpus"):
         pipeline(placement={"num_gpus": -1})
