@@ -5,6 +5,7 @@ process behind."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import psutil
@@ -42,4 +43,18 @@ def test_serve_with_two_ranks(tmp_path):
             assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
             stages = client.get("/v1/omni/stages").json()
             assert '"tensor_parallel_size": 2' in json.dumps(stages), stages
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    deadline = time.monotonic() + 15  # rank 1 goes with its stage (PDEATHSIG), a moment later
+    while time.monotonic() < deadline and alive(pids):
+        time.sleep(0.1)
+    assert not alive(pids)
+
+
+def alive(pids: list[int]) -> list[int]:
+    living = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                living.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return living
