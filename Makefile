@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(BIN)/omnistage serve --pipeline $(PIPELINE) --enable-sleep-mode --host $(HOST) --port $(PORT)
 
-# The Ray tests run in a pytest process of their own: Ray's cluster teardown ended a shared
-# pytest process with status 1 and no report (fd-captured output; fine with -s).
+# The Ray tests run in a pytest process of their own, so that a Ray teardown problem cannot
+# end the whole run without a report (one did: a stage handle's watcher thread still asking
+# Ray while the driver shut Ray down; the handle now joins it).
 test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ray tests

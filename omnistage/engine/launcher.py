@@ -114,6 +114,7 @@ class ProcessStageHandle:
         self._closed = False
         self._waiting_ready = False
         self._receiver: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._last_heard = time.monotonic()
 
     @property
@@ -168,9 +169,10 @@ class ProcessStageHandle:
             daemon=True,
         )
         self._receiver.start()
-        threading.Thread(
+        self._watcher = threading.Thread(
             target=self._watch, args=(on_exit,), name=f"stage{self.stage_id}-watch", daemon=True
-        ).start()
+        )
+        self._watcher.start()
 
     def _receive_loop(self, deliver: Deliver) -> None:
         sock = self._from_stage

@@ -167,12 +167,16 @@ class RayStageHandle(ProcessStageHandle):
                 process.kill()
                 on_exit(f"actor {process.name} sent no heartbeat for {silent_s:.0f}s (killed)")
                 return
-            time.sleep(1.0)
+            time.sleep(0.2)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         super().shutdown(timeout_s)
         # A stage that served to its end leaves an idle actor and its placement group.
         self.actor_process.kill()
+        # No thread of this handle may still be asking Ray when the caller shuts Ray down.
+        watcher = self._watcher
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(5.0)
 
 
 def spawn_actor(
