@@ -29,6 +29,7 @@ from omnistage.config import StageConfig
 from omnistage.engine.launcher import OnExit, ProcessStageHandle
 from omnistage.engine.spawn import SpawnedStage
 from omnistage.errors import StageStartupError
+from omnistage.stage.ar.ray_ranks import ActorRank
 from omnistage.stage.startup import StartupOptions, encode_startup
 
 ACTOR_NAME_PREFIX = "omnistage-stage"
@@ -89,20 +90,15 @@ class StageActor:
         self._stopped.set()
 
 
-class ActorProcess:
-    """A stage actor behind the part of ``multiprocessing.Process`` the handle uses."""
+class ActorProcess(ActorRank):
+    """A stage actor behind the part of ``multiprocessing.Process`` the handle uses; killing
+    it gives its placement group back too."""
 
     def __init__(self, ray: Any, actor: Any, run_ref: Any, group: Any, name: str) -> None:
-        self._ray, self.actor, self._run, self._group, self.name = ray, actor, run_ref, group, name
-        self._pid: int | None = None
+        super().__init__(ray, actor, run_ref, name)
+        self._group = group
         self._node_id: str | None = None
         self._killed = False
-
-    @property
-    def pid(self) -> int | None:
-        if self._pid is None:
-            self._pid = self._ray.get(self.actor.pid.remote(), timeout=60)
-        return self._pid
 
     @property
     def node_id(self) -> str:
@@ -110,34 +106,13 @@ class ActorProcess:
             self._node_id = self._ray.get(self.actor.node_id.remote(), timeout=60)
         return self._node_id
 
-    def is_alive(self) -> bool:
-        done, _ = self._ray.wait([self._run], timeout=0)
-        return not done
-
-    @property
-    def exitcode(self) -> int | None:
-        if self.is_alive():
-            return None
-        try:
-            self._ray.get(self._run, timeout=0)
-        except Exception:  # noqa: BLE001 - the actor died or its run raised
-            return 1
-        return 0
-
-    def join(self, timeout: float | None = None) -> None:
-        self._ray.wait([self._run], timeout=timeout)
-
-    def terminate(self) -> None:
-        self.kill()
-
     def kill(self) -> None:
         """End the actor and give its placement group back (once)."""
         if self._killed:
             return
         self._killed = True
+        super().kill()
         with contextlib.suppress(Exception):  # already gone with its node
-            self._ray.kill(self.actor, no_restart=True)
-        with contextlib.suppress(Exception):
             self._ray.util.remove_placement_group(self._group)
 
 

@@ -41,7 +41,8 @@ def current_placement() -> tuple[Any, Any] | None:
 
 
 class ActorRank:
-    """A rank's actor behind the part of ``multiprocessing.Process`` ``RankGroup`` uses."""
+    """A Ray actor serving in ``run`` behind the part of ``multiprocessing.Process`` its
+    owner uses (``RankGroup`` here; the engine's stage handles too)."""
 
     def __init__(self, ray: Any, actor: Any, run_ref: Any, name: str) -> None:
         self._ray, self.actor, self._run, self.name = ray, actor, run_ref, name
@@ -51,7 +52,7 @@ class ActorRank:
     def pid(self) -> int | None:
         if self._pid is None:
             with contextlib.suppress(Exception):  # a dead actor has no pid to tell
-                self._pid = self._ray.get(self.actor.pid.remote(), timeout=30)
+                self._pid = self._ray.get(self.actor.pid.remote(), timeout=60)
         return self._pid
 
     def is_alive(self) -> bool:
