@@ -19,7 +19,6 @@ The JSON keeps each stage's ten most expensive packages (``top_packages``).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import socket
@@ -32,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from omnistage.bench.control import cold_start_ms
 from omnistage.bench.report import write_results
 from omnistage.pipelines import load_pipeline
 
@@ -109,22 +109,6 @@ def stage_row(pipeline: str, stage_id: int, device: str) -> dict[str, Any]:
     }
 
 
-def first_token_ms(pipeline: str, device: str) -> float:
-    from omnistage.engine.async_omni import AsyncOmni
-
-    async def first(engine: AsyncOmni) -> None:
-        async for _ in engine.generate("hi", {"temperature": 0.0, "max_tokens": 1}, ["text"]):
-            break
-
-    start = time.perf_counter()
-    engine = AsyncOmni.from_pipeline(pipeline, device=device)
-    try:
-        asyncio.run(first(engine))
-        return (time.perf_counter() - start) * 1e3
-    finally:
-        engine.shutdown()
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -163,7 +147,7 @@ def serve_ms(pipeline: str, device: str, timeout_s: float = 120.0) -> tuple[floa
 def bench_pipeline(pipeline: str, device: str, repeats: int) -> list[dict[str, Any]]:
     config = load_pipeline(pipeline, device=device)  # build tiny models outside the timings
     rows = [stage_row(pipeline, stage.stage_id, device) for stage in config.stages]
-    first = statistics.median(first_token_ms(pipeline, device) for _ in range(repeats))
+    first = statistics.median(cold_start_ms(pipeline, device) for _ in range(repeats))
     served = [serve_ms(pipeline, device) for _ in range(repeats)]
     for row in rows:
         row["first_token_ms"] = first

@@ -29,7 +29,6 @@ so a run cut short keeps what it finished.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,8 +36,8 @@ from typing import Any
 
 from omnistage.bench.read_baseline import read_baselines
 from omnistage.bench.report import write_results
-from omnistage.config import PipelineConfig
 from omnistage.engine.async_omni import AsyncOmni
+from omnistage.engine.spawn import stage_threads
 from omnistage.models.loader import checkpoint_files
 from omnistage.pipelines import load_pipeline
 
@@ -146,12 +145,6 @@ def add_read_baseline(row: dict[str, Any], baseline: dict[str, float]) -> None:
     row["reload_vs_fresh_read"] = row["reload_gbps"] / baseline["fresh_read_gbps"]
 
 
-def stage_threads(config: PipelineConfig) -> int:
-    """The torch threads of stage 0, as ``AsyncOmni`` gives them."""
-    share = max(1, (os.cpu_count() or 1) // len(config.stages))
-    return config.stages[0].torch_threads or share
-
-
 def add_cold_start(row: dict[str, Any], cold_ms: float) -> None:
     row["cold_start_ms"] = cold_ms
     row["wake_speedup_vs_cold_start"] = cold_ms / (
@@ -159,7 +152,7 @@ def add_cold_start(row: dict[str, Any], cold_ms: float) -> None:
     )
 
 
-def _cold_start_ms(name: str, device: str) -> float:
+def cold_start_ms(name: str, device: str) -> float:
     start = time.perf_counter()
     engine = AsyncOmni.from_pipeline(name, device=device, enable_sleep_mode=True)
     try:
@@ -200,13 +193,16 @@ def bench_pipeline(
         asyncio.run(cycles())
     finally:
         engine.shutdown()
-    baseline = read_baselines(checkpoint_files(config.stages[0].model), stage_threads(config))
+    baseline = read_baselines(
+        checkpoint_files(config.stages[0].model),
+        stage_threads(config.stages[0], len(config.stages)),
+    )
     for row in rows:
         if row["level"] == 2:
             add_read_baseline(row, baseline)
     if on_rows is not None:
         on_rows(rows)
-    cold = statistics.median(_cold_start_ms(name, device) for _ in range(cold_starts))
+    cold = statistics.median(cold_start_ms(name, device) for _ in range(cold_starts))
     for row in rows:
         add_cold_start(row, cold)
     return rows

@@ -42,6 +42,7 @@ from omnistage.stage.messages import (
     decode_from_stage,
     encode,
 )
+from omnistage.stage.startup import stop_process
 
 Deliver = Callable[[FromStage], None]
 OnExit = Callable[[str], None]
@@ -229,11 +230,7 @@ class ProcessStageHandle:
             with contextlib.suppress(zmq.ZMQError, StageDeadError):
                 self.send(Shutdown())
         self._closing = True
-        process.join(timeout_s if not self._waiting_ready else 0)
-        for stop in (process.terminate, process.kill):
-            if process.is_alive():
-                stop()
-                process.join(2.0)
+        stop_process(process, timeout_s if not self._waiting_ready else 0)
         # ZMQ sockets are not thread-safe: the receiver (it sees ``_closing`` within a poll
         # period) must be done with its socket before the socket is closed, and a thread
         # still waiting for the handshake closes them itself.

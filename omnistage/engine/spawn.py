@@ -8,7 +8,6 @@ over and speaks the stage protocol on its sockets.
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.process
 import os
@@ -20,7 +19,12 @@ from typing import Any
 import zmq
 
 from omnistage.config import PipelineConfig, StageConfig
-from omnistage.stage.startup import StartupOptions, encode_startup, start_without_main
+from omnistage.stage.startup import (
+    StartupOptions,
+    encode_startup,
+    start_without_main,
+    stop_process,
+)
 
 
 def uses_ray(pipeline: PipelineConfig, backend: str = "mp") -> bool:
@@ -49,11 +53,7 @@ class SpawnedStage:
 
     def discard(self) -> None:
         """Stop a spawned stage nobody took over, and release its sockets."""
-        for stop in (self.process.terminate, self.process.kill):
-            if self.process.is_alive():
-                with contextlib.suppress(OSError):
-                    stop()
-                self.process.join(2.0)
+        stop_process(self.process, 0)
         self.to_stage.close(linger=0)
         self.from_stage.close(linger=0)
         self.ctx.term()

@@ -3,9 +3,11 @@ server can spawn its stages before it imports the heavy parts of itself)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.process
 import sys
 import threading
+from typing import Any
 
 import msgspec
 
@@ -33,6 +35,17 @@ def decode_startup(data: str) -> StartupOptions:
 
 
 _SPAWN_LOCK = threading.Lock()
+
+
+def stop_process(process: Any, wait_s: float) -> None:
+    """Let ``process`` end by itself for ``wait_s`` seconds, then terminate it, then kill it
+    (a ``multiprocessing`` process, or anything with the same methods)."""
+    process.join(wait_s)
+    for stop in (process.terminate, process.kill):
+        if process.is_alive():
+            with contextlib.suppress(OSError):
+                stop()
+            process.join(2.0)
 
 
 def start_without_main(process: multiprocessing.process.BaseProcess) -> None:

@@ -48,7 +48,7 @@ from omnistage.stage.ar.ray_ranks import ActorRank, current_placement, start_ran
 from omnistage.stage.ar.sequence import Sequence
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.messages import Ack
-from omnistage.stage.startup import start_without_main
+from omnistage.stage.startup import start_without_main, stop_process
 
 logger = logging.getLogger(__name__)
 
@@ -214,11 +214,7 @@ class RankGroup:
         with contextlib.suppress(zmq.ZMQError):
             self.send("shutdown")
         for process in self.processes:
-            process.join(5.0)
-            for stop in (process.terminate, process.kill):
-                if process.is_alive():
-                    stop()
-                    process.join(2.0)
+            stop_process(process, 5.0)
             if isinstance(process, ActorRank):
                 process.kill()  # an actor outlives its run(): end it
         for sock in [*self._outboxes, self._replies]:
