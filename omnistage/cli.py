@@ -31,6 +31,7 @@ BENCHMARKS = (
     "ar",
     "diffusion",
     "control",
+    "control_http",
     "coldstart",
     "tp",
     "robustness",
@@ -60,9 +61,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--repeats",
         type=int,
-        default=3,
-        help="Cycles per measurement (median taken), for the arena, control and coldstart "
-        "benchmarks.",
+        default=None,
+        help="Cycles per measurement (median taken), for the arena, control, control_http "
+        "and coldstart benchmarks (default: 3; control_http: 30).",
     )
     p.set_defaults(func=_run_bench)
 
@@ -78,7 +79,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     import importlib
 
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
-    if args.repeats < 1:
+    if args.repeats is not None and args.repeats < 1:
         raise SystemExit(f"omnistage bench: --repeats must be at least 1, got {args.repeats}")
     try:
         sizes = tuple(int(s) for s in _bench_list(args.sizes_mib, "--sizes-mib"))
@@ -86,15 +87,18 @@ def _run_bench(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"omnistage bench: --sizes-mib takes integers, got {args.sizes_mib!r}"
         ) from None
-    chosen = {}
+    chosen: dict[str, object] = {}
+    if args.repeats is not None:
+        chosen["repeats"] = args.repeats
     if args.pipelines is not None:
         chosen["pipelines"] = tuple(_bench_list(args.pipelines, "--pipelines"))
     for name in names:
         module = importlib.import_module(f"omnistage.bench.{name}")
         if name == "arena":
-            print(module.run(args.out, device=args.device, sizes_mib=sizes, repeats=args.repeats))
-        elif name in ("control", "coldstart"):
-            print(module.run(args.out, device=args.device, repeats=args.repeats, **chosen))
+            repeats = {"repeats": chosen["repeats"]} if "repeats" in chosen else {}
+            print(module.run(args.out, device=args.device, sizes_mib=sizes, **repeats))
+        elif name in ("control", "control_http", "coldstart"):
+            print(module.run(args.out, device=args.device, **chosen))
         else:
             print(module.run(args.out, device=args.device))
     return 0

@@ -157,10 +157,7 @@ def test_coldstart_gets_its_own_pipelines_unless_given(tmp_path, monkeypatch):
     monkeypatch.setattr(coldstart, "run", lambda out, **kw: seen.append(kw) or "")
     assert cli.main(["bench", "coldstart", "--out", str(tmp_path)]) == 0
     assert cli.main(["bench", "coldstart", "--out", str(tmp_path), "--pipelines", "bench"]) == 0
-    assert seen == [
-        {"device": "cpu", "repeats": 3},
-        {"device": "cpu", "repeats": 3, "pipelines": ("bench",)},
-    ]
+    assert seen == [{"device": "cpu"}, {"device": "cpu", "pipelines": ("bench",)}]
 
 
 def test_import_breakdown_sums_self_times_by_top_level_package():
