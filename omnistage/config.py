@@ -23,11 +23,11 @@ from pydantic import (
     model_validator,
 )
 
-StageKind = Literal["ar", "diffusion", "code2wav"]
 DType = Literal["auto", "float32", "float16", "bfloat16"]
+# The attention backends (``omnistage.models.attention``; named here, where no torch loads).
+AttentionBackendName = Literal["torch_sdpa", "torch_sdpa_padded"]
 # vLLM's spellings of the same dtypes.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16"}
-SleepMode = Literal["abort", "wait", "keep"]
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -101,17 +101,18 @@ class Placement(_Frozen):
 
 class StageConfig(_Frozen):
     stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
-    kind: StageKind = Field(
-        description="'ar' (autoregressive LLM), 'diffusion' (images) or 'code2wav' (speech "
-        "codes to a waveform)."
+    kind: str = Field(
+        pattern=r"^[a-z][a-z0-9_]*$",
+        description="The stage kind (see omnistage.stage.kinds): an autoregressive LLM, an "
+        "image diffusion pipeline, a speech-code vocoder.",
     )
     model: str = Field(
         min_length=1, description="Checkpoint folder (HF layout or diffusers layout)."
     )
     model_stage: str | None = Field(
         default=None,
-        description="The part of a multi-part checkpoint this stage runs (Qwen2.5-Omni: "
-        "'thinker', 'talker' or 'code2wav').",
+        description="The part of a multi-part checkpoint this stage runs (its model family "
+        "names them, e.g. 'thinker', 'talker', 'code2wav').",
     )
     preset: str | None = Field(
         default=None, description="Built-in tiny preset to build into `model` when it is missing."
@@ -146,6 +147,11 @@ class StageConfig(_Frozen):
         "cache gets the rest. Replaces kv_cache_memory_fraction.",
     )
     block_size: int = Field(default=16, gt=0, le=1024, description="Tokens per KV cache block.")
+    attention_backend: AttentionBackendName | None = Field(
+        default=None,
+        description="AR: the attention backend (default: torch_sdpa on CPU, batch-invariant; "
+        "torch_sdpa_padded on CUDA, whose decode steps are captured in CUDA graphs).",
+    )
     max_num_seqs: int = Field(
         default=32,
         gt=0,
@@ -230,10 +236,6 @@ class StageConfig(_Frozen):
             raise ValueError("input_processor is required when input_from is set")
         if self.idle_sleep_s is not None and not self.enable_sleep_mode:
             raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
-        if self.tensor_parallel_size > 1 and self.kind != "ar":
-            raise ValueError(
-                f"tensor_parallel_size applies to AR stages; this stage is {self.kind!r}"
-            )
         if self.gpu_memory_utilization is not None:
             if not self.device.startswith("cuda"):
                 raise ValueError(
@@ -274,25 +276,6 @@ def _format_error(exc: ValidationError, source: str) -> str:
     return f"invalid config {source}: " + "; ".join(lines)
 
 
-# The ways of sizing an AR stage's KV cache: a flag giving one replaces the stage's own.
-_KV_SIZING = ("gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
-
-
-def apply_overrides(stage: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``stage`` (a stage mapping) with ``overrides`` (flags given for every stage) applied;
-    ``None`` values leave the stage's own setting, and ``tensor_parallel_size`` reaches AR
-    stages only."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    if stage.get("kind", "ar") != "ar":  # the other kinds run on one rank
-        given.pop("tensor_parallel_size", None)
-    out = dict(stage)
-    if any(k in given for k in _KV_SIZING):
-        for key in _KV_SIZING:
-            out.pop(key, None)
-    out.update(given)
-    return out
-
-
 def parse_pipeline_config(data: Any, source: str = "<dict>") -> PipelineConfig:
     """Validate a mapping as a ``PipelineConfig``; errors name each offending key."""
     try:
@@ -316,7 +299,7 @@ _OFFLINE_FIXED_FIELDS = frozenset(
 )
 
 
-def offline_stage_config(caller: str, kind: StageKind, model: str, **fields: Any) -> StageConfig:
+def offline_stage_config(caller: str, kind: str, model: str, **fields: Any) -> StageConfig:
     """The one-stage config of an offline API object (``LLM``, ``Diffusion``).
 
     ``fields`` are ``device``, ``dtype``, ``enable_sleep_mode`` and any other ``StageConfig``

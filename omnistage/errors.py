@@ -36,25 +36,39 @@ class CheckpointError(OmnistageError, ValueError):
 
 
 class StageError(OmnistageError):
-    """Base of the errors that concern one stage; ``stage_id`` names it."""
+    """Base of the errors that concern one stage; ``stage_id`` names it. ``retry_after``:
+    the stage comes back by itself (a restart, an automatic wake), so a client may retry
+    (HTTP ``Retry-After``)."""
 
     stage_id: int = -1
+    retry_after: bool = False
 
 
 class StageAsleepError(StageError):
-    """A request needs a stage that is asleep (HTTP 503 with Retry-After)."""
+    """A request needs stages that are asleep (HTTP 503); ``stage_ids`` names every one.
+    ``retry_after`` when the server wakes them by itself (``--auto-wake``)."""
 
-    def __init__(self, stage_id: int, message: str | None = None) -> None:
-        super().__init__(
-            message
-            or f"stage {stage_id} is asleep; wake it with POST /v1/omni/wakeup "
-            f'{{"stage_ids": [{stage_id}]}} and retry'
-        )
-        self.stage_id = stage_id
+    def __init__(
+        self,
+        stage_id: int | list[int],
+        message: str | None = None,
+        *,
+        retry_after: bool = False,
+    ) -> None:
+        ids = [stage_id] if isinstance(stage_id, int) else list(stage_id)
+        if message is None:
+            which = f"stage {ids[0]} is" if len(ids) == 1 else f"stages {ids} are"
+            message = (
+                f'{which} asleep; wake with POST /v1/omni/wakeup {{"stage_ids": {ids}}} and retry'
+            )
+        super().__init__(message)
+        self.stage_id = ids[0]
+        self.stage_ids = ids
+        self.retry_after = retry_after
 
 
 class StagePausedError(StageError):
-    """A stage is paused and not admitting requests (HTTP 503 with Retry-After)."""
+    """A stage is paused and not admitting requests (HTTP 503)."""
 
     def __init__(self, stage_id: int) -> None:
         super().__init__(
@@ -83,6 +97,8 @@ class StageDeadError(StageError):
 
 class StageRestartingError(StageDeadError):
     """The stage process died and the server is restarting it (HTTP 503 with Retry-After)."""
+
+    retry_after = True
 
     def __init__(self, stage_id: int, detail: str = "") -> None:
         StageError.__init__(

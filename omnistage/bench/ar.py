@@ -113,9 +113,9 @@ def bench_sleep(preset: str, llm: LLM, repeats: int = 3) -> list[dict[str, Any]]
         identical = True
         for _ in range(repeats):
             before = process_resident_bytes()
-            ack = llm.sleep(level=level)
+            ack, *_ = llm.sleep(level=level)
             rss_drop.append(before - process_resident_bytes())
-            wake = llm.wake_up()
+            wake, *_ = llm.wake_up()
             sleep_ms.append(ack["metadata"]["latency_ms"])
             wake_ms.append(wake["metadata"]["latency_ms"])
             freed.append(ack["freed_bytes"])

@@ -56,7 +56,7 @@ def _sleep_wake(pipe: Diffusion, level: int, repeats: int) -> dict[str, Any]:
     for _ in range(repeats):
         resident = pipe.memory_stats()["resident_bytes"]
         start = time.perf_counter()
-        ack = pipe.sleep(level=level)
+        ack, *_ = pipe.sleep(level=level)
         sleep_ms.append((time.perf_counter() - start) * 1e3)
         released.append(resident - pipe.memory_stats()["resident_bytes"])
         start = time.perf_counter()

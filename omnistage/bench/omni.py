@@ -44,6 +44,7 @@ from omnistage.bench.report import write_results
 PIPELINE = "tiny-qwen2.5-omni"
 THINKER_TOKENS, TALKER_TOKENS, NUM_STEPS = 16, 64, 10
 VOICE, SEED = "Chelsie", 7
+STAGE_NAMES = ("thinker", "talker", "code2wav")  # the pipeline's stages, by name
 CONCURRENCY = (1, 8)
 MiB = 1 << 20
 SAMPLE_RATE = 24000  # transformers' token2wav output
@@ -142,7 +143,7 @@ def throughput_row(engine: str, concurrency: int, run: Timed, baseline_s: float)
         "rtf": run.seconds / audio_s if audio_s else None,
         "speedup_vs_transformers": baseline_s / run.seconds,
     }
-    for stage in ("thinker", "talker", "code2wav"):
+    for stage in STAGE_NAMES:
         times = run.stage_s.get(stage)
         row[f"{stage}_ms"] = statistics.mean(times) * 1e3 if times else None
     return row
@@ -237,7 +238,7 @@ class OmnistageRunner:
         slept = _check(f"{name} sleep level {level}", self.omni.sleep([stage_id], level=level))
         asleep = time.perf_counter()
         woke = _check(f"{name} wake after level {level}", self.omni.wake_up([stage_id]))
-        if status["kind"] == "ar":
+        if woke["metadata"]["paused"]:  # a stage that waits for a resume after a wake
             self.omni.resume_generation([stage_id])
         awake = time.perf_counter()
         (after,) = self.speak([reference.prompt])
@@ -334,7 +335,7 @@ class TransformersRunner:
         """Every prompt, one after another, after a warm-up; ``codec_prefill_embeds`` hands
         the talker's forward the all-ones mask transformers 5.x drops (module docstring)."""
         model = self.model
-        stage_s: dict[str, list[float]] = {"thinker": [], "talker": [], "code2wav": []}
+        stage_s: dict[str, list[float]] = {name: [] for name in STAGE_NAMES}
         talker_generate, talker_forward = model.talker.generate, model.talker.forward
 
         def timed(stage: str, f: Callable[..., Any]) -> Callable[..., Any]:

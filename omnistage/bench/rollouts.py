@@ -24,6 +24,7 @@ from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
+from omnistage.stage.ar.wire import KIND
 
 ROLLOUT_COLUMNS = [
     "prefix_caching",
@@ -43,7 +44,7 @@ def _rollout(caching: bool) -> dict[str, Any]:
 
     model = ensure_preset("demo", cache_dir() / "demo")
     config = StageConfig(
-        stage_id=0, kind="ar", model=str(model), max_model_len=1024, max_num_seqs=64,
+        stage_id=0, kind=KIND, model=str(model), max_model_len=1024, max_num_seqs=64,
         kv_cache_bytes=256 << 20, enable_prefix_caching=caching,
     )  # fmt: skip
     engine = ARStageEngine(config, seed=0)

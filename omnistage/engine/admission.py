@@ -30,7 +30,7 @@ from omnistage.errors import (
     StageDeadError,
     StageRestartingError,
 )
-from omnistage.stage.messages import Ack
+from omnistage.stage.control import Ack
 
 AWAKE, SLEEPING, ASLEEP, WAKING, RESTARTING, DEAD = (
     "awake",
@@ -62,8 +62,12 @@ class StageState:
 
 
 class AdmissionGate:
-    def __init__(self, num_stages: int) -> None:
+    """``auto_wake``: asleep stages are woken by the server when a request needs them, so a
+    request refused for one may be retried (``Retry-After``)."""
+
+    def __init__(self, num_stages: int, *, auto_wake: bool = False) -> None:
         self.stages = [StageState() for _ in range(num_stages)]
+        self.auto_wake = auto_wake
         self._cond: asyncio.Condition | None = None
 
     @property
@@ -81,7 +85,7 @@ class AdmissionGate:
         if s.state == RESTARTING:
             raise StageRestartingError(stage_id, s.last_exit)
         if s.state in UNAVAILABLE:
-            raise StageAsleepError(stage_id)
+            raise StageAsleepError(stage_id, retry_after=self.auto_wake)
 
     def check_alive(self, stage_id: int) -> None:
         """Raise unless the stage's process is up (``StageRestartingError``, ``StageDeadError``)."""
@@ -89,9 +93,15 @@ class AdmissionGate:
             self._raise_if_unavailable(stage_id)
 
     def check_available(self, stage_ids: Iterable[int]) -> None:
-        """Fail fast if any of the stages is asleep (or going to sleep, restarting, dead)."""
-        for sid in stage_ids:
-            self._raise_if_unavailable(sid)
+        """Fail fast if any of the stages is asleep or going to sleep (naming every such
+        stage), restarting or dead."""
+        ids = list(stage_ids)
+        for sid in ids:
+            if self.stages[sid].state in (DEAD, RESTARTING):
+                self._raise_if_unavailable(sid)
+        asleep = [sid for sid in ids if self.stages[sid].state in UNAVAILABLE]
+        if asleep:
+            raise StageAsleepError(asleep, retry_after=self.auto_wake)
 
     @asynccontextmanager
     async def admit(self, stage_id: int, *, bound: bool = False) -> AsyncIterator[None]:
@@ -218,11 +228,9 @@ class AdmissionGate:
             self.cond.notify_all()
             return must_resume
 
-    async def record_wake_result(
-        self, stage_id: int, ack: Ack, previous: str, resumes_by_itself: bool
-    ) -> bool:
+    async def record_wake_result(self, stage_id: int, ack: Ack, previous: str) -> bool:
         """The state a wake's ACK leaves the stage in; True if the stage was asleep, is awake
-        now and waits for a resume (AR stages stay paused until resumed)."""
+        now and its engine still waits for a resume (``ack.metadata.paused``: an AR stage)."""
         async with self.cond:
             s = self.stages[stage_id]
             was_asleep = previous == ASLEEP
@@ -236,10 +244,10 @@ class AdmissionGate:
                 s.state = ASLEEP
             else:
                 s.state, s.level = AWAKE, None
-                if resumes_by_itself and was_asleep:
-                    s.paused = False  # a stage that was only paused stays so
+                if was_asleep and not ack.metadata.paused:
+                    s.paused = False  # it schedules again by itself; one only paused stays so
             self.cond.notify_all()
-            return s.state == AWAKE and was_asleep and not resumes_by_itself
+            return s.state == AWAKE and was_asleep and ack.metadata.paused
 
     def set_weights_valid(self, stage_id: int, valid: bool) -> None:
         self.stages[stage_id].weights_valid = valid

@@ -17,7 +17,6 @@ from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.control import StageControl
-from omnistage.engine.input_processors import get_input_processor
 from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, StageLauncher
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StatsListener
@@ -26,7 +25,9 @@ from omnistage.engine.spawn import SpawnedStage, stage_threads, uses_ray
 from omnistage.engine.stage_client import EngineStageClient, StageClient
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
 from omnistage.engine.weights import WeightSyncClient
-from omnistage.stage.messages import Ack
+from omnistage.models import registry
+from omnistage.stage.control import Ack
+from omnistage.stage.kinds import check_kinds
 from omnistage.stage.prepare import RequestOptions
 
 AckListener = Callable[[str, list[dict[str, Any]]], None]
@@ -55,7 +56,7 @@ class AsyncOmni:
     ) -> None:
         self.config = config
         self.clients = list(clients)
-        self.gate = adm.AdmissionGate(len(self.clients))
+        self.gate = adm.AdmissionGate(len(self.clients), auto_wake=auto_wake)
         self.control = StageControl(
             config, self.clients, self.gate, resume_after_wake=resume_after_wake
         )
@@ -88,9 +89,10 @@ class AsyncOmni:
     ) -> AsyncOmni:
         """Start every stage (in parallel) and wait for their ready handshakes; stages in
         ``prestarted`` (``spawn.prestart``) are taken over instead of spawned."""
+        check_kinds(config)
         for stage in config.stages:
             if stage.input_processor is not None:
-                get_input_processor(stage.input_processor)  # fail early on a typo
+                registry.processor(stage.input_processor)  # fail early on a typo
         if launcher is None:
             num_stages = len(config.stages)
             threads = lambda stage: stage_threads(stage, num_stages)  # noqa: E731
@@ -124,9 +126,10 @@ class AsyncOmni:
 
     @classmethod
     def from_model(cls, model: str, **overrides: Any) -> AsyncOmni:
-        """The pipeline a checkpoint folder asks for (``pipelines.pipeline_from_model``): a
-        Qwen2.5-Omni folder gives thinker → talker → code2wav, another model one AR stage.
-        ``overrides`` are stage settings for every stage, or ``from_config``'s options."""
+        """The pipeline a checkpoint folder asks for (``pipelines.pipeline_from_model``): its
+        model family's — one AR stage for a decoder-only model, thinker → talker → code2wav
+        for a speaking omni model. ``overrides`` are stage settings for every stage, or
+        ``from_config``'s options."""
         from omnistage.pipelines import pipeline_from_model
 
         options = {k: overrides.pop(k) for k in _FROM_CONFIG_OPTIONS if k in overrides}
@@ -187,15 +190,16 @@ class AsyncOmni:
         request_id: str | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Stream a request through the pipeline (see ``RequestRouter.generate``):
-        ``sampling_params`` go to AR stages (a talker takes ``talker_params``),
-        ``image_params`` to diffusion stages, ``audio_params`` (voice, seed, ...) to code2wav
-        stages. Text deltas stream as they come; images and audio when their stage ends."""
+        each stage takes the parameters of the field its kind or model names: token stages
+        ``sampling_params`` (a speech-token stage ``talker_params``), image stages
+        ``image_params``, speech stages ``audio_params`` (voice, seed, ...). Text deltas
+        stream as they come; images and audio when their stage ends."""
         self._attach()
-        options = RequestOptions(
-            sampling_params=sampling_params or {},
-            image_params=image_params or {},
-            talker_params=talker_params or {},
-            audio_params=audio_params or {},
+        options = RequestOptions.of(
+            sampling_params=sampling_params,
+            image_params=image_params,
+            talker_params=talker_params,
+            audio_params=audio_params,
         )
         return self.router.generate(prompt, options, modalities, request_id=request_id)
 
@@ -241,11 +245,12 @@ class AsyncOmni:
 
     async def update_weights(
         self, stage_id: int, path: str, check_finite: bool = True
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
         """Load a safetensors file or folder into a stage's weights in place; the tensors are
-        checked (names, shapes, and NaN/Inf unless ``check_finite`` is False) first."""
+        checked (names, shapes, and NaN/Inf unless ``check_finite`` is False) first. The ACKs:
+        one per rank."""
         self._attach()
-        return (await self.control.update_weights(stage_id, path, check_finite)).to_dict()
+        return _dicts(await self.control.update_weights(stage_id, path, check_finite))
 
     # -- RL: weight sync without disk, prefix cache, abort (see weights.py) ----------------
 
@@ -269,10 +274,10 @@ class AsyncOmni:
 
     async def finish_weight_update(
         self, stage_id: int, weight_version: str | int | None = None
-    ) -> dict[str, Any]:
-        """Apply the update in place, all or nothing; the ACK carries ``weight_version``."""
+    ) -> list[dict[str, Any]]:
+        """Apply the update in place, all or nothing; the ACKs carry ``weight_version``."""
         self._attach()
-        return (await self.weights.finish(stage_id, weight_version)).to_dict()
+        return _dicts(await self.weights.finish(stage_id, weight_version))
 
     async def weights_checksum(self, stage_id: int) -> str:
         self._attach()

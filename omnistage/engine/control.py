@@ -1,10 +1,12 @@
 """``StageControl``: orders every control operation over a pipeline's stages.
 
 Sleep: admission to the target stages closes, submits in progress finish (and, for mode
-``wait``, requests bound for them arrive), then one utility call per stage — all stages at
-once — and the ACKs settle each stage's state in the admission gate. Wake, pause, resume and
-weight updates follow the same shape. The whole of a sleep or wake runs shielded: a caller
-that gives up never leaves a stage half-transitioned. See ``docs/control-plane.md``.
+``wait``, requests bound for them arrive), then one control call per stage — a typed
+operation (``omnistage.stage.control``), all stages at once — and the ACKs settle each
+stage's state in the admission gate. Wake, pause, resume and weight updates follow the same
+shape. Every operation answers its ACKs flat: one per stage and rank, rank 0's (the stage's
+status) first. The whole of a sleep or wake runs shielded: a caller that gives up never
+leaves a stage half-transitioned. See ``docs/control-plane.md``.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from omnistage.engine import admission as adm
 from omnistage.engine.events import TRIGGER_API, log_sleep, log_wake, log_weights
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import SleepModeDisabledError, StageDeadError, StageRestartingError
+from omnistage.stage import control as ops
+from omnistage.stage.control import Ack, make_ack
 from omnistage.stage.kinds import stage_kind
-from omnistage.stage.messages import Ack, make_ack
-from omnistage.stage.sleep_args import check_level, check_mode, check_tags
+from omnistage.stage.vocabulary import check_stage_ids
 
 ControlListener = Callable[[str, list[Ack]], None]
 
@@ -62,27 +65,23 @@ class StageControl:
     def _name(self, stage_id: int) -> str:
         return self.config.stages[stage_id].display_name
 
-    def check_stage_ids(self, stage_ids: Sequence[int] | None) -> list[int]:
+    def check_stage_ids(
+        self, stage_ids: Sequence[int] | None, field: str = "stage_ids"
+    ) -> list[int]:
         if stage_ids is None:
             return list(range(self.num_stages))
-        ids = list(dict.fromkeys(stage_ids))
-        bad = [sid for sid in ids if not isinstance(sid, int) or not 0 <= sid < self.num_stages]
-        if bad:
-            raise ValueError(
-                f"unknown stage ids {bad}; valid stage ids are 0..{self.num_stages - 1}"
-            )
-        return ids
+        return check_stage_ids(stage_ids, self.num_stages, field)
 
     def _check_sleep_mode(self, stage_ids: list[int]) -> None:
         for sid in stage_ids:
             if not self.config.stages[sid].enable_sleep_mode:
                 raise SleepModeDisabledError(sid)
 
-    async def _call_each(self, stage_ids: list[int], method: str, **args: Any) -> dict[int, Any]:
-        """One utility call per stage, all at once; exceptions are returned, not raised."""
+    async def _call_each(self, stage_ids: list[int], op: ops.ControlOp) -> dict[int, Any]:
+        """One control call per stage, all at once; exceptions are returned, not raised."""
 
         async def one(sid: int) -> Any:
-            return await self.clients[sid].call(method, **args)
+            return await self.clients[sid].call(op)
 
         results = await asyncio.gather(*(one(sid) for sid in stage_ids), return_exceptions=True)
         return dict(zip(stage_ids, results, strict=True))
@@ -100,58 +99,53 @@ class StageControl:
     ) -> list[Ack]:
         """``trigger`` (what asked: ``api``, ``auto_wake``, ``idle_sleep``) goes to the log."""
         ids = self.check_stage_ids(stage_ids)
-        check_level(level)
-        check_mode(mode)
-        chosen_tags = check_tags(tags)
+        op = ops.Sleep(level=level, mode=mode, tags=None if tags is None else list(tags))
         self._check_sleep_mode(ids)
         if not ids:
             return []
-        previous = self.gate.begin_transition(ids, adm.SLEEPING, level=level)
+        previous = self.gate.begin_transition(ids, adm.SLEEPING, level=op.level)
         was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
-        return await asyncio.shield(
-            self._sleep(
-                ids, previous, was_paused, level=level, mode=mode, tags=chosen_tags, trigger=trigger
-            )
-        )
+        return await asyncio.shield(self._sleep(ids, previous, was_paused, op, trigger=trigger))
 
     async def _sleep(
         self,
         ids: list[int],
         previous: dict[int, str],
         was_paused: dict[int, bool],
+        op: ops.Sleep,
         *,
-        level: int,
-        mode: str,
-        tags: list[str] | None,
         trigger: str,
     ) -> list[Ack]:
         start = time.perf_counter()
-        await self.gate.close_and_drain_admission(ids, sleep_mode=mode)
+        await self.gate.close_and_drain_admission(ids, sleep_mode=op.mode)
         results: dict[int, Any] = {}
-        if mode == "wait":
+        if op.mode == "wait":
             timeout_s = max(self.config.stages[sid].drain_timeout_s for sid in ids)
             try:
                 await self.gate.drain_bound(ids, timeout_s)
             except TimeoutError as exc:
                 results = dict.fromkeys(ids, exc)
         if not results:
-            results = await self._call_each(ids, "sleep", level=level, mode=mode, tags=tags)
-        acks = [as_ack(sid, results[sid], level=level, mode=mode) for sid in ids]
+            results = await self._call_each(ids, op)
+        acks = {sid: as_acks(sid, results[sid], level=op.level, mode=op.mode) for sid in ids}
         elapsed_ms = (time.perf_counter() - start) * 1e3
-        for ack in acks:
-            log_sleep(logger, self._name(ack.stage_id), ack, trigger=trigger, elapsed_ms=elapsed_ms)
+        for sid in ids:
+            log_sleep(logger, self._name(sid), acks[sid][0], trigger=trigger, elapsed_ms=elapsed_ms)
         reopen = [
             sid
-            for sid, ack in zip(ids, acks, strict=True)
-            if await self.gate.record_sleep_result(sid, ack, previous[sid], was_paused[sid], level)
+            for sid in ids
+            if await self.gate.record_sleep_result(
+                sid, acks[sid][0], previous[sid], was_paused[sid], op.level
+            )
         ]
         # A sleep that failed after its engine paused must not leave the engine paused behind
         # an open gate: admitted requests would wait there for a resume nobody sends.
-        await self._call_each(reopen, "resume")
+        await self._call_each(reopen, ops.Resume())
         await self.gate.reopen(reopen)
-        self.notify("sleep", acks)
+        flat = [ack for sid in ids for ack in acks[sid]]
+        self.notify("sleep", flat)
         raise_if_gone(results)
-        return acks
+        return flat
 
     async def wake_up(
         self,
@@ -163,90 +157,86 @@ class StageControl:
         trigger: str = TRIGGER_API,
     ) -> list[Ack]:
         ids = self.check_stage_ids(stage_ids)
-        chosen_tags = check_tags(tags)
+        op = ops.WakeUp(tags=None if tags is None else list(tags), reload=reload)
         self._check_sleep_mode(ids)
         if not ids:
             return []
         previous = self.gate.begin_transition(ids, adm.WAKING)
         should_resume = self.resume_after_wake if resume is None else resume
         return await asyncio.shield(
-            self._wake_up(
-                ids,
-                previous,
-                tags=chosen_tags,
-                reload=reload,
-                resume=should_resume,
-                trigger=trigger,
-            )
+            self._wake_up(ids, previous, op, resume=should_resume, trigger=trigger)
         )
 
     async def _wake_up(
         self,
         ids: list[int],
         previous: dict[int, str],
+        op: ops.WakeUp,
         *,
-        tags: list[str] | None,
-        reload: bool,
         resume: bool,
         trigger: str,
     ) -> list[Ack]:
         start = time.perf_counter()
-        results = await self._call_each(ids, "wake_up", tags=tags, reload=reload)
-        acks = [as_ack(sid, results[sid]) for sid in ids]
+        results = await self._call_each(ids, op)
+        acks = {sid: as_acks(sid, results[sid]) for sid in ids}
         elapsed_ms = (time.perf_counter() - start) * 1e3
-        for ack in acks:
-            name = self._name(ack.stage_id)
-            log_wake(logger, name, ack, trigger=trigger, elapsed_ms=elapsed_ms, reload=reload)
-        to_resume = []
-        for sid, ack in zip(ids, acks, strict=True):
-            resumes_by_itself = stage_kind(self.config.stages[sid].kind).resumes_after_wake
-            if await self.gate.record_wake_result(sid, ack, previous[sid], resumes_by_itself):
-                to_resume.append(sid)
-        self.notify("wake_up", acks)
+        for sid in ids:
+            log_wake(
+                logger, self._name(sid), acks[sid][0],
+                trigger=trigger, elapsed_ms=elapsed_ms, reload=op.reload,
+            )  # fmt: skip
+        to_resume = [
+            sid
+            for sid in ids
+            if await self.gate.record_wake_result(sid, acks[sid][0], previous[sid])
+        ]
+        flat = [ack for sid in ids for ack in acks[sid]]
+        self.notify("wake_up", flat)
         # Every stage is settled before resuming: a resume that fails must not leave the
         # other stages marked as waking.
         if resume and to_resume:
             await self.resume(to_resume)
         raise_if_gone(results)
-        return acks
+        return flat
 
     # -- pause / resume / weights -----------------------------------------------------------
 
     async def pause(self, stage_ids: Sequence[int] | None = None, mode: str = "abort") -> None:
         ids = self.check_stage_ids(stage_ids)
-        check_mode(mode)
+        op = ops.Pause(mode=mode)
         await self.gate.close_and_drain_admission(ids)
         awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
-        raise_first(await self._call_each(awake, "pause", mode=mode))
+        raise_first(await self._call_each(awake, op))
 
     async def resume(self, stage_ids: Sequence[int] | None = None) -> None:
         ids = self.check_stage_ids(stage_ids)
         awake = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
-        raise_first(await self._call_each(awake, "resume"))
+        raise_first(await self._call_each(awake, ops.Resume()))
         await self.gate.reopen(awake)
 
-    async def update_weights(self, stage_id: int, path: str, check_finite: bool = True) -> Ack:
-        (sid,) = self.check_stage_ids([stage_id])
+    async def update_weights(
+        self, stage_id: int, path: str, check_finite: bool = True
+    ) -> list[Ack]:
+        (sid,) = self.check_stage_ids([stage_id], "stage_id")
         self.gate.check_alive(sid)
+        op = ops.UpdateWeights(path=str(path), check_finite=check_finite)
         try:
-            ack: Ack = await self.clients[sid].call(
-                "update_weights", path=str(path), check_finite=check_finite
-            )
+            acks: list[Ack] = await self.clients[sid].call(op)
         except Exception as exc:
             log_weights(logger, "update_weights", sid, self._name(sid), exc, path=str(path))
             raise
-        log_weights(logger, "update_weights", sid, self._name(sid), ack, path=str(path))
-        if ack.status == "SUCCESS":
+        log_weights(logger, "update_weights", sid, self._name(sid), acks[0], path=str(path))
+        if acks[0].status == "SUCCESS":
             self.gate.set_weights_valid(sid, True)
-        self.notify("update_weights", [ack])
-        return ack
+        self.notify("update_weights", acks)
+        return acks
 
     async def reset_prefix_cache(self, stage_ids: Sequence[int] | None = None) -> list[int]:
         """Forget the cached prefixes of the AR stages among ``stage_ids``."""
         ids = self.check_stage_ids(stage_ids)
         cached = [sid for sid in ids if stage_kind(self.config.stages[sid].kind).has_prefix_cache]
         awake = [sid for sid in cached if self.gate.stages[sid].state == adm.AWAKE]
-        raise_first(await self._call_each(awake, "reset_prefix_cache"))
+        raise_first(await self._call_each(awake, ops.ResetPrefixCache()))
         return awake
 
     # -- state --------------------------------------------------------------------------
@@ -260,7 +250,7 @@ class StageControl:
             engine: dict[str, Any] = {}
             if s.state not in (adm.DEAD, adm.RESTARTING) and not client.is_dead:
                 try:
-                    engine = dict(await client.call("status"))
+                    engine = dict(await client.call(ops.Status()))
                 except (StageDeadError, StageRestartingError) as exc:
                     engine = {"error": str(exc)}
             statuses.append(
@@ -308,15 +298,15 @@ class StageControl:
         ]
 
 
-def as_ack(stage_id: int, result: Any, **metadata: Any) -> Ack:
-    """The ACK a stage answered, or an ERROR ACK for the exception its call raised."""
-    if isinstance(result, Ack):
+def as_acks(stage_id: int, result: Any, **metadata: Any) -> list[Ack]:
+    """The ACKs a stage answered (one per rank), or one ERROR ACK for the exception its call
+    raised."""
+    if isinstance(result, list) and result and all(isinstance(a, Ack) for a in result):
         return result
     if isinstance(result, BaseException):
-        return make_ack(
-            stage_id, status="ERROR", error_msg=f"{type(result).__name__}: {result}", **metadata
-        )
-    raise TypeError(f"stage {stage_id} answered {type(result).__name__}, not an ACK")
+        error = f"{type(result).__name__}: {result}"
+        return [make_ack(stage_id, status="ERROR", error_msg=error, **metadata)]
+    raise TypeError(f"stage {stage_id} answered {type(result).__name__}, not its ACKs")
 
 
 def raise_if_gone(results: dict[int, Any]) -> None:

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from omnistage.logs import log_event
-from omnistage.stage.messages import Ack
+from omnistage.stage.control import Ack
 
 # What started a sleep or wake.
 TRIGGER_API = "api"  # a control route or the Python API

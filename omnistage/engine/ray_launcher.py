@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from omnistage.config import StageConfig
@@ -30,6 +31,7 @@ from omnistage.engine.launcher import OnExit, ProcessStageHandle
 from omnistage.engine.spawn import SpawnedStage
 from omnistage.errors import StageStartupError
 from omnistage.stage.ar.ray_ranks import ActorRank
+from omnistage.stage.handoff import SOCKET
 from omnistage.stage.startup import StartupOptions, encode_startup
 
 ACTOR_NAME_PREFIX = "omnistage-stage"
@@ -79,12 +81,15 @@ class StageActor:
     def run(
         self, config_json: str, in_addr: str, out_addr: str, num_threads: int, startup: str
     ) -> None:
+        import ray
+
         from omnistage.stage import proc
 
         proc.IS_STAGE_PROCESS = True  # a dead tensor-parallel rank ends this actor
         proc.serve_stage(
-            config_json, in_addr, out_addr, num_threads, startup, should_stop=self._stopped.is_set
-        )
+            config_json, in_addr, out_addr, num_threads, startup,
+            should_stop=self._stopped.is_set, host=ray.util.get_node_ip_address(),
+        )  # fmt: skip
 
     def stop(self) -> None:
         self._stopped.set()
@@ -225,6 +230,8 @@ class RayLauncher:
         self.heartbeat_timeout_s = heartbeat_timeout_s
 
     def launch(self, config: StageConfig, options: StartupOptions) -> RayStageHandle:
+        # Stages may sit on different nodes: each hands its output over from a socket.
+        options = msgspec.structs.replace(options, handoff=SOCKET)
         threads = self.num_threads(config)
         spawned = spawn_actor(config, options, threads, self.ready_timeout_s)
         return RayStageHandle(

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import OutputMessage
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class StageRequestStats:
     queue_s: float | None  # the stage's wait before scheduling, as the stage measured it
     num_prompt_tokens: int
     num_output_tokens: int
+    streams_tokens: bool = True  # a token stage (TTFT, inter-token latency, token counts)
 
 
 StatsListener = Callable[[StageRequestStats], None]
@@ -87,6 +89,7 @@ class StageTimer:
             queue_s=self.queue_s,
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
+            streams_tokens=stage_kind(self.kind).output_type is None,
         )
         for listener in self.listeners:
             try:

@@ -1,12 +1,14 @@
 """The data path: route one request through the chain of stages it needs.
 
 The first stage's request is prepared here, in the API process (tokenized and validated by
-its kind's preparer, on a worker thread so a large prompt never stalls the event loop); stage
-0 streams; each stage's final output becomes the next stage's input through the input
-processor the pipeline config names, validated by the next stage's preparer. Admission per
-stage goes through the shared ``AdmissionGate``; requests already in the pipeline are
-*bound* for their later stages, so a sleep of one of those treats them by its mode when they
-arrive.
+its kind's preparer, on a worker thread so a large prompt never stalls the event loop). Each
+stage streams what the client gets; what the next stage takes goes stage to stage
+(``omnistage.stage.handoff``): a stage that feeds another leaves its finished output there
+and answers with a reference, which travels on with the next stage's request — made here
+from the user's parameters only, its prompt filled in that stage by the processor the
+pipeline config names. Admission per stage goes through the shared ``AdmissionGate``;
+requests already in the pipeline are *bound* for their later stages, so a sleep of one of
+those treats them by its mode when they arrive.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from typing import Any
 
 from omnistage.config import PipelineConfig, StageConfig
 from omnistage.engine import admission as adm
-from omnistage.engine.input_processors import ProcessorContext, StageResult, get_input_processor
-from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
+from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
-from omnistage.errors import InvalidRequestError, StageAsleepError
+from omnistage.errors import InvalidRequestError, StageAsleepError, StageInternalError
+from omnistage.models import registry
+from omnistage.models.processors import Wants
 from omnistage.stage.kinds import stage_kind
-from omnistage.stage.messages import OutputMessage, StageRequest
-from omnistage.stage.prepare import RequestOptions, RequestPreparer, Wants, prompt_fields
+from omnistage.stage.messages import HandoffRef, OutputMessage, StageRequest, Upstream
+from omnistage.stage.prepare import RequestOptions, RequestPreparer, prompt_fields
 
 
 class RequestRouter:
@@ -59,8 +62,8 @@ class RequestRouter:
         return downstream
 
     def _modality(self, stage_id: int) -> str:
-        """What the stage outputs: its kind's modality, unless its model says otherwise (an
-        AR stage whose tokens are codes — a talker — outputs "codes", never shown)."""
+        """What the stage outputs: its kind's modality, unless its model says otherwise (a
+        token stage whose tokens are codes outputs "codes", never shown)."""
         info = self.clients[stage_id].info
         if info is not None and not getattr(info, "emits_text", True):
             return "codes"
@@ -97,22 +100,29 @@ class RequestRouter:
             chain.insert(0, self.config.stages[chain[0]].input_from)  # type: ignore[arg-type]
         return chain
 
-    def _context(self, stage_id: int, options: RequestOptions) -> ProcessorContext:
-        return ProcessorContext(self.config.stages[stage_id], options)
+    def _processor_name(self, stage_id: int) -> str:
+        return self.config.stages[stage_id].input_processor or ""
 
     def _wants(self, stage_id: int, chain: list[int], options: RequestOptions) -> Wants:
         """What the next stage of ``chain`` needs from ``stage_id``."""
         next_stage = self._downstream.get(stage_id)
         if next_stage is None or next_stage not in chain:
             return Wants()
-        processor = get_input_processor(self.config.stages[next_stage].input_processor or "")
-        return processor.wants(self._context(next_stage, options))
+        processor = registry.processor(self._processor_name(next_stage))
+        wants: Wants = processor.wants(self.config.stages[next_stage].model, options.params)
+        return wants
 
     def _prepare_request(
         self, stage_id: int, prompt: dict[str, Any], options: RequestOptions, chain: list[int]
     ) -> StageRequest:
         wants = self._wants(stage_id, chain, options)
         return self.preparer(stage_id).prepare(prompt, options, wants)
+
+    def _template(self, stage_id: int, options: RequestOptions, chain: list[int]) -> StageRequest:
+        """The request of a stage fed by the one before: the user's parameters, its prompt
+        left for the stage to fill from the hand-off."""
+        wants = self._wants(stage_id, chain, options)
+        return self.preparer(stage_id).template(options, wants)
 
     async def generate(
         self,
@@ -124,52 +134,55 @@ class RequestRouter:
     ) -> AsyncIterator[OmniRequestOutput]:
         """Stream a request through the pipeline.
 
-        ``prompt`` is a string or a dict with ``prompt``, ``prompt_token_ids`` or ``messages``
-        (or ``prompt_embeds`` for a diffusion-only pipeline). Raises ``InvalidRequestError``
-        before any stage is touched if the request does not fit, ``StageAsleepError`` at
-        once if a needed stage is asleep; waits while one is paused.
+        ``prompt`` is a string or a mapping of the first stage's prompt fields (``prompt``,
+        ``prompt_token_ids``, ``messages``, ...). Raises ``InvalidRequestError`` before any
+        stage is touched if the request does not fit, ``StageAsleepError`` at once (naming
+        every stage asleep) if a needed stage is asleep; waits while one is paused.
         """
         request_id = request_id or uuid.uuid4().hex
         wanted = list(modalities) if modalities else self.output_modalities()
         chain = self.plan(wanted)
-        fields = prompt_fields(prompt)
-        num_samples = options.sampling_params.get("n", 1)
+        fields = prompt_fields(prompt, self.preparer(chain[0]).PROMPT_FIELDS)
+        num_samples = self.preparer(chain[0]).num_samples(options)
         if num_samples != 1 and len(chain) > 1:
             raise InvalidRequestError(
                 "n", "several samples are served for requests one stage answers (text only)"
             )
         await self._prepare(chain)
         self.gate.check_available(chain)
-        for stage_id in chain[1:]:  # every parameter is checked before any stage runs
-            self.preparer(stage_id).check_options(options)
+        for stage_id in chain:  # every parameter is checked before any stage runs
+            self.preparer(stage_id).check_options(options, downstream=stage_id != chain[0])
         request = await asyncio.to_thread(self._prepare_request, chain[0], fields, options, chain)
         # Later stages learn that this request is on its way, so a sleep of one of them can
         # treat it by the sleep's mode when it gets there (see admission.py).
         bound = set(chain[1:])
         self.gate.add_bound(bound)
+        # What a stage left for the next one and no stage has taken yet: (its stage, where).
+        pending: list[tuple[int, HandoffRef]] = []
         try:
             for position, stage_id in enumerate(chain):
                 stage = self.config.stages[stage_id]
                 emit = self._modality(stage_id) in wanted
                 is_last = position == len(chain) - 1
-                result = StageResult()
                 samples = num_samples if position == 0 else 1
+                upstream = None
+                if pending:
+                    upstream = Upstream(pending[0][1], self._processor_name(stage_id))
                 try:
-                    stream = self._run_stage(stage_id, request_id, request, bound, samples)
+                    stream = self._run_stage(
+                        stage_id, request_id, request, bound, samples, not is_last, upstream,
+                        on_submit=pending.clear,
+                    )  # fmt: skip
                     async for out, is_last_sample in stream:
                         if out.error is not None:
                             raise out.error.rebuild(stage_id)
-                        result.text += out.text_delta
-                        result.token_ids.extend(out.new_token_ids)
+                        if is_last_sample and out.handoff is not None:
+                            pending.append((stage_id, out.handoff))
                         ends_request = is_last_sample and (is_last or out.finish_reason == "abort")
                         if emit or ends_request:
                             yield self._to_omni_output(request_id, stage, out, final=ends_request)
-                        if is_last_sample:
-                            result.hidden_states = out.hidden_states
-                            result.token_embeddings = out.token_embeddings
-                            result.num_prompt_tokens = out.num_prompt_tokens
-                            if out.finish_reason == "abort":
-                                return
+                        if is_last_sample and out.finish_reason == "abort":
+                            return
                 except StageAsleepError:
                     # Reaching a stage that an "abort" sleep took down while this request was
                     # upstream: the request was in flight, so it ends as aborted.
@@ -185,14 +198,13 @@ class RequestRouter:
                     )
                     return
                 if not is_last:
-                    next_id = chain[position + 1]
-                    processor = get_input_processor(
-                        self.config.stages[next_id].input_processor or ""
-                    )
-                    fields = processor.convert(result, self._context(next_id, options))
-                    request = self._prepare_request(next_id, fields, options, chain)
+                    if not pending:
+                        raise StageInternalError(f"stage {stage_id} handed nothing over")
+                    request = self._template(chain[position + 1], options, chain)
         finally:
             self.gate.release_bound(bound)
+            for producer, ref in pending:  # left for a stage the request never reached
+                self.clients[producer].discard(ref)
 
     async def _run_stage(
         self,
@@ -201,10 +213,14 @@ class RequestRouter:
         request: StageRequest,
         bound: set[int],
         num_samples: int = 1,
+        forward: bool = False,
+        upstream: Upstream | None = None,
+        on_submit: Callable[[], None] = lambda: None,
     ) -> AsyncIterator[tuple[OutputMessage, bool]]:
         """Submit to one stage and stream its outputs, each with whether it ends the last of
         its ``num_samples`` samples; ``bound`` holds the stages this request has still to
-        reach (this one leaves it once admitted)."""
+        reach (this one leaves it once admitted). ``forward``: the stage hands its output to
+        the next; ``upstream``: what the stage before handed to this one."""
         client = self.clients[stage_id]
         queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
@@ -214,7 +230,8 @@ class RequestRouter:
             # admission closes behind it still aborts the stage's work.
             async with self.gate.admit(stage_id, bound=stage_id in bound):
                 bound.discard(stage_id)
-                queue = client.add_request(request_id, request)
+                queue = client.add_request(request_id, request, forward=forward, upstream=upstream)
+                on_submit()  # the stage takes (or refuses) what was handed to it
                 self.active[request_id] = stage_id
             timer = StageTimer(request_id, stage_id, client.kind, self.stats_listeners)
             while True:
@@ -234,10 +251,6 @@ class RequestRouter:
     def _to_omni_output(
         self, request_id: str, stage: StageConfig, out: OutputMessage, *, final: bool
     ) -> OmniRequestOutput:
-        images = [
-            OmniImage(png=image.png, width=image.width, height=image.height, seed=image.seed)
-            for image in (out.images if out.finished else [])
-        ]
         return OmniRequestOutput(
             request_id=request_id,
             stage_id=stage.stage_id,
@@ -248,17 +261,7 @@ class RequestRouter:
             finished=out.finished,
             final=final,
             finish_reason=out.finish_reason,
-            images=images,
-            audio=[
-                OmniAudio(
-                    samples=a.samples.numpy(),
-                    sample_rate=a.sample_rate,
-                    voice=a.voice,
-                    seed=a.seed,
-                    codes=list(a.codes),
-                )
-                for a in (out.audio if out.finished else [])
-            ],
+            media=[m.to_client() for m in (out.media if out.finished else [])],
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
             logprobs=out.logprobs,

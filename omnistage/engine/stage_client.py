@@ -19,18 +19,22 @@ from typing import Any, Protocol
 from omnistage import errors
 from omnistage.config import StageConfig
 from omnistage.engine.launcher import StageHandle, StageLauncher
+from omnistage.stage.control import ControlOp
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
+    ControlCall,
+    ControlResult,
+    DiscardHandoff,
     FromStage,
+    HandoffRef,
     OutputBatch,
     OutputMessage,
     StageInfo,
     StageRequest,
     StartupOptions,
     ToStage,
-    UtilityCall,
-    UtilityResult,
+    Upstream,
     WireError,
 )
 
@@ -55,10 +59,16 @@ class EngineStageClient(Protocol):
     def on_death(self, callback: Callable[[int], None]) -> None: ...
     def attach(self) -> None: ...
     def add_request(
-        self, request_id: str, request: StageRequest
+        self,
+        request_id: str,
+        request: StageRequest,
+        *,
+        forward: bool = False,
+        upstream: Upstream | None = None,
     ) -> asyncio.Queue[OutputMessage]: ...
     def abort(self, request_ids: list[str]) -> None: ...
-    async def call(self, method: str, **args: Any) -> Any: ...
+    def discard(self, ref: HandoffRef) -> None: ...
+    async def call(self, op: ControlOp) -> Any: ...
     async def restart(self, options: StartupOptions) -> None: ...
     def shutdown(self) -> None: ...
 
@@ -158,14 +168,14 @@ class StageClient:
                         self._unfinished[out.request_id] -= 1
                         if not self._unfinished[out.request_id] or out.error is not None:
                             del self._queues[out.request_id], self._unfinished[out.request_id]
-        elif isinstance(msg, UtilityResult):
+        elif isinstance(msg, ControlResult):
             fut = self._calls.pop(msg.call_id, None)
             if fut is None or fut.done():
                 return
             if msg.error is not None:
                 fut.set_exception(msg.error.rebuild(self.stage_id))
             else:
-                fut.set_result(msg.ack if msg.ack is not None else msg.value)
+                fut.set_result(msg.acks if msg.acks is not None else msg.value)
 
     def _report_death(self, handle: StageHandle, reason: str) -> None:
         """From a watcher thread: mark the stage dead on the event loop (failing its open
@@ -221,13 +231,22 @@ class StageClient:
             raise errors.StageDeadError(self.stage_id, self.death_reason)
         self._handle.send(msg)
 
-    def add_request(self, request_id: str, request: StageRequest) -> asyncio.Queue[OutputMessage]:
+    def add_request(
+        self,
+        request_id: str,
+        request: StageRequest,
+        *,
+        forward: bool = False,
+        upstream: Upstream | None = None,
+    ) -> asyncio.Queue[OutputMessage]:
         """Submit a request; its outputs arrive on the returned queue, the last one (of the
-        last of its samples, or an error) with ``finished``."""
+        last of its samples, or an error) with ``finished``. ``forward``: the stage hands its
+        finished output to the next stage; ``upstream``: its prompt is what the stage before
+        handed over."""
         self._attach()
         if request_id in self._queues:
             raise errors.InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        self._send(AddRequest(request_id=request_id, request=request))
+        self._send(AddRequest(request_id, request, forward=forward, upstream=upstream))
         q: asyncio.Queue[OutputMessage] = asyncio.Queue()
         self._queues[request_id] = q
         sampling = getattr(request, "sampling_params", None)
@@ -240,11 +259,17 @@ class StageClient:
             with contextlib.suppress(errors.StageDeadError):
                 self._send(AbortRequest(request_ids=request_ids))
 
-    async def call(self, method: str, **args: Any) -> Any:
-        """A utility call; the stage's error is raised as its own class."""
+    def discard(self, ref: HandoffRef) -> None:
+        """Best effort: a hand-off no stage will take (a gone stage took its memory along)."""
+        with contextlib.suppress(errors.StageDeadError):
+            self._send(DiscardHandoff(ref))
+
+    async def call(self, op: ControlOp) -> Any:
+        """A control operation: its ACKs (one per rank, rank 0's first) or its value; the
+        stage's error is raised as its own class."""
         loop = self._attach()
         call_id = next(self._call_ids)
-        self._send(UtilityCall(call_id=call_id, method=method, args=args))
+        self._send(ControlCall(call_id=call_id, op=op))
         fut: asyncio.Future[Any] = loop.create_future()
         self._calls[call_id] = fut
         return await fut

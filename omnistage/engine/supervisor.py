@@ -28,7 +28,8 @@ from omnistage.engine import admission as adm
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import StageStartupError
 from omnistage.logs import log_event
-from omnistage.stage.messages import SYNC_PREFIX, Ack, StartupOptions
+from omnistage.stage.control import SYNC_PREFIX, Ack
+from omnistage.stage.messages import StartupOptions
 
 logger = logging.getLogger(__name__)
 

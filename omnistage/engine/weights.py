@@ -10,7 +10,8 @@ from typing import Any
 
 from omnistage.engine.control import StageControl
 from omnistage.engine.events import log_weights
-from omnistage.stage.messages import Ack
+from omnistage.stage import control as ops
+from omnistage.stage.control import Ack
 
 logger = logging.getLogger(__name__)
 
@@ -21,48 +22,46 @@ class WeightSyncClient:
         self.versions: dict[int, str] = {}  # stage id -> weight version of its last sync
 
     def _stage(self, stage_id: int) -> Any:
-        (sid,) = self.control.check_stage_ids([stage_id])
+        (sid,) = self.control.check_stage_ids([stage_id], "stage_id")
         self.control.gate.check_alive(sid)
         return self.control.clients[sid]
 
     async def init(
         self, stage_id: int, backend: str = "nccl", init_info: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        result: dict[str, Any] = await self._stage(stage_id).call(
-            "init_weight_transfer", backend=backend, init_info=init_info or {}
-        )
+        op = ops.InitWeightTransfer(backend=backend, init_info=init_info or {})
+        result: dict[str, Any] = await self._stage(stage_id).call(op)
         return result
 
     async def start(
         self, stage_id: int, update_info: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        result: dict[str, Any] = await self._stage(stage_id).call(
-            "start_weight_update", update_info=update_info
-        )
+        op = ops.StartWeightUpdate(update_info=update_info)
+        result: dict[str, Any] = await self._stage(stage_id).call(op)
         return result
 
     async def update(self, stage_id: int, update_info: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = await self._stage(stage_id).call(
-            "receive_weights", update_info=update_info
-        )
+        op = ops.ReceiveWeights(update_info=update_info)
+        result: dict[str, Any] = await self._stage(stage_id).call(op)
         return result
 
-    async def finish(self, stage_id: int, weight_version: str | int | None = None) -> Ack:
+    async def finish(self, stage_id: int, weight_version: str | int | None = None) -> list[Ack]:
         version = None if weight_version is None else str(weight_version)
         client = self._stage(stage_id)
         name = self.control.config.stages[stage_id].display_name
         try:
-            ack: Ack = await client.call("finish_weight_update", weight_version=version)
+            acks: list[Ack] = await client.call(ops.FinishWeightUpdate(weight_version=version))
         except Exception as exc:
             log_weights(logger, "weight_sync", stage_id, name, exc, weight_version=version)
             raise
+        ack = acks[0]
         log_weights(logger, "weight_sync", stage_id, name, ack, weight_version=version)
         if ack.status == "SUCCESS":
             self.control.gate.set_weights_valid(stage_id, True)
             if ack.metadata.weight_version:
                 self.versions[stage_id] = ack.metadata.weight_version
-        self.control.notify("update_weights", [ack])
-        return ack
+        self.control.notify("update_weights", acks)
+        return acks
 
     async def checksum(self, stage_id: int) -> str:
-        return str(await self._stage(stage_id).call("weights_checksum"))
+        return str(await self._stage(stage_id).call(ops.WeightsChecksum()))

@@ -10,6 +10,14 @@ from typing import Any
 
 import httpx
 
+from omnistage.stage.vocabulary import (
+    DEFAULT_SLEEP_LEVEL,
+    DEFAULT_SLEEP_MODE,
+    MEMORY_TAGS,
+    SLEEP_LEVELS,
+    SLEEP_MODES,
+)
+
 
 def _connection_flags(p: argparse.ArgumentParser, suppress: bool) -> None:
     """--url, --api-key and --json; on each subcommand too (``suppress``: no default there,
@@ -50,18 +58,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ops.add_parser("status", parents=[common], help="Show every stage's state and memory.")
     s = ops.add_parser("sleep", parents=[common], help="Put stages to sleep.")
     s.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
-    s.add_argument("--level", type=int, default=2, choices=[0, 1, 2], help="Sleep level.")
     s.add_argument(
-        "--mode", choices=["abort", "wait", "keep"], help="What happens to in-flight requests."
+        "--level",
+        type=int,
+        default=DEFAULT_SLEEP_LEVEL,
+        choices=SLEEP_LEVELS,
+        help="Sleep level.",
     )
-    s.add_argument(
-        "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
-    )
+    s.add_argument("--mode", choices=SLEEP_MODES, help="What happens to in-flight requests.")
+    s.add_argument("--tags", nargs="+", choices=MEMORY_TAGS, help="Only these memory tags.")
     w = ops.add_parser("wakeup", parents=[common], help="Wake stages.")
     w.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
-    w.add_argument(
-        "--tags", nargs="+", choices=["weights", "kv_cache"], help="Only these memory tags."
-    )
+    w.add_argument("--tags", nargs="+", choices=MEMORY_TAGS, help="Only these memory tags.")
     w.add_argument(
         "--no-reload", action="store_true", help="After level 2, leave weights for update-weights."
     )
@@ -76,8 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         if name == "pause":
             q.add_argument(
                 "--mode",
-                choices=["abort", "wait", "keep"],
-                default="abort",
+                choices=SLEEP_MODES,
+                default=DEFAULT_SLEEP_MODE,
                 help="In-flight requests.",
             )
     u = ops.add_parser(

@@ -20,8 +20,10 @@ import torch
 
 from omnistage.config import offline_stage_config
 from omnistage.errors import StageAsleepError
+from omnistage.stage.control import acks_of
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
 from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest, ImageOutput
+from omnistage.stage.diffusion.wire import KIND
 
 __all__ = ["Diffusion", "DiffusionParams", "ImageOutput"]
 
@@ -43,7 +45,7 @@ class Diffusion:
     ) -> None:
         config = offline_stage_config(
             "Diffusion",
-            "diffusion",
+            KIND,
             str(model),
             device=device,
             dtype=dtype,
@@ -89,13 +91,13 @@ class Diffusion:
                 if output.request_id not in pending:
                     continue
                 pending.discard(output.request_id)
-                if output.finish_reason != "stop" or output.payload is None:
+                if output.finish_reason != "stop" or not output.media:
                     self._abort(pending)  # the other inputs of this call must not linger
                     raise RuntimeError(
                         f"request {output.request_id} ended with {output.finish_reason}: "
                         f"{output.error or 'no image'}"
                     )
-                results[output.request_id] = output.payload["images"][0]
+                results[output.request_id] = output.media[0]
         return [results[r.request_id] for r in requests]
 
     def _abort(self, request_ids: Iterable[str]) -> None:
@@ -111,14 +113,16 @@ class Diffusion:
 
     # -- control ----------------------------------------------------------------------------
 
-    def sleep(self, level: int = 2, mode: str = "abort") -> dict[str, Any]:
-        return self.engine.sleep(level=level, mode=mode).to_dict()
+    # Each returns the ACKs, one per rank (as ``AsyncOmni`` and the HTTP routes do).
 
-    def wake_up(self, tags: list[str] | None = None, reload: bool = True) -> dict[str, Any]:
-        return self.engine.wake_up(tags=tags, reload=reload).to_dict()
+    def sleep(self, level: int = 2, mode: str = "abort") -> list[dict[str, Any]]:
+        return acks_of(self.engine.sleep(level=level, mode=mode))
 
-    def update_weights(self, path: str | Path, check_finite: bool = True) -> dict[str, Any]:
-        return self.engine.update_weights(path, check_finite=check_finite).to_dict()
+    def wake_up(self, tags: list[str] | None = None, reload: bool = True) -> list[dict[str, Any]]:
+        return acks_of(self.engine.wake_up(tags=tags, reload=reload))
+
+    def update_weights(self, path: str | Path, check_finite: bool = True) -> list[dict[str, Any]]:
+        return acks_of(self.engine.update_weights(path, check_finite=check_finite))
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

@@ -25,6 +25,8 @@ from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.logprobs import Logprob
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
+from omnistage.stage.ar.wire import KIND
+from omnistage.stage.control import Sleep, acks_of
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
@@ -76,7 +78,7 @@ class LLM:
     ) -> None:
         config = offline_stage_config(
             "LLM",
-            "ar",
+            KIND,
             model,
             device=device,
             dtype=dtype,
@@ -186,20 +188,22 @@ class LLM:
                     completion.finish_reason = out.finish_reason
                     if out.error is not None:
                         raise out.error
-                    if out.payload is not None:
-                        completion.hidden_states = out.payload.get("hidden_states")
+                    if out.handoff is not None:
+                        completion.hidden_states = out.handoff.get("hidden_states")
                     result.finished = True
                     num_pending -= 1
 
     # -- control ------------------------------------------------------------------------
 
-    def sleep(self, level: int = 1, mode: str = "abort") -> dict[str, Any]:
-        """Release memory (level 1: weights to host, level 2: discard all); returns the ACK.
+    def sleep(self, level: int = 1, mode: str = "abort") -> list[dict[str, Any]]:
+        """Release memory (level 1: weights to host, level 2: discard all); returns the ACKs,
+        one per rank.
 
         Mode ``wait`` first runs the requests in flight to completion (within the config's
         ``drain_timeout_s``)."""
+        Sleep(level=level, mode=mode)  # a bad level or mode is refused before anything pauses
         if mode != "wait" or self.engine.is_paused:
-            return self.engine.sleep(level=level, mode=mode).to_dict()
+            return acks_of(self.engine.sleep(level=level, mode=mode))
         self.engine.pause("wait")
         try:
             deadline = time.monotonic() + self.engine.config.drain_timeout_s
@@ -210,21 +214,21 @@ class LLM:
                         f"{self.engine.config.drain_timeout_s:g}s; raise drain_timeout_s"
                     )
                 self.engine.step()
-            return self.engine.sleep(level=level, mode=mode).to_dict()
+            return acks_of(self.engine.sleep(level=level, mode=mode))
         except BaseException:
             self.engine.resume()  # a sleep that did not happen must not leave the LLM paused
             raise
 
-    def wake_up(self, tags: Seq[str] | None = None, reload: bool = True) -> dict[str, Any]:
+    def wake_up(self, tags: Seq[str] | None = None, reload: bool = True) -> list[dict[str, Any]]:
         """Bring memory back; generation resumes once nothing is asleep."""
         ack = self.engine.wake_up(tags=tags, reload=reload)
         if not self.engine.is_sleeping():
             self.engine.resume()
-        return ack.to_dict()
+        return acks_of(ack)
 
-    def update_weights(self, path: str, check_finite: bool = True) -> dict[str, Any]:
+    def update_weights(self, path: str, check_finite: bool = True) -> list[dict[str, Any]]:
         """Load a safetensors file or folder into the weights in place (checked first)."""
-        return self.engine.update_weights(path, check_finite=check_finite).to_dict()
+        return acks_of(self.engine.update_weights(path, check_finite=check_finite))
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping()

@@ -45,7 +45,7 @@ class Omni:
 
     @classmethod
     def from_model(cls, model: str, **overrides: Any) -> Omni:
-        """See ``AsyncOmni.from_model`` (a Qwen2.5-Omni folder: thinker → talker → code2wav)."""
+        """See ``AsyncOmni.from_model`` (the pipeline the checkpoint's model family forms)."""
         return cls(AsyncOmni.from_model(model, **overrides))
 
     @classmethod
@@ -65,7 +65,7 @@ class Omni:
         audio_params: dict[str, Any] | None = None,
     ) -> list[OmniOutput]:
         """Run every prompt through the pipeline concurrently; results in input order
-        (``modalities=["text", "audio"]`` on a Qwen2.5-Omni pipeline: ``OmniOutput.audio``)."""
+        (``modalities=["text", "audio"]`` on a speaking pipeline: ``OmniOutput.audio``)."""
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
 
         async def one(prompt: str | dict[str, Any]) -> OmniOutput:
@@ -116,7 +116,7 @@ class Omni:
     def resume_generation(self, stage_ids: Sequence[int] | None = None) -> None:
         self._run(self.engine.resume_generation(stage_ids))
 
-    def update_weights(self, stage_id: int, path: str) -> dict[str, Any]:
+    def update_weights(self, stage_id: int, path: str) -> list[dict[str, Any]]:
         return self._run(self.engine.update_weights(stage_id, path))
 
     def stage_status(self) -> list[dict[str, Any]]:

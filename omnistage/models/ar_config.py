@@ -1,21 +1,22 @@
-"""The configuration of a qwen2-family decoder, read from an HF-layout ``config.json``.
+"""The configuration of a decoder (``omnistage.models.decoder``), read from an HF-layout
+``config.json`` by the checkpoint's model family (``omnistage.models.registry``).
 
-One frozen dataclass covers Qwen2/Qwen2.5 (bias on q/k/v), Qwen3 (per-head q/k RMSNorm,
-explicit ``head_dim``) and Llama (optional bias everywhere). Both the transformers-4 keys
-(``rope_theta`` + ``rope_scaling``) and the transformers-5 ``rope_parameters`` are understood.
+One frozen dataclass covers every registered decoder family: the family's mapping sets its
+layout (Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm, Llama's optional biases) and, for a
+mixture-of-experts decoder, its experts. Both the transformers-4 keys (``rope_theta`` +
+``rope_scaling``) and the transformers-5 ``rope_parameters`` are understood.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omnistage.errors import CheckpointError
+from omnistage.models.tp_plan import DENSE_PLAN, TPPlan
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -50,25 +51,40 @@ class ARModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None  # what the checkpoint was saved in ("bfloat16", ...)
-    # A part of a multi-part checkpoint (Qwen2.5-Omni "thinker" / "talker"), else None.
-    checkpoint_part: str | None = None
-    # Input embeddings of another width, projected to hidden_size (the Qwen2.5-Omni talker).
+    family: str = "qwen2"  # the registry's name of the family that reads the checkpoint
+    # A part of a multi-part checkpoint (the family names them: "thinker", "talker"), else None.
+    part: str | None = None
+    # Input embeddings of another width, projected to hidden_size (a stage fed by another's).
     embedding_size: int | None = None
-    suppress_token_ids: tuple[int, ...] = ()  # never sampled (the talker's codec bos)
+    suppress_token_ids: tuple[int, ...] = ()  # never sampled
     emits_text: bool = True  # False: the tokens are codes, not text (no detokenizing)
+    # Mixture of experts: layer ``i`` runs experts when ``num_experts`` and
+    # ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    tp_plan: TPPlan = DENSE_PLAN
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def uses_experts(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` runs experts instead of its dense MLP."""
+        return (
+            self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer not in self.mlp_only_layers
+        )
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ARModelConfig:
-        """Validate an HF config dict; raises ``CheckpointError`` naming what is unsupported."""
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise CheckpointError(
-                f"model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
-            )
+    def from_hf(cls, raw: dict[str, Any], **layout: Any) -> ARModelConfig:
+        """Validate an HF decoder config dict; ``layout`` (``family``, ``qkv_bias``,
+        ``qk_norm``, ...) is what the checkpoint's family knows of its layers. Raises
+        ``CheckpointError`` naming what is unsupported."""
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("use_sliding_window"):
@@ -77,7 +93,7 @@ class ARModelConfig:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             kv_heads = int(raw.get("num_key_value_heads") or heads)
             config = cls(
-                model_type=model_type,
+                model_type=str(raw.get("model_type")),
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(raw["intermediate_size"]),
@@ -89,52 +105,48 @@ class ARModelConfig:
                 rope=_rope_config(raw),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v bias and never an o bias; the others follow the flag.
-                qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
-                o_bias=model_type != "qwen2" and bool(raw.get("attention_bias", False)),
-                mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=model_type == "qwen3",
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=_as_ids(raw.get("eos_token_id")),
                 # transformers 5 writes "dtype", 4 "torch_dtype".
                 torch_dtype=_dtype_name(raw.get("dtype") or raw.get("torch_dtype")),
+                **layout,
             )
         except KeyError as exc:
             raise CheckpointError(f"config.json lacks required key {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"config.json has an invalid value: {exc}") from exc
         if heads % kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        if config.num_experts and not 0 < config.num_experts_per_tok <= config.num_experts:
+            raise CheckpointError(
+                f"num_experts_per_tok ({config.num_experts_per_tok}) must be in "
+                f"[1, num_experts={config.num_experts}]"
             )
         return config
 
     @classmethod
     def from_pretrained(cls, path: str | Path, model_stage: str | None = None) -> ARModelConfig:
-        """The config of the checkpoint in ``path``; for a multi-part checkpoint (Qwen2.5-Omni)
-        the config of the part ``model_stage`` names."""
-        from omnistage.models import qwen_omni
+        """The decoder config of the checkpoint in ``path``, read by its family; for a
+        multi-part checkpoint, of the part ``model_stage`` names."""
+        from omnistage.models import registry
 
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise CheckpointError(f"no config.json in {path}")
+        raw = read_config_json(path)
+        return registry.family_of(raw, path).decoder_config(raw, model_stage)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    try:
         raw = json.loads(file.read_text())
-        if isinstance(raw, dict) and raw.get("model_type") == qwen_omni.MODEL_TYPE:
-            part = qwen_omni.ar_part_config(raw, model_stage)
-            talker = part.pop("_omni_talker", None)
-            config = cls.from_dict(part)
-            extra: dict[str, Any] = {"checkpoint_part": model_stage}
-            if talker is not None:
-                extra.update(
-                    embedding_size=talker["embedding_size"],
-                    suppress_token_ids=tuple(talker["suppress_token_ids"]),
-                    emits_text=False,
-                )
-            return dataclasses.replace(config, **extra)
-        if model_stage is not None:
-            raise CheckpointError(
-                f"model_stage {model_stage!r} names a part of a multi-part checkpoint; "
-                f"{path} is a single model ({raw.get('model_type')!r})"
-            )
-        return cls.from_dict(raw)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {file}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file} must hold a JSON object")
+    return raw
 
 
 def _dtype_name(value: Any) -> str | None:

@@ -1,11 +1,13 @@
-"""Megatron-style tensor parallelism for the qwen2-family decoder.
+"""Megatron-style tensor parallelism for the decoder (``omnistage.models.decoder``).
 
 Each rank holds a slice of every large weight: QKV and the MLP's gate/up projections are
 *column-parallel* (a rank computes its own heads / intermediate features), ``o_proj`` and
 ``down_proj`` *row-parallel* (a rank multiplies its slice of the input features and the partial
 outputs are summed over the ranks), the embedding and LM head *vocab-parallel* (a rank holds a
 range of token rows: embeddings are summed over ranks, logits gathered). Norms, rotary tables
-and biases of row-parallel layers are whole on every rank.
+and biases of row-parallel layers are whole on every rank. Experts split like the MLP, each
+over its own intermediate features; their partial outputs are summed over the experts first
+and over the ranks once. A model family states how its layers split as a ``TPPlan``.
 
 Which slice of a checkpoint tensor a parameter holds is recorded on its module
 (``tp_shards``: parameter name → ``Shard``), so the loader reads each rank's slice straight from
@@ -82,6 +84,35 @@ def join_group(store_path: str, rank: int, size: int, device: torch.device) -> T
 
 SINGLE = TPGroup()
 
+from omnistage.models.tp_plan import COLWISE, DENSE_PLAN, REPLICATED, ROWWISE, TPPlan  # noqa: E402
+
+__all__ = ["COLWISE", "DENSE_PLAN", "REPLICATED", "ROWWISE", "TPPlan"]
+
+
+def parallel_linear(
+    style: str,
+    in_features: int,
+    out_features: int,
+    *,
+    bias: bool,
+    dtype: torch.dtype,
+    tp: TPGroup,
+    what: str,
+    reduce: bool = True,
+) -> nn.Linear:
+    """A linear layer split over ``tp`` as ``style`` says (a plain one with one rank).
+    ``reduce=False``: a row-parallel layer leaves its partial output for the caller to sum."""
+    if tp.size == 1 or style == REPLICATED:
+        return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    if style == COLWISE:
+        return ColumnParallelLinear(
+            in_features, *even_split(out_features, tp, what), bias=bias, dtype=dtype
+        )
+    if style == ROWWISE:
+        start, length = even_split(in_features, tp, what)
+        return RowParallelLinear(start, length, out_features, bias, dtype, tp, reduce=reduce)
+    raise ValueError(f"unknown tensor-parallel style {style!r} for {what}")
+
 
 def even_split(total: int, tp: TPGroup, what: str) -> tuple[int, int]:
     """``(start, length)`` of this rank's equal share of ``total`` (which the ranks divide)."""
@@ -134,7 +165,8 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """This rank's input features ``[start, start + length)``; partial outputs summed over
-    the ranks, then the (whole) bias added once."""
+    the ranks (unless ``reduce`` is False: the caller sums), then the (whole) bias added
+    once."""
 
     def __init__(
         self,
@@ -144,13 +176,17 @@ class RowParallelLinear(nn.Linear):
         bias: bool,
         dtype: torch.dtype,
         tp: TPGroup,
+        reduce: bool = True,
     ) -> None:
         super().__init__(length, out_features, bias=bias, dtype=dtype)
         self.tp = tp
+        self.reduce = reduce
         self.tp_shards = {"weight": Shard(1, start, length)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if self.reduce:
+            out = self.tp.all_reduce(out)
         return out if self.bias is None else out + self.bias
 
 

@@ -17,8 +17,8 @@ PRESETS: dict[str, str] = {
     "bench": "omnistage.models.tiny_ar:build_bench",
     "image": "omnistage.models.tiny_diffusion:build_image",
     "image-cond": "omnistage.models.tiny_diffusion:build_image_cond",
-    "tiny-qwen2.5-omni": "omnistage.models.tiny_qwen_omni:build",
-    "tiny-qwen2.5-omni-alt": "omnistage.models.tiny_qwen_omni:build_alt",
+    "tiny-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build",
+    "tiny-qwen2.5-omni-alt": "omnistage.models.qwen2_5_omni.tiny:build_alt",
 }
 
 _DONE_MARKER = ".omnistage-built"

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from omnistage.models import qwen2
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.qwen2 import Qwen2ForCausalLM
+from omnistage.models.decoder import CausalLM
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -119,7 +120,7 @@ def hf_config(spec: TinyARSpec, bos_id: int, eos_id: int) -> dict[str, Any]:
 
 def random_weights(config: ARModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Seeded weights for every checkpoint tensor: norms at 1, the rest N(0, INIT_STD)."""
-    model = Qwen2ForCausalLM.on_meta(config, torch.float32)
+    model = CausalLM.on_meta(config, torch.float32)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, meta in model.state_dict().items():
@@ -170,7 +171,7 @@ def build(spec: TinyARSpec, out: str | Path) -> Path:
             "clean_up_tokenization_spaces": False,
         },
     )
-    weights = random_weights(ARModelConfig.from_dict(config), spec.seed)
+    weights = random_weights(qwen2.FAMILY.decoder_config(config), spec.seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

@@ -1,4 +1,7 @@
-"""Built-in pipelines: YAML configs whose tiny models are built on first use.
+"""Pipelines to serve: the built-in ones (YAML configs whose tiny models are built on first
+use), a user's pipeline file, or the pipeline a checkpoint folder asks for (its model family's,
+``omnistage.models.registry``) — each with the flags given for every stage applied, and its
+stage kinds checked against the kinds map before any stage starts.
 
 ``{cache}`` in a model path is the model cache folder: ``$OMNISTAGE_CACHE_DIR`` or
 ``~/.cache/omnistage/models``. A stage with a ``preset`` gets its model built there
@@ -15,7 +18,13 @@ from typing import Any
 
 import yaml
 
-from omnistage.config import ConfigError, PipelineConfig, apply_overrides, parse_pipeline_config
+from omnistage.config import (
+    ConfigError,
+    PipelineConfig,
+    load_pipeline_config,
+    parse_pipeline_config,
+)
+from omnistage.stage.kinds import STAGE_KINDS, check_kinds
 
 _STAGE_OVERRIDES = frozenset(
     {
@@ -31,12 +40,45 @@ _STAGE_OVERRIDES = frozenset(
         "gpu_memory_utilization",
         "kv_cache_bytes",
         "enable_prefix_caching",
+        "attention_backend",
         "idle_sleep_s",
         "idle_sleep_level",
         "max_image_pixels",
         "max_inference_steps",
     }
 )
+
+
+# The ways of sizing an AR stage's KV cache: a flag giving one replaces the stage's own.
+_KV_SIZING = ("gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
+
+
+def apply_overrides(stage: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``stage`` (a stage mapping) with ``overrides`` (flags given for every stage) applied;
+    ``None`` values leave the stage's own setting, and ``tensor_parallel_size`` reaches only
+    the stages whose kind splits over ranks."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    spec = STAGE_KINDS.get(str(stage.get("kind")))
+    if spec is not None and not spec.tensor_parallel:  # the other kinds run on one rank
+        given.pop("tensor_parallel_size", None)
+    out = dict(stage)
+    if any(k in given for k in _KV_SIZING):
+        for key in _KV_SIZING:
+            out.pop(key, None)
+    out.update(given)
+    return out
+
+
+def parse_pipeline(data: Any, source: str) -> PipelineConfig:
+    """A pipeline mapping validated, its kinds checked (``ConfigError`` naming the key)."""
+    return check_kinds(parse_pipeline_config(data, source=source))
+
+
+def pipeline_from_file(path: str | Path, **overrides: Any) -> PipelineConfig:
+    """A pipeline YAML file with ``overrides`` applied to every stage."""
+    base = load_pipeline_config(path)
+    stages = [apply_overrides(s.model_dump(), overrides) for s in base.stages]
+    return parse_pipeline({"name": base.name, "stages": stages}, str(path))
 
 
 def cache_dir() -> Path:
@@ -76,7 +118,7 @@ def load_pipeline(
     for stage in data["stages"]:
         stage["model"] = stage["model"].format(cache=cache)
     data["stages"] = [apply_overrides(stage, overrides) for stage in data["stages"]]
-    config = parse_pipeline_config(data, source=f"pipeline {name}")
+    config = parse_pipeline(data, source=f"pipeline {name}")
     if build:
         ensure_models(config, on_build)
     return config
@@ -99,35 +141,17 @@ def ensure_models(
 
 
 def pipeline_from_model(folder: str, name: str | None = None, **overrides: Any) -> PipelineConfig:
-    """The pipeline a checkpoint folder asks for: a Qwen2.5-Omni folder gives three stages —
-    ``thinker`` (ar) → ``talker`` (ar, fed the thinker's embeddings and hidden states) →
-    ``code2wav`` (speech codes to a 24 kHz waveform) —, any other model one AR stage.
-    ``overrides`` go to every stage (as ``load_pipeline``'s)."""
-    from omnistage.models.qwen_omni import is_qwen_omni
+    """The pipeline a checkpoint folder asks for: its model family's (a decoder-only model:
+    one AR stage; a Qwen2.5-Omni folder: thinker → talker → code2wav). ``overrides`` go to
+    every stage (as ``load_pipeline``'s); an unknown model is a ``ConfigError`` naming the
+    supported ones."""
+    from omnistage.errors import CheckpointError
+    from omnistage.models import registry
 
-    if is_qwen_omni(folder):
-        stages: list[dict[str, Any]] = [
-            {"stage_id": 0, "name": "thinker", "kind": "ar", "model_stage": "thinker"},
-            {
-                "stage_id": 1,
-                "name": "talker",
-                "kind": "ar",
-                "model_stage": "talker",
-                "input_from": 0,
-                "input_processor": "thinker_to_talker",
-                "enable_prefix_caching": False,
-            },
-            {
-                "stage_id": 2,
-                "name": "code2wav",
-                "kind": "code2wav",
-                "model_stage": "code2wav",
-                "input_from": 1,
-                "input_processor": "talker_to_code2wav",
-            },
-        ]
-    else:
-        stages = [{"stage_id": 0, "kind": "ar"}]
+    try:
+        stages = registry.family_of_folder(folder).pipeline()
+    except CheckpointError as exc:
+        raise ConfigError(f"--model {folder}: {exc}") from None
     stages = [apply_overrides({**stage, "model": folder}, overrides) for stage in stages]
     data = {"name": name or Path(folder).name, "stages": stages}
-    return parse_pipeline_config(data, source=f"--model {folder}")
+    return parse_pipeline(data, source=f"--model {folder}")

@@ -18,51 +18,31 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from omnistage.errors import InvalidRequestError
+from omnistage.stage import control as ops
+from omnistage.stage.control import Ack
+from omnistage.stage.handoff import Handoffs, SharedMemoryTransport, Transport
 from omnistage.stage.messages import (
     AbortRequest,
-    Ack,
     AddRequest,
+    ControlCall,
+    ControlResult,
+    DiscardHandoff,
     FromStage,
+    HandoffRef,
     OutputBatch,
     OutputMessage,
     Shutdown,
     StageRequest,
     ToStage,
-    UtilityCall,
-    UtilityResult,
     WireError,
 )
 from omnistage.stage.types import StageOutput
 
 logger = logging.getLogger(__name__)
 
-UTILITY_METHODS = frozenset(
-    {
-        "sleep",
-        "wake_up",
-        "pause",
-        "resume",
-        "update_weights",
-        "status",
-        "is_sleeping",
-        "reset_prefix_cache",
-    }
-)
-# The weight-transfer protocol, served by the engine's ``weight_sync``.
-WEIGHT_SYNC_METHODS = frozenset(
-    {
-        "init_weight_transfer",
-        "start_weight_update",
-        "receive_weights",
-        "finish_weight_update",
-        "weights_checksum",
-    }
-)
-
 
 class StageEngine(Protocol):
-    """What the core needs from an engine (both kinds implement it)."""
+    """What the core needs from an engine (every kind's implements it)."""
 
     is_paused: bool
 
@@ -84,13 +64,38 @@ class Channel(Protocol):
 @dataclasses.dataclass
 class _PendingDrain:
     call_id: int
-    args: dict[str, Any]
+    op: ops.Sleep
     deadline: float
     timeout_s: float
 
 
-def to_output_message(out: StageOutput) -> OutputMessage:
-    payload = out.payload or {}
+def control_handlers(engine: Any) -> dict[type, Callable[[Any], Any]]:
+    """What each control operation does to ``engine``, by the operation's type."""
+
+    def sync() -> Any:
+        return engine.weight_sync
+
+    return {
+        ops.Sleep: lambda op: engine.sleep(op.level, op.mode, op.tags),
+        ops.WakeUp: lambda op: engine.wake_up(op.tags, op.reload),
+        ops.Pause: lambda op: engine.pause(op.mode),
+        ops.Resume: lambda op: engine.resume(),
+        ops.UpdateWeights: lambda op: engine.update_weights(op.path, op.check_finite),
+        ops.AdoptHistory: lambda op: engine.adopt_history(op.sources, load=op.load),
+        ops.Status: lambda op: engine.status(),
+        ops.IsSleeping: lambda op: engine.is_sleeping(),
+        ops.ResetPrefixCache: lambda op: engine.reset_prefix_cache(),
+        ops.InitWeightTransfer: lambda op: sync().init_weight_transfer(op.backend, op.init_info),
+        ops.StartWeightUpdate: lambda op: sync().start_weight_update(op.update_info),
+        ops.ReceiveWeights: lambda op: sync().receive_weights(op.update_info),
+        ops.FinishWeightUpdate: lambda op: sync().finish_weight_update(op.weight_version),
+        ops.WeightsChecksum: lambda op: sync().weights_checksum(),
+    }
+
+
+def to_output_message(out: StageOutput, handoff: HandoffRef | None = None) -> OutputMessage:
+    """What the API process gets of an output: never the data a next stage takes (that is
+    ``handoff``, where it was left)."""
     return OutputMessage(
         request_id=out.request_id,
         index=out.index,
@@ -101,24 +106,23 @@ def to_output_message(out: StageOutput) -> OutputMessage:
         error=WireError.from_exception(out.error) if out.error is not None else None,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
-        hidden_states=payload.get("hidden_states"),
-        token_embeddings=payload.get("token_embeddings"),
-        images=list(payload.get("images") or []),
-        audio=list(payload.get("audio") or []),
+        handoff=handoff,
+        media=list(out.media),
         logprobs=out.logprobs,
         prompt_logprobs=out.prompt_logprobs,
         queue_time_s=out.queue_time_s,
     )
 
 
-def error_result(call_id: int, exc: BaseException) -> UtilityResult:
-    return UtilityResult(call_id=call_id, error=WireError.from_exception(exc))
+def error_result(call_id: int, exc: BaseException) -> ControlResult:
+    return ControlResult(call_id=call_id, error=WireError.from_exception(exc))
 
 
-def value_result(call_id: int, result: Any) -> UtilityResult:
+def value_result(call_id: int, result: Any) -> ControlResult:
+    """An ACK leaves the stage as one ACK per rank; anything else as a plain value."""
     if isinstance(result, Ack):
-        return UtilityResult(call_id=call_id, ack=result)
-    return UtilityResult(call_id=call_id, value=result)
+        return ControlResult(call_id=call_id, acks=result.flat())
+    return ControlResult(call_id=call_id, value=_plain(result))
 
 
 def failed_request(request_id: str, exc: BaseException) -> OutputBatch:
@@ -136,10 +140,17 @@ def failed_request(request_id: str, exc: BaseException) -> OutputBatch:
 
 
 class StageCore:
-    def __init__(self, engine: Any, drain_timeout_s: float = 30.0) -> None:
+    """``transport``: where this stage leaves what it hands the next stage (default: shared
+    memory, for stages on one host)."""
+
+    def __init__(
+        self, engine: Any, drain_timeout_s: float = 30.0, transport: Transport | None = None
+    ) -> None:
         self.engine = engine
         self._drain_timeout_s = drain_timeout_s
         self._pending: _PendingDrain | None = None
+        self._handlers = control_handlers(engine)
+        self.handoffs = Handoffs(transport or SharedMemoryTransport(), engine.config.model)
 
     def has_work(self) -> bool:
         return self._pending is not None or bool(self.engine.has_unfinished_requests())
@@ -150,49 +161,49 @@ class StageCore:
         if isinstance(msg, AbortRequest):
             for request_id in msg.request_ids:
                 self.engine.abort(request_id)
+                self.handoffs.aborted(request_id)
             return []  # the aborted outputs come out with the next step
-        if isinstance(msg, UtilityCall):
-            return self._utility(msg)
+        if isinstance(msg, ControlCall):
+            return self._control(msg.call_id, msg.op)
+        if isinstance(msg, DiscardHandoff):
+            self.handoffs.discard(msg.ref)
+            return []
         raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def _add(self, msg: AddRequest) -> list[FromStage]:
         try:
-            self.engine.add_wire_request(msg.request_id, msg.request)
+            request = msg.request
+            if msg.upstream is not None:
+                request = self.handoffs.resolve(request, msg.upstream)
+            self.engine.add_wire_request(msg.request_id, request)
         except Exception as exc:  # the request fails; the stage keeps serving
             return [failed_request(msg.request_id, exc)]
+        if msg.forward:
+            self.handoffs.forward(msg.request_id)
         return []
 
-    def _utility(self, call: UtilityCall) -> list[FromStage]:
-        if call.method not in UTILITY_METHODS | WEIGHT_SYNC_METHODS:
-            return [
-                error_result(
-                    call.call_id, InvalidRequestError("method", f"unknown utility {call.method!r}")
-                )
-            ]
-        args = dict(call.args)
-        drain_timeout_s = float(args.pop("drain_timeout_s", self._drain_timeout_s))
+    def _control(self, call_id: int, op: Any) -> list[FromStage]:
         # An engine already paused (or asleep) keeps its pause mode: nothing new to drain.
-        if (
-            call.method == "sleep"
-            and args.get("mode") == "wait"
+        is_drain = (
+            isinstance(op, ops.Sleep)
+            and op.mode == "wait"
             and self._pending is None
             and not self.engine.is_paused
-        ):
+        )
+        if is_drain:
             try:
                 self.engine.pause("wait")
             except Exception as exc:
-                return [error_result(call.call_id, exc)]
-            self._pending = _PendingDrain(
-                call.call_id, args, time.monotonic() + drain_timeout_s, drain_timeout_s
-            )
+                return [error_result(call_id, exc)]
+            timeout_s = op.drain_timeout_s or self._drain_timeout_s
+            self._pending = _PendingDrain(call_id, op, time.monotonic() + timeout_s, timeout_s)
             return self._check_drain()
-        owner = self.engine.weight_sync if call.method in WEIGHT_SYNC_METHODS else self.engine
         try:
-            result = getattr(owner, call.method)(**args)
+            result = self._handlers[type(op)](op)
         except Exception as exc:
-            return [*self._flush(), error_result(call.call_id, exc)]
+            return [*self._flush(), error_result(call_id, exc)]
         # Outputs the call produced (aborted requests) go out before its reply.
-        return [*self._flush(), value_result(call.call_id, _plain(result))]
+        return [*self._flush(), value_result(call_id, result)]
 
     def _check_drain(self) -> list[FromStage]:
         pending = self._pending
@@ -201,7 +212,7 @@ class StageCore:
         if self.engine.is_drained():
             self._pending = None
             try:
-                result = self.engine.sleep(**pending.args)
+                result = self._handlers[ops.Sleep](pending.op)
             except Exception as exc:
                 return [*self._flush(), error_result(pending.call_id, exc)]
             return [*self._flush(), value_result(pending.call_id, result)]
@@ -221,10 +232,18 @@ class StageCore:
 
     def _flush(self) -> list[FromStage]:
         outputs = self.engine.step()
-        return [OutputBatch([to_output_message(o) for o in outputs])] if outputs else []
+        if not outputs:
+            return []
+        return [OutputBatch([to_output_message(o, self.handoffs.observe(o)) for o in outputs])]
 
     def serve(self, channel: Channel, should_stop: Callable[[], bool] = lambda: False) -> None:
         """Run until a ``Shutdown`` message arrives or ``should_stop()`` says so."""
+        try:
+            self._serve(channel, should_stop)
+        finally:
+            self.handoffs.close()
+
+    def _serve(self, channel: Channel, should_stop: Callable[[], bool]) -> None:
         made_progress = False
         while not should_stop():
             # Poll without waiting while work moves; back off a little when the engine holds
@@ -241,8 +260,7 @@ class StageCore:
             if self.has_work():
                 replies = self.step()
                 # A multi-step batch mid-way has nothing to send yet but is progressing.
-                runnable = getattr(self.engine, "has_runnable_work", None)
-                made_progress = bool(replies) or (runnable is not None and runnable())
+                made_progress = bool(replies) or self.engine.has_runnable_work()
                 for reply in replies:
                     channel.send(reply)
 

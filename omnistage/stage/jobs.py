@@ -13,20 +13,12 @@ and finishes in about its own time times the number of jobs in flight — no req
 another's whole run. Aborts are handled between steps: an aborted request leaves its job at
 the next step, the others of the job carry on.
 
-Control (no KV cache, so simpler than an AR stage's):
-
-- ``pause(mode)`` gates scheduling only. "abort" ends every request (queued or running)
-  with finish_reason "abort"; "wait" lets the requests already in the engine run to
-  completion while new ones queue until ``resume()``; "keep" holds every request where it is
-  — running jobs keep their state — and they continue after resume. Requests arriving
-  while paused are queued either way.
-- ``sleep(level, mode)`` pauses with ``mode`` (unless already paused) and releases the arena
-  through the worker's ``SleepController``. Level 0 pauses only. With "keep", queued and
-  running requests survive the sleep and continue after wake.
-- ``wake_up`` restores memory (level 2 reloads the weights in place) and then resumes by
-  itself: these stages need no separate resume (see ``docs/control-plane.md``).
-- Weights discarded and not reloaded: ``add_request`` raises ``WeightsInvalidError`` and
-  ``step()`` never runs the model; queued requests wait for ``update_weights``.
+Control is every engine's (``omnistage.stage.engine_base``); here pausing gates scheduling
+only and nothing lives in the memory a sleep releases but the weights, so with "keep" queued
+and running jobs survive a sleep and continue after wake. These stages resume by themselves
+after a wake. Weights discarded and not reloaded: ``add_request`` raises
+``WeightsInvalidError`` and ``step()`` never runs the model; queued requests wait for
+``update_weights``.
 
 A job that fails fails its requests, not the stage; a process fault (out of memory, a CUDA
 error) propagates and ends the process, which the server restarts.
@@ -38,25 +30,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-import torch
-
 from omnistage.config import StageConfig
-from omnistage.errors import (
-    InvalidRequestError,
-    SleepModeDisabledError,
-    StageAsleepError,
-    StageInternalError,
-)
-from omnistage.memory import Arena
+from omnistage.errors import InvalidRequestError, StageAsleepError, StageInternalError
+from omnistage.stage.engine_base import StageEngineBase, W
 from omnistage.stage.faults import is_process_fault
-from omnistage.stage.messages import Ack
-from omnistage.stage.sleep_args import check_level, check_mode
-from omnistage.stage.sleep_control import SleepController, make_ack
 from omnistage.stage.types import StageOutput
-from omnistage.stage.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -88,40 +68,20 @@ class StepJob(Protocol):
     def finish(self) -> Sequence[tuple[Any, Any]]: ...
 
 
-class StageWorker(Protocol):
-    """What one rank owns: its arena, the weights in it and their sleep controller."""
-
-    arena: Arena
-    sleep_control: SleepController
-
-    def weight_targets(self) -> dict[str, torch.Tensor]: ...
-    def sleep(self, level: int, tags: Sequence[str] | None, **metadata: object) -> Ack: ...
-    def wake_up(self, tags: Sequence[str] | None, reload: bool) -> Ack: ...
-    def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack: ...
-    def close(self) -> None: ...
-
-
 R = TypeVar("R", bound=QueuedRequest)
 
 
-class JobEngine(Generic[R]):
+class JobEngine(StageEngineBase[W], Generic[W, R]):
     """The engine of a step-scheduled stage kind; subclasses fill in the kind's part."""
 
-    payload_key: ClassVar[str]  # a finished request's payload: {payload_key: [output]}
+    resumes_after_wake: ClassVar[bool] = True
 
-    def __init__(self, config: StageConfig, worker: StageWorker) -> None:
-        self.config = config
-        self.worker = worker
+    def __init__(self, config: StageConfig, worker: W) -> None:
+        super().__init__(config, worker)
         self._waiting: deque[R] = deque()
         self._finished: list[StageOutput] = []  # delivered by the next step()
-        self._pause_mode: str | None = None
         self._drain_ids: set[str] = set()  # mode "wait": requests that still run while paused
-        self._asleep_at_level0 = False
         self._jobs: list[StepJob] = []  # jobs in flight, a step at a time
-        self.weight_version: str | None = None  # set by a trainer's weight sync
-        self.weight_sync = WeightSync(
-            self.stage_id, self.worker.weight_targets, self._apply_synced, self.arena.device
-        )
         self.num_jobs = 0
         self.last_job_size = 0
         self.num_steps = 0
@@ -145,24 +105,6 @@ class JobEngine(Generic[R]):
 
     def _status_fields(self) -> dict[str, Any]:
         return {}
-
-    # -- shared state ---------------------------------------------------------------------
-
-    @property
-    def stage_id(self) -> int:
-        return self.config.stage_id
-
-    @property
-    def arena(self) -> Arena:
-        return self.worker.arena
-
-    @property
-    def sleep_control(self) -> SleepController:
-        return self.worker.sleep_control
-
-    @property
-    def is_paused(self) -> bool:
-        return self._pause_mode is not None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -251,7 +193,7 @@ class JobEngine(Generic[R]):
                         request.request_id,
                         finished=True,
                         finish_reason="stop",
-                        payload={self.payload_key: [output]},
+                        media=[output],
                         queue_time_s=request.queue_time_s,
                     )
                 )
@@ -276,103 +218,31 @@ class JobEngine(Generic[R]):
         self._drain_ids.discard(request_id)
         self._finished.append(StageOutput(request_id, finished=True, finish_reason="abort"))
 
-    # -- pause / resume -------------------------------------------------------------------
+    # -- control: the kind's part of ``StageEngineBase`` ----------------------------------
 
-    def pause(self, mode: str = "abort") -> int:
-        """Stop scheduling (see the module docstring); returns the number of aborted requests."""
-        check_mode(mode)
-        self._pause_mode = mode
+    def _pause_requests(self, mode: str) -> tuple[int, int]:
         running = [r for job in self._jobs for r in job.request_ids]
         queued = [r.request_id for r in self._waiting]
         self._drain_ids = set(running + queued) if mode == "wait" else set()
         if mode != "abort":
-            return 0
+            return 0, 0
         for request_id in running + queued:
             self.abort(request_id)
-        return len(running) + len(queued)
+        return len(running) + len(queued), 0
 
-    def resume(self) -> None:
-        self._pause_mode = None
+    def _resume_requests(self) -> None:
         self._drain_ids.clear()
 
     def is_drained(self) -> bool:
-        """True once every request that was in the engine at ``pause("wait")`` has finished."""
         return not self._drain_ids
 
-    # -- sleep / wake / weights -----------------------------------------------------------
-
-    def _require_sleep_mode(self) -> None:
-        if not self.config.enable_sleep_mode:
-            raise SleepModeDisabledError(self.stage_id)
-
-    def sleep(self, level: int = 2, mode: str = "abort", tags: list[str] | None = None) -> Ack:
-        """Pause with ``mode`` (unless paused), then release memory for ``level``.
-
-        Mode "wait" raises ``RuntimeError`` while requests are still draining: the caller
-        drives ``step()`` until ``is_drained()`` (bounded by ``drain_timeout_s``) and retries.
-        """
-        self._require_sleep_mode()
-        check_level(level)
-        check_mode(mode)
-        unknown = sorted(set(tags or ()) - set(self.arena.tags))
-        if unknown:  # checked before pausing: a refused sleep must not abort requests
-            raise InvalidRequestError(
-                "tags", f"unknown tags {unknown}; this stage has {self.arena.tags}"
-            )
-        aborted = 0 if self.is_paused else self.pause(mode)
-        if mode == "wait" and not self.is_drained():
-            raise RuntimeError(
-                f"stage {self.stage_id}: {len(self._drain_ids)} requests still draining; call "
-                "step() until is_drained() (bounded by drain_timeout_s), then sleep again"
-            )
-        ack = self.worker.sleep(level, tags, mode=mode, aborted=aborted, preempted=0)
-        if level == 0:
-            self._asleep_at_level0 = True
-        return ack
-
-    def wake_up(self, tags: list[str] | None = None, reload: bool = True) -> Ack:
-        """Map memory back (reloading discarded weights unless ``reload`` is False) and
-        resume admission once nothing is asleep."""
-        self._require_sleep_mode()
-        if self._asleep_at_level0 and not self.sleep_control.is_sleeping:
-            self._asleep_at_level0 = False
-            self.resume()
-            return make_ack(self.stage_id, level=0, weights_valid=self.sleep_control.weights_valid)
-        ack = self.worker.wake_up(tags, reload)
-        if ack.status == "SUCCESS" and not self.sleep_control.is_sleeping:
-            self._asleep_at_level0 = False
-            self.resume()
-        return ack
-
-    def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack:
-        """Load a weight source in place (its conventions: the kind's pipeline module)."""
-        return self.worker.update_weights(path, check_finite=check_finite)
-
-    def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
-        ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
-        self.weight_version = version
-        return ack
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_control.is_sleeping or self._asleep_at_level0
-
     def status(self) -> dict[str, Any]:
-        control = self.sleep_control
         return {
-            "stage_id": self.stage_id,
-            "kind": self.config.kind,
-            "level": control.level,
-            "is_sleeping": self.is_sleeping(),
-            "sleeping_tags": control.sleeping_tags,
-            "is_paused": self.is_paused,
-            "pause_mode": self._pause_mode,
-            "weights_valid": control.weights_valid,
-            "weight_sources": control.weight_sources,
-            "weight_version": self.weight_version,
+            **self.control_status(),
             "num_waiting": len(self._waiting),
             "num_running": sum(len(job.request_ids) for job in self._jobs),
             **self._status_fields(),
-            "memory": control.memory_stats(),
+            "memory": self.memory_stats(),
         }
 
     def shutdown(self) -> None:

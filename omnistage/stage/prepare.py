@@ -4,53 +4,44 @@ Each stage kind has a preparer (named in ``omnistage.stage.kinds``) that turns a
 prompt into that kind's wire request, validated against what the stage reported at start-up
 (its ``StageInfo``): tokenized, length-checked, parameters checked. A stage's busy loop then
 only ever sees requests that fit; its own checks stay as a second line.
+
+A request's parameters arrive by field (``sampling_params``, ``image_params``, ... in
+``RequestOptions.params``); each stage takes the field its kind (or its model family, through
+its ``StageInfo``) names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from omnistage.errors import InvalidRequestError
+from omnistage.models.processors import Wants
 from omnistage.stage.messages import StageRequest
-
-PROMPT_FIELDS = (
-    "prompt",
-    "prompt_token_ids",
-    "messages",
-    "prompt_embeds",
-    "negative_prompt",
-    "negative_prompt_embeds",
-    "codes",
-    "token_embeds_from",
-    "decode_embeds",
-)
-
-
-@dataclass(frozen=True)
-class Wants:
-    """What the next stage needs from a stage's finished output: its hidden states (plus
-    each position's input embedding), the embeddings of some token ids."""
-
-    hidden_states: bool = False
-    hidden_states_with_embeddings: bool = False
-    embed_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """The per-kind parameters of one pipeline request, as the user gave them."""
+    """The parameters of one pipeline request as the user gave them, by request field."""
 
-    sampling_params: Mapping[str, Any] = field(default_factory=dict)
-    image_params: Mapping[str, Any] = field(default_factory=dict)
-    talker_params: Mapping[str, Any] = field(default_factory=dict)  # a talker stage's sampling
-    audio_params: Mapping[str, Any] = field(default_factory=dict)  # voice, seed, ... (code2wav)
+    params: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **params: Mapping[str, Any] | None) -> RequestOptions:
+        return cls({name: value for name, value in params.items() if value is not None})
 
 
 class RequestPreparer(Protocol):
-    def check_options(self, options: RequestOptions) -> None:
-        """Validate the parameters this kind takes from ``options`` (before any stage runs)."""
+    PROMPT_FIELDS: ClassVar[tuple[str, ...]]  # what a prompt for this kind may hold
+
+    def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
+        """Validate the parameters this kind takes from ``options`` (before any stage runs);
+        ``downstream``: the stage is fed by another."""
+        ...
+
+    def num_samples(self, options: RequestOptions) -> int:
+        """How many samples ``options`` ask of this kind (``n``)."""
         ...
 
     def prepare(
@@ -61,20 +52,23 @@ class RequestPreparer(Protocol):
         ``InvalidRequestError`` naming the offending field."""
         ...
 
+    def template(self, options: RequestOptions, wants: Wants) -> StageRequest:
+        """The request of a stage fed by another: the parameters of ``options``, its prompt
+        left for the stage to fill from the hand-off."""
+        ...
 
-def prompt_fields(prompt: Any) -> dict[str, Any]:
-    """A user prompt (a string, or a mapping of ``PROMPT_FIELDS``) as a dict of fields."""
+
+def prompt_fields(prompt: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    """A user prompt (a string, or a mapping of ``allowed`` fields) as a dict of fields."""
     if isinstance(prompt, str):
         return {"prompt": prompt}
     if not isinstance(prompt, Mapping):
         raise InvalidRequestError(
             "prompt", f"must be a string or an object, got {type(prompt).__name__}"
         )
-    unknown = sorted(set(prompt) - set(PROMPT_FIELDS))
+    unknown = sorted(set(prompt) - set(allowed))
     if unknown:
-        raise InvalidRequestError(
-            unknown[0], f"unknown prompt field; prompts take {list(PROMPT_FIELDS)}"
-        )
+        raise InvalidRequestError(unknown[0], f"unknown prompt field; prompts take {list(allowed)}")
     return {k: v for k, v in prompt.items() if v is not None}
 
 

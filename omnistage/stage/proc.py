@@ -30,13 +30,13 @@ from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.logs import configure_from_env
 from omnistage.stage.messages import (
+    ControlResult,
     FromStage,
     Heartbeat,
     Ready,
     StartupFailed,
     StartupOptions,
     ToStage,
-    UtilityResult,
     WireError,
     decode_startup,
     decode_to_stage,
@@ -81,8 +81,8 @@ class ZmqChannel:
             from omnistage.stage.core import failed_request
 
             self.send(failed_request(raw["request_id"], error))
-        elif raw.get("type") == "UtilityCall" and isinstance(raw.get("call_id"), int):
-            self.send(UtilityResult(call_id=raw["call_id"], error=WireError.from_exception(error)))
+        elif raw.get("type") == "ControlCall" and isinstance(raw.get("call_id"), int):
+            self.send(ControlResult(call_id=raw["call_id"], error=WireError.from_exception(error)))
 
     def send(self, msg: FromStage) -> None:
         self._out.send(encode(msg))
@@ -131,12 +131,7 @@ def build_engine(config: StageConfig, options: StartupOptions | None = None) -> 
 def restore(engine: Any, options: StartupOptions) -> None:
     """Bring a fresh engine to the state a previous process of its stage was in."""
     if options.weight_sources:
-        load = options.sleep_level != 2
-        adopt = getattr(engine, "adopt_history", None)  # every rank's (an AR stage's)
-        if adopt is not None:
-            adopt(options.weight_sources, load=load)
-        else:
-            engine.sleep_control.adopt_history(options.weight_sources, load=load)
+        engine.adopt_history(options.weight_sources, load=options.sleep_level != 2)
     if options.sleep_level is not None:
         engine.sleep(level=options.sleep_level, mode="abort")
     elif options.paused:
@@ -209,9 +204,11 @@ def serve_stage(
     num_threads: int,
     startup_json: str,
     should_stop: Callable[[], bool],
+    host: str = "127.0.0.1",
 ) -> None:
     """Build the stage, announce it on ``out_addr`` and serve ``in_addr`` until told to shut
-    down or ``should_stop()`` (a stage process's, or a Ray actor's; see ``engine/ray``)."""
+    down or ``should_stop()`` (a stage process's, or a Ray actor's; see ``engine/ray``).
+    ``host``: the address other stages reach this one's hand-offs at (``socket``)."""
     configure_from_env()
     config = StageConfig.model_validate_json(config_json)
     set_process_title(process_title(config), short_name(config))
@@ -236,8 +233,10 @@ def serve_stage(
             Ready(stage_id=config.stage_id, kind=config.kind, pid=os.getpid(), info=engine.info())
         )
         from omnistage.stage.core import StageCore
+        from omnistage.stage.handoff import make_transport
 
-        core = StageCore(engine, drain_timeout_s=config.drain_timeout_s)
+        transport = make_transport(options.handoff, host)
+        core = StageCore(engine, drain_timeout_s=config.drain_timeout_s, transport=transport)
         core.serve(channel, should_stop=should_stop)
         engine.shutdown()
     finally:

@@ -1,13 +1,10 @@
 """Settings a stage resolves when it starts, from its device and its checkpoint.
 
-``StageConfig`` is frozen and keeps what the user asked for (``dtype: auto``,
-``max_model_len: None``); the stage works with the copy these functions return.
-
-- ``dtype: auto`` is float32 on CPU (the CPU kernels are fastest and batch-invariant in
-  float32), and on CUDA the dtype the checkpoint was saved in (float32 stays float32),
-  with bfloat16 run as float16 on a GPU without bfloat16.
-- ``max_model_len`` defaults to the checkpoint's ``max_position_embeddings`` and may not
-  exceed it: positions past it were never trained.
+``StageConfig`` is frozen and keeps what the user asked for (``dtype: auto``); the stage works
+with the copy a kind's resolver returns (``omnistage.stage.ar.resolve`` adds
+``max_model_len``). ``dtype: auto`` is float32 on CPU (the CPU kernels are fastest and
+batch-invariant in float32), and on CUDA the dtype the checkpoint was saved in (float32 stays
+float32), with bfloat16 run as float16 on a GPU without bfloat16.
 """
 
 from __future__ import annotations
@@ -16,8 +13,7 @@ import json
 import struct
 from pathlib import Path
 
-from omnistage.config import ConfigError, StageConfig
-from omnistage.models.ar_config import ARModelConfig
+from omnistage.config import StageConfig
 
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 _SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
@@ -42,34 +38,6 @@ def _cuda_has_bf16(device: str) -> bool:
     return major >= 8
 
 
-def resolve_max_model_len(stage: StageConfig, model: ARModelConfig) -> int:
-    limit = model.max_position_embeddings
-    if stage.max_model_len is None:
-        return limit
-    if stage.max_model_len > limit:
-        raise ConfigError(
-            f"stage {stage.stage_id}: max_model_len ({stage.max_model_len}) is larger than "
-            f"the checkpoint's max_position_embeddings ({limit}) in {stage.model}; "
-            f"use at most {limit}"
-        )
-    return stage.max_model_len
-
-
-def resolve_ar_stage(stage: StageConfig, model: ARModelConfig) -> StageConfig:
-    """The AR stage as it runs: dtype and max_model_len resolved."""
-    return stage.model_copy(
-        update={
-            "dtype": resolve_dtype(stage, model.torch_dtype),
-            "max_model_len": resolve_max_model_len(stage, model),
-        }
-    )
-
-
-def resolve_diffusion_stage(stage: StageConfig, folder: str | Path) -> StageConfig:
-    """The diffusion stage as it runs: dtype resolved from its denoiser's stored weights."""
-    return stage.model_copy(update={"dtype": resolve_dtype(stage, stored_dtype(folder))})
-
-
 def stored_dtype(folder: str | Path) -> str | None:
     """The floating dtype of the first weights file under ``folder`` (its header only)."""
     root = Path(folder)
@@ -89,17 +57,6 @@ def stored_dtype(folder: str | Path) -> str | None:
     return None
 
 
-def check_pipeline_limits(stages: list[StageConfig]) -> None:
-    """Fail early (``ConfigError``, before any stage starts) on an AR stage whose
-    ``max_model_len`` its checkpoint cannot serve; unreadable checkpoints are left for the
-    stage to report."""
-    from omnistage.errors import CheckpointError
-
-    for stage in stages:
-        if stage.kind != "ar" or stage.max_model_len is None:
-            continue
-        try:
-            model = ARModelConfig.from_pretrained(stage.model)
-        except (CheckpointError, OSError, ValueError):
-            continue
-        resolve_max_model_len(stage, model)
+def resolve_stored_dtype(stage: StageConfig, folder: str | Path) -> StageConfig:
+    """The stage as it runs: dtype resolved from the weights stored under ``folder``."""
+    return stage.model_copy(update={"dtype": resolve_dtype(stage, stored_dtype(folder))})

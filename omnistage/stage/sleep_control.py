@@ -20,8 +20,8 @@ import torch
 
 from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvalidError
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
-from omnistage.stage.messages import SYNC_PREFIX, Ack, make_ack
-from omnistage.stage.sleep_args import KV_CACHE, WEIGHTS, check_level
+from omnistage.stage.control import SYNC_PREFIX, Ack, make_ack
+from omnistage.stage.vocabulary import KV_CACHE, WEIGHTS, check_tags
 
 __all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
 
@@ -171,15 +171,8 @@ class SleepController:
             "backup_bytes": sum(s.backup_bytes for s in stats.values()),
         }
 
-    def _resolve_tags(self, tags: Iterable[str] | None, field: str) -> list[str]:
-        known = self.arena.tags
-        if tags is None:
-            return known
-        chosen = list(dict.fromkeys(tags))
-        unknown = [t for t in chosen if t not in known]
-        if unknown:
-            raise InvalidRequestError(field, f"unknown tags {unknown}; this stage has {known}")
-        return chosen
+    def _resolve_tags(self, tags: Iterable[str] | None) -> list[str]:
+        return check_tags(tags, self.arena.tags) or self.arena.tags
 
     def _ack(self, status: str, start: float, before: int, **fields: Any) -> Ack:
         return make_ack(
@@ -198,8 +191,7 @@ class SleepController:
 
     def sleep(self, level: int, tags: Sequence[str] | None = None, **metadata: Any) -> Ack:
         """Release memory for ``level`` (1 or 2; 0 touches no memory) and return the ACK."""
-        check_level(level)
-        chosen = self._resolve_tags(tags, "tags")
+        chosen = self._resolve_tags(tags)
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()
         offload: list[str] = []
@@ -245,7 +237,7 @@ class SleepController:
         ``reload`` is False, in which case the weights stay invalid until ``update_weights``
         (or a later wake with ``reload``). A failed reload puts back to sleep what this call
         woke and answers an ``ERROR`` ACK, so that a later wake can retry."""
-        chosen = self._resolve_tags(tags, "tags")
+        chosen = self._resolve_tags(tags)
         woken_from = self.level
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()

@@ -15,12 +15,15 @@ import msgspec
 class StartupOptions(msgspec.Struct):
     """How a stage process starts. A restarted stage comes back as the old one was: asleep
     at ``sleep_level`` (``None``: awake; level 2: its weights are never loaded), paused, and
-    with the weight updates it had taken (``weight_sources``, replayed over the checkpoint)."""
+    with the weight updates it had taken (``weight_sources``, replayed over the checkpoint).
+    ``handoff``: how it hands its output to the next stage (``shm`` on one host, ``socket``
+    across hosts; ``omnistage.stage.handoff``)."""
 
     sleep_level: int | None = None
     paused: bool = False
     weight_sources: list[str] = []
     heartbeat_interval_s: float = 1.0
+    handoff: str = "shm"
 
 
 _startup = msgspec.json.Decoder(StartupOptions)

@@ -14,9 +14,10 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class StageOutput:
     """One update for one request: a streamed delta, or the final result when ``finished``.
 
-    ``payload`` carries what the next stage or the client needs from a finished request,
-    e.g. ``{"hidden_states": Tensor}`` from an AR stage or ``{"images": [ImageOutput]}``
-    from a diffusion stage.
+    A finished request carries what a next stage needs from it in ``handoff`` (an AR stage's
+    ``{"hidden_states": Tensor, "token_embeddings": Tensor}``, as its request asked) and the
+    media a client gets in ``media`` (a diffusion stage's ``ImageOutput``, a code2wav
+    stage's ``AudioOutput``).
     """
 
     request_id: str
@@ -28,7 +29,8 @@ class StageOutput:
     error: Exception | None = None  # set with finish_reason "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
-    payload: dict[str, Any] | None = None
+    handoff: dict[str, Any] | None = None
+    media: list[Any] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output
     # Seconds between the request's arrival at the stage and its first scheduling; set on

@@ -27,7 +27,52 @@ def test_sleep_default_level_records_both_and_wakeup_empties(omni_server):
     r = post(omni_server, "/v1/omni/wakeup", {"stage_ids": [0, 1]})
     assert r.json()["status"] == "SUCCESS"
     r = post(omni_server, "/v1/omni/wakeup", {"stage_ids": [0, 1]})
-    assert r.json() == {"status": "SKIPPED", "reason": "Target stages are not sleeping."}
+    body = r.json()
+    assert (body["status"], body["reason"]) == ("SKIPPED", "Target stages are not sleeping.")
+    assert [(a["stage_id"], a["status"]) for a in body["acks"]] == [(0, "SKIPPED"), (1, "SKIPPED")]
+
+
+def test_a_repeated_sleep_and_a_repeated_wake_answer_alike(omni_server):
+    """Nothing to change: SKIPPED, a reason, one SKIPPED ACK per stage — either way."""
+    answers = []
+    for path, body in [
+        ("/v1/omni/sleep", {"stage_ids": [0, 1], "level": 1}),
+        ("/v1/omni/sleep", {"stage_ids": [0, 1], "level": 1}),
+        ("/v1/omni/wakeup", {"stage_ids": [0, 1]}),
+        ("/v1/omni/wakeup", {"stage_ids": [0, 1]}),
+    ]:
+        r = post(omni_server, path, body)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+    first_sleep, second_sleep, first_wake, second_wake = answers
+    assert first_sleep["status"] == first_wake["status"] == "SUCCESS"
+    assert second_sleep["reason"] == "Target stages are already sleeping."
+    assert second_wake["reason"] == "Target stages are not sleeping."
+    for repeated in (second_sleep, second_wake):
+        assert set(repeated) == {"status", "reason", "acks"} and repeated["status"] == "SKIPPED"
+        assert [(a["stage_id"], a["status"]) for a in repeated["acks"]] == [
+            (0, "SKIPPED"),
+            (1, "SKIPPED"),
+        ]
+
+
+def test_a_request_for_sleeping_stages_names_every_one_and_no_retry_after(omni_server):
+    assert post(omni_server, "/v1/omni/sleep", {"stage_ids": [0, 1], "level": 1}).status_code == 200
+    try:
+        r = httpx.post(
+            omni_server.url + "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "draw"}],
+                "modalities": ["text", "image"],
+            },
+            headers=omni_server.data_headers(),
+            timeout=60,
+        )
+        assert r.status_code == 503 and r.json()["error"]["code"] == "stage_asleep"
+        assert "stages [0, 1] are asleep" in r.json()["detail"]
+        assert "Retry-After" not in r.headers  # asleep stages do not come back by themselves
+    finally:
+        post(omni_server, "/v1/omni/wakeup", {"stage_ids": [0, 1]})
 
 
 def test_sleep_empty_and_wakeup_empty(omni_server):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from omnistage.entrypoints.omni import Omni
-from omnistage.models import tiny_qwen_omni
+from omnistage.models.qwen2_5_omni import tiny as tiny_qwen_omni
 from tests.qwen_omni_reference import reference_generate
 
 PROMPTS = ["Hello there", "Tell me a story about a cat", "1 2 3"]

@@ -11,7 +11,8 @@ import pytest
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.errors import StageDeadError
-from omnistage.stage.messages import DiffusionStageRequest
+from omnistage.stage import control as ops
+from omnistage.stage.diffusion.wire import DiffusionStageRequest
 from tests.integration.helpers import collect
 
 
@@ -68,7 +69,7 @@ async def test_sending_to_a_stage_that_just_died_does_not_block():
     engine = AsyncOmni.from_pipeline("tiny-chat")
     client = engine.clients[0]
     try:
-        await client.call("status")  # bound to this loop
+        await client.call(ops.Status())  # bound to this loop
         os.kill(client.pid, signal.SIGKILL)
         client._handle.process.join(5)
         time.sleep(0.3)  # blocking on purpose: the loop has not been told of the death yet

@@ -147,9 +147,8 @@ async def test_weight_updates_survive_a_restart(omni, tmp_path):
         update = {name: torch.randn(weight.shape, generator=generator, dtype=weight.dtype)}
     save_file(update, tmp_path / "update.safetensors")
     before = await collect(omni, "updated weights", ["text"])
-    assert (await omni.update_weights(0, str(tmp_path / "update.safetensors")))[
-        "status"
-    ] == "SUCCESS"
+    (ack,) = await omni.update_weights(0, str(tmp_path / "update.safetensors"))
+    assert ack["status"] == "SUCCESS"
     updated = await collect(omni, "updated weights", ["text"])
     await kill(omni, 0)
     await until(lambda: omni.gate.stages[0].state == "awake", 60, "stage back")

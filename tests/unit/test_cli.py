@@ -65,6 +65,7 @@ def test_flags_reach_a_yaml_pipeline_given_by_vllm_omnis_flag_name(tmp_path):
 
 
 def test_the_positional_model_is_the_model(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (stage,) = stages_of(str(tmp_path), "--max-model-len", "64")
     assert stage.model == str(tmp_path) and stage.max_model_len == 64
     with pytest.raises(SystemExit, match="differ"):

@@ -20,7 +20,7 @@ def test_valid_two_stage_pipeline_from_yaml(tmp_path):
     ("stage", "message"),
     [
         ({**AR, "max_num_seqs": 0}, "stages.0.max_num_seqs"),
-        ({**AR, "kind": "gan"}, "stages.0.kind"),
+        ({**AR, "kind": "GAN!"}, "stages.0.kind"),
         ({**AR, "device": "tpu"}, "stages.0.device"),
         ({**AR, "dtype": "int3"}, "stages.0.dtype"),
         ({**AR, "surprise": 1}, "stages.0.surprise: unknown key"),
@@ -30,6 +30,13 @@ def test_valid_two_stage_pipeline_from_yaml(tmp_path):
 def test_bad_stage_values_name_the_key(stage, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         parse_pipeline_config({"stages": [stage]})
+
+
+def test_an_unknown_kind_is_refused_naming_the_known_ones():
+    from omnistage.pipelines import parse_pipeline
+
+    with pytest.raises(ConfigError, match=r"stages\.0\.kind: unknown stage kind 'gan'.*'ar'"):
+        parse_pipeline({"stages": [{**AR, "kind": "gan"}]}, "test")
 
 
 def test_stage_ids_must_be_in_order():

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from omnistage import errors
 from omnistage.entrypoints.serve.errors import ERROR_KINDS, register_exception_handlers
 from omnistage.stage.messages import (
-    UtilityResult,
+    ControlResult,
     WireError,
     decode_from_stage,
     encode,
@@ -38,9 +38,9 @@ EXAMPLES: list[Exception] = [
 
 
 def through_the_wire(exc: Exception, stage_id: int = 1) -> Exception:
-    result = UtilityResult(call_id=1, error=WireError.from_exception(exc))
+    result = ControlResult(call_id=1, error=WireError.from_exception(exc))
     decoded = decode_from_stage(encode(result))
-    assert isinstance(decoded, UtilityResult) and decoded.error is not None
+    assert isinstance(decoded, ControlResult) and decoded.error is not None
     return decoded.error.rebuild(stage_id)
 
 

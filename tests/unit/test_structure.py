@@ -1,9 +1,12 @@
-"""The house's shape: layers import only downward, no import circles, no oversized module,
-and the admission gate's state is written only inside its own module."""
+"""The house's shape: layers import only downward, no import circles, no oversized module;
+the admission gate's state is written only inside its own module; the engine, the stages and
+the HTTP layer import no model family and name no model; stage kinds are listed and branched
+on only in the kinds map and their own packages; control calls are dispatched by type."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -17,12 +20,12 @@ LAYERS = {
     "rl": 0,
     "memory": 1,
     "models": 2,
-    "pipelines": 2,
     "stage": 3,
-    "engine": 4,
-    "entrypoints": 5,
-    "bench": 6,
-    "cli": 6,
+    "pipelines": 4,
+    "engine": 5,
+    "entrypoints": 6,
+    "bench": 7,
+    "cli": 7,
 }
 MAX_LINES = 430
 
@@ -129,14 +132,129 @@ def test_only_the_admission_module_writes_the_gate_state():
 
 
 def test_the_control_vocabulary_is_defined_once():
-    """The HTTP models' literals (pydantic needs them spelled out) equal the one definition."""
-    from typing import get_args
-
+    """Modes, tags and levels are spelled only in the vocabulary module: the HTTP models, the
+    engine client and the stages check them with its functions (one error each)."""
     from omnistage.entrypoints.serve.omni_control import protocol
-    from omnistage.stage import sleep_args
+    from omnistage.stage import vocabulary
 
-    assert get_args(protocol.SleepMode) == sleep_args.SLEEP_MODES
-    assert get_args(protocol.MemoryTag) == sleep_args.MEMORY_TAGS
-    assert frozenset(sleep_args.MEMORY_TAGS) == protocol.ALL_MEMORY_TAGS
     level = protocol.OmniSleepRequest.model_fields["level"]
-    assert level.default == sleep_args.DEFAULT_SLEEP_LEVEL
+    assert level.default == vocabulary.DEFAULT_SLEEP_LEVEL
+    spelled = re.compile(r"""["'](abort|wait|keep)["'],\s*["'](abort|wait|keep)["']""")
+    tags = re.compile(r"""["'](weights|kv_cache)["'],\s*["'](weights|kv_cache)["']""")
+    lists = [
+        name
+        for name, path in modules().items()
+        if name != "omnistage.stage.vocabulary"
+        and (spelled.search(path.read_text()) or tags.search(path.read_text()))
+    ]
+    assert not lists, f"modes or tags listed outside omnistage.stage.vocabulary: {lists}"
+
+
+# Layers that must know no model: they reach model knowledge through registries only.
+MODEL_BLIND = ("omnistage.engine", "omnistage.entrypoints", "omnistage.stage")
+# (Stage roles such as "thinker" or "talker" are names pipelines give stages, not models.)
+MODEL_NAMES = re.compile(
+    r"qwen|llama|pixart|flux|stable.?diffusion|sd3|token2wav|bigvgan|\bwan\b", re.IGNORECASE
+)
+
+
+def model_family_modules() -> set[str]:
+    """Every module of a model family (``omnistage.models.<family>``), by the registry."""
+    from omnistage.models import registry
+
+    return {name for name in modules() if registry.is_family_module(name)}
+
+
+def test_the_engine_the_stages_and_the_http_layer_import_no_model_family():
+    families = model_family_modules()
+    assert families, "the registry names no family module"
+    found = [
+        f"{name} -> {target}"
+        for name, path in modules().items()
+        if name.startswith(MODEL_BLIND)
+        for target in imported(path)
+        if target in families or any(target.startswith(f + ".") for f in families)
+    ]
+    assert not found, found
+
+
+def test_the_engine_the_stages_and_the_http_layer_name_no_model():
+    named = [
+        f"{name}:{lineno}: {line.strip()}"
+        for name, path in modules().items()
+        if name.startswith(MODEL_BLIND)
+        for lineno, line in enumerate(path.read_text().splitlines(), 1)
+        if MODEL_NAMES.search(line)
+    ]
+    assert not named, "\n".join(named)
+
+
+def _kind_literals(tree: ast.AST, kinds: set[str]) -> list[int]:
+    """Lines that compare with a kind name, key a mapping by one, pass one as ``kind=`` or
+    spell kinds in a ``Literal``: listing or branching on stage kinds."""
+    lines = []
+
+    def is_kind(node: ast.AST | None) -> bool:
+        return isinstance(node, ast.Constant) and node.value in kinds
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for operand in operands:
+                elements = (
+                    operand.elts
+                    if isinstance(operand, ast.Tuple | ast.List | ast.Set)
+                    else [operand]
+                )
+                if any(is_kind(e) for e in elements):
+                    lines.append(node.lineno)
+        elif isinstance(node, ast.Dict):
+            if any(is_kind(k) for k in node.keys) or any(
+                isinstance(k, ast.Constant) and k.value == "kind" and is_kind(v)
+                for k, v in zip(node.keys, node.values, strict=True)
+            ):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.keyword) and node.arg == "kind" and is_kind(node.value):
+            lines.append(node.value.lineno)
+        elif (
+            isinstance(node, ast.Subscript)
+            and "Literal" in ast.unparse(node.value)
+            and any(is_kind(n) for n in ast.walk(node.slice))
+        ):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_stage_kinds_are_named_only_in_the_kinds_map_and_their_packages():
+    from omnistage.stage.kinds import STAGE_KINDS
+
+    kinds = set(STAGE_KINDS)
+    homes = ("omnistage.stage.kinds", *(f"omnistage.stage.{kind}" for kind in kinds))
+    found = [
+        f"{name}:{line}"
+        for name, path in modules().items()
+        if not name.startswith(homes)
+        for line in _kind_literals(ast.parse(path.read_text()), kinds)
+    ]
+    assert not found, found
+
+
+def test_no_call_is_dispatched_by_a_name_looked_up_at_run_time():
+    """``getattr(obj, name)(...)`` with a computed name in the engine, the stages or the HTTP
+    layer: control operations are typed structs dispatched by type
+    (``omnistage.stage.control``), never method names."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith(MODEL_BLIND):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Call)
+                and isinstance(node.func.func, ast.Name)
+                and node.func.func.id == "getattr"
+                and len(node.func.args) >= 2
+                and not isinstance(node.func.args[1], ast.Constant)
+            ):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found

@@ -21,9 +21,10 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     """Everything the routes read from ``app.state``."""
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
+    from omnistage.entrypoints.serve.stage_states import stage_states
 
     state.engine_client = engine_client
-    state.sleeping_stages = set()
+    state.stage_states = stage_states(engine_client)
     state.served_model_name = config.model_name
     state.api_key = config.api_key
     state.control_api_key = resolve_control_api_key(config.control_api_key)

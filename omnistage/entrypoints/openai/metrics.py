@@ -114,7 +114,7 @@ class ServerMetrics:
         self.request_success.labels(*labels, stats.finish_reason or "unknown").inc()
         if stats.queue_s is not None:
             self.queue_time.labels(*labels).observe(stats.queue_s)
-        if stats.kind != "ar":
+        if not stats.streams_tokens:
             return
         if stats.ttft_s is not None:
             self.ttft.labels(*labels).observe(stats.ttft_s)
@@ -130,11 +130,13 @@ class ServerMetrics:
                 continue
             labels = (self.model_name, str(ack["stage_id"]))
             latency_s = float(ack["metadata"].get("latency_ms", 0.0)) / 1e3
+            is_stage = ack.get("rank", 0) == 0  # one latency per stage; bytes of every rank
             if operation == "sleep":
                 level = str(ack["metadata"].get("level"))
-                self.sleep_latency.labels(*labels, level).observe(latency_s)
+                if is_stage:
+                    self.sleep_latency.labels(*labels, level).observe(latency_s)
                 self.freed_bytes.labels(*labels).inc(max(0, int(ack.get("freed_bytes", 0))))
-            elif operation == "wake_up":
+            elif operation == "wake_up" and is_stage:
                 self.wake_latency.labels(*labels).observe(latency_s)
 
     def observe_http(self, method: str, route: str, status: int) -> None:

@@ -179,8 +179,8 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     modalities: list[Literal["text", "image", "audio"]] | None = None
     audio: AudioRequest | None = None
-    # omnistage's extras for a speaking pipeline (Qwen2.5-Omni): the talker's sampling
-    # parameters and the code2wav stage's (seed, num_steps, guidance_scale, sway_coefficient).
+    # omnistage's extras for a speaking pipeline: its speech-token (talker) stage's sampling
+    # parameters and its code2wav stage's (seed, num_steps, guidance_scale, sway_coefficient).
     talker_params: dict[str, Any] | None = None
     audio_params: dict[str, Any] | None = None
     logprobs: bool = False

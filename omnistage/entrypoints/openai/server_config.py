@@ -7,14 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omnistage.config import (
-    ByteCount,
-    DTypeSetting,
-    PipelineConfig,
-    apply_overrides,
-    load_pipeline_config,
-    parse_pipeline_config,
-)
+from omnistage.config import AttentionBackendName, ByteCount, DTypeSetting, PipelineConfig
 
 
 class ServerConfig(BaseModel):
@@ -91,6 +84,11 @@ class ServerConfig(BaseModel):
     enable_prefix_caching: bool | None = Field(
         default=None,
         description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
+    )
+    attention_backend: AttentionBackendName | None = Field(
+        default=None,
+        description="AR stages: the attention backend (default: torch_sdpa on CPU, "
+        "torch_sdpa_padded on CUDA).",
     )
     omni: bool = Field(
         default=False,
@@ -184,6 +182,7 @@ class ServerConfig(BaseModel):
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "kv_cache_bytes": self.kv_cache_memory,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "attention_backend": self.attention_backend,
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True
@@ -192,14 +191,19 @@ class ServerConfig(BaseModel):
     def pipeline_config(self, on_build: object = None) -> PipelineConfig:
         """Resolve the pipeline to serve; builds missing built-in models (telling ``on_build``)
         and checks what can be checked before a stage starts (``ConfigError``)."""
-        from omnistage.stage.resolve import check_pipeline_limits
+        from omnistage.stage.kinds import preflight
 
         config = self._pipeline_config(on_build)
-        check_pipeline_limits(config.stages)
+        preflight(config)
         return config
 
     def _pipeline_config(self, on_build: object) -> PipelineConfig:
-        from omnistage.pipelines import ensure_models, load_pipeline, pipeline_from_model
+        from omnistage.pipelines import (
+            ensure_models,
+            load_pipeline,
+            pipeline_from_file,
+            pipeline_from_model,
+        )
 
         overrides = self.stage_overrides()
         if self.model:
@@ -210,9 +214,7 @@ class ServerConfig(BaseModel):
             ensure_models(config)
             return config
         if self.config:
-            base = load_pipeline_config(self.config)
-            stages = [apply_overrides(s.model_dump(), overrides) for s in base.stages]
-            config = parse_pipeline_config({"name": base.name, "stages": stages}, self.config)
+            config = pipeline_from_file(self.config, **overrides)
             ensure_models(config, on_build)  # type: ignore[arg-type]
             return config
         return load_pipeline(self.pipeline or "tiny-omni", on_build=on_build, **overrides)  # type: ignore[arg-type]

@@ -1,9 +1,9 @@
 """FastAPI dependencies of the server's routes, as ``Annotated`` aliases.
 
 ``EngineClientDep`` is ``app.state.engine_client`` (an ``AsyncOmni`` in the server, a fake in
-tests), typed as the ``EngineClient`` protocol; ``SleepingStagesDep`` is
-``app.state.sleeping_stages``, the set of stage ids the control routes have recorded as
-sleeping. Routers apply the key checks with
+tests), typed as the ``EngineClient`` protocol; ``StageStatesDep`` is how the control routes
+learn which stages sleep (``stage_states``: the engine client's own truth, or a record
+for an engine client that keeps none). Routers apply the key checks with
 ``dependencies=[Depends(require_api_key)]`` or ``[Depends(require_control_key)]``; the aliases
 below serve routes that prefer a parameter.
 """
@@ -16,6 +16,7 @@ from fastapi import Depends, Request
 
 from omnistage.engine.protocol import EngineClient
 from omnistage.entrypoints.serve.auth import require_api_key, require_control_key
+from omnistage.entrypoints.serve.stage_states import StageStates, stage_states
 
 
 async def get_engine_client(request: Request) -> EngineClient:
@@ -24,16 +25,17 @@ async def get_engine_client(request: Request) -> EngineClient:
     return engine
 
 
-async def get_sleeping_stages(request: Request) -> set[int]:
-    """``app.state.sleeping_stages``, created empty on first use if the factory did not set it."""
+async def get_stage_states(request: Request) -> StageStates:
+    """``app.state.stage_states``, made for the engine client on first use if the factory did
+    not set it."""
     state = request.app.state
-    if getattr(state, "sleeping_stages", None) is None:
-        state.sleeping_stages = set()
-    sleeping: set[int] = state.sleeping_stages
-    return sleeping
+    if getattr(state, "stage_states", None) is None:
+        state.stage_states = stage_states(state.engine_client)
+    states: StageStates = state.stage_states
+    return states
 
 
 EngineClientDep = Annotated[EngineClient, Depends(get_engine_client)]
-SleepingStagesDep = Annotated[set[int], Depends(get_sleeping_stages)]
+StageStatesDep = Annotated[StageStates, Depends(get_stage_states)]
 ApiKeyDep = Annotated[None, Depends(require_api_key)]
 ControlKeyDep = Annotated[None, Depends(require_control_key)]

@@ -43,12 +43,12 @@ from omnistage.errors import (
 
 @dataclass(frozen=True)
 class ErrorKind:
-    """How one exception class is answered."""
+    """How one exception class is answered (``Retry-After`` where the error says the stage
+    comes back by itself: its ``retry_after``)."""
 
     status_code: int
     type: str
     code: str
-    retry_after: bool = False
 
 
 _UNAVAILABLE = "service_unavailable_error"
@@ -62,9 +62,9 @@ ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     ValueError: ErrorKind(400, "invalid_request_error", "invalid_value"),
     TypeError: ErrorKind(400, "invalid_request_error", "invalid_type"),
     StageBusyError: ErrorKind(409, "conflict_error", "stage_busy"),
-    StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep", retry_after=True),
-    StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused", retry_after=True),
-    StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting", retry_after=True),
+    StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep"),
+    StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused"),
+    StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting"),
     StageDeadError: ErrorKind(503, _UNAVAILABLE, "stage_dead"),
     StageStartupError: ErrorKind(503, _UNAVAILABLE, "stage_startup_failed"),
     WeightsInvalidError: ErrorKind(503, _UNAVAILABLE, "weights_invalid"),
@@ -145,7 +145,8 @@ def _status_code_name(status: int) -> str:
 
 
 def register_exception_handlers(app: FastAPI, *, retry_after_s: int = 1) -> None:
-    """Install the handlers on ``app``; ``retry_after_s`` is the ``Retry-After`` of asleep/paused 503s."""
+    """Install the handlers on ``app``; ``retry_after_s`` is the ``Retry-After`` of a 503 for
+    a stage that comes back by itself (restarting, or asleep with automatic wake)."""
 
     async def on_known_error(request: Request, exc: Exception) -> JSONResponse:
         kind = _kind_of(exc)
@@ -157,7 +158,9 @@ def register_exception_handlers(app: FastAPI, *, retry_after_s: int = 1) -> None
             type=kind.type,
             code=kind.code,
             param=getattr(exc, "field", None),
-            headers={"Retry-After": str(retry_after_s)} if kind.retry_after else None,
+            headers={"Retry-After": str(retry_after_s)}
+            if getattr(exc, "retry_after", False)
+            else None,
         )
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:

@@ -53,8 +53,8 @@ class AbortBody(_Body):
     request_ids: list[StrictStr] = Field(min_length=1)
 
 
-def _finished(ack: dict[str, Any]) -> dict[str, Any]:
-    return {"status": ack["status"], "acks": [ack]}
+def _finished(acks: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"status": acks[0]["status"], "acks": acks}
 
 
 # -- /v1/omni/* (any stage) ----------------------------------------------------------------

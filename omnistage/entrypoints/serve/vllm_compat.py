@@ -16,20 +16,20 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from omnistage.entrypoints.serve.auth import require_control_key
-from omnistage.entrypoints.serve.deps import EngineClientDep, SleepingStagesDep
+from omnistage.entrypoints.serve.deps import EngineClientDep, StageStatesDep
 from omnistage.entrypoints.serve.omni_control.operations import (
     pause_stages,
     resume_stages,
     sleep_stages,
     stage_statuses,
-    sync_with_engine,
     wake_stages,
 )
 from omnistage.entrypoints.serve.omni_control.protocol import (
     IsPausedResponse,
     IsSleepingResponse,
-    MemoryTag,
+    MemoryTags,
     OmniControlResponse,
+    QuerySleepLevel,
     SleepMode,
 )
 
@@ -39,38 +39,37 @@ router = APIRouter(tags=["vLLM sleep API"], dependencies=[Depends(require_contro
 @router.post("/sleep", response_model_exclude_none=True)
 async def sleep(
     engine_client: EngineClientDep,
-    sleeping: SleepingStagesDep,
-    level: Annotated[int, Query(ge=0, le=2)] = 1,
-    mode: SleepMode = "abort",
+    states: StageStatesDep,
+    level: Annotated[QuerySleepLevel, Query()] = 1,
+    mode: Annotated[SleepMode, Query()] = "abort",
 ) -> OmniControlResponse:
     """Put every stage to sleep."""
     all_stage_ids = list(range(engine_client.num_stages))
-    return await sleep_stages(engine_client, sleeping, all_stage_ids, level, mode=mode)
+    return await sleep_stages(engine_client, states, all_stage_ids, level, mode=mode)
 
 
 @router.post("/wake_up", response_model_exclude_none=True)
 async def wake_up(
     engine_client: EngineClientDep,
-    sleeping: SleepingStagesDep,
-    tags: Annotated[list[MemoryTag] | None, Query()] = None,
+    states: StageStatesDep,
+    tags: Annotated[MemoryTags | None, Query()] = None,
     reload: bool | None = None,
 ) -> OmniControlResponse:
     """Wake every sleeping stage (``tags``: only that memory); SKIPPED if none sleeps."""
-    sync_with_engine(sleeping, engine_client)
-    return await wake_stages(engine_client, sleeping, sorted(sleeping), tags=tags, reload=reload)
+    sleeping = sorted(states.sleeping_stage_ids())
+    return await wake_stages(engine_client, states, sleeping, tags=tags, reload=reload)
 
 
 @router.get("/is_sleeping", response_model=IsSleepingResponse)
-async def is_sleeping(
-    engine_client: EngineClientDep, sleeping: SleepingStagesDep
-) -> IsSleepingResponse:
+async def is_sleeping(states: StageStatesDep) -> IsSleepingResponse:
     """True while any stage sleeps."""
-    sync_with_engine(sleeping, engine_client)
-    return IsSleepingResponse(is_sleeping=bool(sleeping))
+    return IsSleepingResponse(is_sleeping=bool(states.sleeping_stage_ids()))
 
 
 @router.post("/pause", response_model_exclude_none=True)
-async def pause(engine_client: EngineClientDep, mode: SleepMode = "abort") -> OmniControlResponse:
+async def pause(
+    engine_client: EngineClientDep, mode: Annotated[SleepMode, Query()] = "abort"
+) -> OmniControlResponse:
     """Stop scheduling on every stage."""
     return await pause_stages(engine_client, None, mode)
 
@@ -82,9 +81,7 @@ async def resume(engine_client: EngineClientDep) -> OmniControlResponse:
 
 
 @router.get("/is_paused", response_model=IsPausedResponse)
-async def is_paused(
-    engine_client: EngineClientDep, sleeping: SleepingStagesDep
-) -> IsPausedResponse:
+async def is_paused(engine_client: EngineClientDep) -> IsPausedResponse:
     """True while any stage is paused."""
-    statuses = await stage_statuses(engine_client, sleeping)
+    statuses = await stage_statuses(engine_client)
     return IsPausedResponse(is_paused=any(status.get("paused") for status in statuses))

@@ -2,9 +2,10 @@
 prefix caching, as vLLM's): a block holds ``block_size`` tokens' k/v.
 
 A full block whose k/v have been computed is registered under a digest chained over every
-token before it (BLAKE2b of the previous block's digest and its tokens: a request cannot be
-crafted to collide with another's prefix), so two sequences that start with the same tokens
-share those blocks: a new sequence's prefill skips the blocks found and
+token before it (BLAKE2b of the previous block's digest and its tokens — and of the content
+hashes of the multimodal items with placeholders in it, so one picture's k/v never serve
+another's: a request cannot be crafted to collide with another's prefix), so two sequences
+that start with the same tokens share those blocks: a new sequence's prefill skips the blocks found and
 computes the rest. Blocks are reference-counted; a block no sequence holds goes to the free
 list but stays findable until it is handed out again (least recently freed first), which is
 when it is evicted. ``clear_cache`` forgets every registration: whenever the weights change
@@ -18,6 +19,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from omnistage.stage.ar.multi_modal import cache_keys
 from omnistage.stage.ar.sequence import Sequence
 
 
@@ -34,14 +36,23 @@ class PrefixCacheStats:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
-def block_hashes(token_ids: list[int], block_size: int, num_blocks: int) -> list[bytes]:
-    """The chained digests of the first ``num_blocks`` full blocks of ``token_ids``."""
+def block_hashes(
+    token_ids: list[int], block_size: int, num_blocks: int, extra: list[bytes] | None = None
+) -> list[bytes]:
+    """The chained digests of the first ``num_blocks`` full blocks of ``token_ids``; ``extra``
+    (per block) is what else decides a block's k/v (its multimodal items)."""
     hashes, parent = [], b""
     for i in range(num_blocks):
         tokens = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        parent = hashlib.blake2b(parent + tokens, digest_size=16).digest()
+        key = parent + tokens + (b"|" + extra[i] if extra else b"")
+        parent = hashlib.blake2b(key, digest_size=16).digest()
         hashes.append(parent)
     return hashes
+
+
+def sequence_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
+    extra = cache_keys(seq.multi_modal, block_size, num_blocks) if seq.multi_modal else None
+    return block_hashes(seq.token_ids, block_size, num_blocks, extra)
 
 
 class BlockManager:
@@ -78,7 +89,7 @@ class BlockManager:
             return []
         num_full = (seq.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in block_hashes(seq.token_ids, self.block_size, num_full):
+        for block_hash in sequence_hashes(seq, self.block_size, num_full):
             block = self.cached.get(block_hash)
             if block is None:
                 break
@@ -167,12 +178,12 @@ class BlockManager:
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register ``seq``'s full blocks whose k/v are computed (every token but the last:
         its k/v are written by the next step)."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.kv_keyed_by_tokens):
             return
         num_full = (seq.num_tokens - 1) // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        hashes = block_hashes(seq.token_ids, self.block_size, num_full)
+        hashes = sequence_hashes(seq, self.block_size, num_full)
         for i in range(seq.num_hashed_blocks, num_full):
             block = seq.block_table[i]
             if self.block_hash[block] is None and hashes[i] not in self.cached:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.models.ar_attention import AttentionContext, KVCacheLayer
-from omnistage.models.qwen2 import Qwen2ForCausalLM
+from omnistage.models.attention import AttentionBackend, AttentionMetadata, KVCacheLayer
+from omnistage.models.decoder import CausalLM
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
@@ -22,7 +22,8 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: Qwen2ForCausalLM,
+        model: CausalLM,
+        backend: AttentionBackend,
         kv_caches: list[KVCacheLayer],
         max_num_seqs: int,
         max_blocks_per_seq: int,
@@ -30,6 +31,7 @@ class DecodeGraphs:
         device: torch.device,
     ) -> None:
         self.model = model
+        self.backend = backend  # one that allows graph capture
         self.kv_caches = kv_caches
         self.scratch_slot = scratch_slot
         self.batch_sizes = batch_size_ladder(max_num_seqs)
@@ -47,12 +49,9 @@ class DecodeGraphs:
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
-    def _context(self, batch: int) -> AttentionContext:
-        return AttentionContext(
-            is_prefill=False,
-            slot_mapping=self.slot_mapping[:batch],
-            block_tables=self.block_tables[:batch],
-            context_lens=self.context_lens[:batch],
+    def _context(self, batch: int) -> AttentionMetadata:
+        return self.backend.decode(
+            self.slot_mapping[:batch], self.block_tables[:batch], self.context_lens[:batch]
         )
 
     @torch.no_grad()

@@ -16,42 +16,38 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence as Seq
 
 import torch
 
 from omnistage.config import ConfigError, StageConfig
-from omnistage.errors import (
-    InvalidRequestError,
-    NonFiniteOutputError,
-    SleepModeDisabledError,
-    StageAsleepError,
-    StageInternalError,
-)
+from omnistage.errors import NonFiniteOutputError, StageAsleepError, StageInternalError
 from omnistage.memory import Arena
+from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.block_manager import BlockManager
-from omnistage.stage.ar.kv_cache import KV_CACHE_TAG, resolved_max_model_len
+from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
+from omnistage.stage.ar.multi_modal import modalities
 from omnistage.stage.ar.output import abort_output, append_token
-from omnistage.stage.ar.ranks import make_worker
+from omnistage.stage.ar.ranks import TensorParallelWorker, make_worker
 from omnistage.stage.ar.requests import RequestTable, from_wire
+from omnistage.stage.ar.resolve import resolve_ar_stage
 from omnistage.stage.ar.sampler import Sampler
 from omnistage.stage.ar.scheduler import Scheduler
 from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.wire import KIND, ARStageInfo
+from omnistage.stage.ar.worker import ARWorker
+from omnistage.stage.control import Ack
+from omnistage.stage.engine_base import StageEngineBase
 from omnistage.stage.faults import is_process_fault
-from omnistage.stage.messages import Ack, ARStageInfo
-from omnistage.stage.resolve import resolve_ar_stage
-from omnistage.stage.sleep_args import check_level, check_mode
-from omnistage.stage.sleep_control import SleepController
 from omnistage.stage.types import StageOutput
-from omnistage.stage.weight_sync import WeightSync
+from omnistage.stage.vocabulary import KV_CACHE
 
 logger = logging.getLogger(__name__)
 
 
-class ARStageEngine:
+class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
     """One AR stage on one device. Not thread-safe: one caller drives it."""
 
     def __init__(
@@ -62,26 +58,24 @@ class ARStageEngine:
         *,
         load_weights: bool = True,
     ) -> None:
-        if config.kind != "ar":
-            raise ConfigError(f"kind: ARStageEngine needs an 'ar' stage, got {config.kind!r}")
+        if config.kind != KIND:
+            raise ConfigError(f"kind: ARStageEngine needs an {KIND!r} stage, got {config.kind!r}")
         if config.preset is not None:
             from omnistage.models.tiny import ensure_preset
 
             ensure_preset(config.preset, config.model)
         self.model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)
         config = resolve_ar_stage(config, self.model_config)  # dtype, max_model_len
-        self.config = config
         self.max_model_len = resolved_max_model_len(config)
-        self.stage_id = config.stage_id
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.worker = make_worker(config, self.model_config, arena, load_weights)
+        super().__init__(config, make_worker(config, self.model_config, arena, load_weights))
         self.block_manager = BlockManager(
             self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
-        # A stage whose tokens are codes (a talker) stops on the request's stop ids only.
+        # A stage whose tokens are codes stops on the request's stop ids only.
         self.eos_token_ids = (
             self.tokenizer.eos_token_ids | set(self.model_config.eos_token_ids)
             if self.model_config.emits_text
@@ -109,38 +103,26 @@ class ARStageEngine:
             embed_dim=self.embedding_size,
             dtype=self.worker.runner.dtype,
             emits_text=self.model_config.emits_text,
+            multi_modal=tuple(modalities(self.worker.runner.model)),
         )
         self._decoded = functools.lru_cache(maxsize=1 << 16)(
             lambda token_id: self.tokenizer.decode([token_id], skip_special_tokens=False)
         )
-        self._pause_mode: str | None = None
         self._closed = False
         self.num_prefill_tokens = 0  # tokens computed by prefills (not taken from the cache)
-        self.weight_version: str | None = None  # set by a trainer's weight sync
-        self.weight_sync = WeightSync(
-            self.stage_id, self.worker.weight_targets, self._apply_synced, self.device
-        )
-
-    @property
-    def sleep_control(self) -> SleepController:
-        return self.worker.sleep_control
-
-    def adopt_history(self, sources: list[str], *, load: bool) -> None:
-        """Take over a previous process's weight history (every rank's; see ``restore``)."""
-        self.worker.adopt_history(sources, load=load)
-
-    @property
-    def arena(self) -> Arena:
-        return self.worker.arena
 
     def info(self) -> ARStageInfo:
-        """What the API process needs to validate requests before they reach this stage."""
+        """What the API process needs to validate requests before they reach this stage, as
+        the stage's model family sets requests up (``request_setup``)."""
+        family = registry.family(self.model_config.family)
         return ARStageInfo(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
             max_num_seqs=self.config.max_num_seqs,
             embedding_size=self.embedding_size,
             emits_text=self.model_config.emits_text,
+            multi_modal=list(self.requests.multi_modal),
+            **family.request_setup(self.model_config, self.config.model),
         )
 
     @property
@@ -282,34 +264,23 @@ class ARStageEngine:
         """One token's text, as logprob entries show it (special tokens included)."""
         return self._decoded(token_id)
 
-    # -- control ------------------------------------------------------------------------
+    # -- control: the kind's part of ``StageEngineBase`` ---------------------------------
 
-    @property
-    def is_paused(self) -> bool:
-        return self._pause_mode is not None
-
-    def pause(self, mode: str = "abort") -> None:
-        """Stop scheduling. ``abort``: every request ends with "abort"; ``keep``: running
-        requests are preempted and continue after ``resume()``; ``wait``: requests already
-        here run to completion (see ``is_drained``). New requests queue until ``resume()``."""
-        self._pause(mode)
-
-    def _pause(self, mode: str) -> tuple[int, int]:
-        check_mode(mode)
-        aborted = preempted = 0
+    def _pause_requests(self, mode: str) -> tuple[int, int]:
+        """``abort``: every request ends with "abort"; ``keep``: running requests are
+        preempted and continue after ``resume()``; ``wait``: requests already here run to
+        completion (see ``is_drained``). New requests queue until ``resume()``."""
         if mode == "abort":
             seqs = [*self.scheduler.remove_all(), *self._held]
             self._held.clear()
             for seq in seqs:
                 self._end(seq)
-            aborted = len(seqs)
-        elif mode == "keep":
-            preempted = self.scheduler.preempt_all()
-        self._pause_mode = mode
-        return aborted, preempted
+            return len(seqs), 0
+        if mode == "keep":
+            return 0, self.scheduler.preempt_all()
+        return 0, 0
 
-    def resume(self) -> None:
-        self._pause_mode = None
+    def _resume_requests(self) -> None:
         for seq in self._held:
             self.scheduler.add(seq)
         self._held.clear()
@@ -318,89 +289,27 @@ class ARStageEngine:
         """No request that was here before the pause is still waiting or running."""
         return not self.scheduler.has_unfinished()
 
-    def _check_sleep_enabled(self) -> None:
-        if not self.config.enable_sleep_mode:
-            raise SleepModeDisabledError(self.stage_id)
+    def _drop_memory_state(self) -> int:
+        # KV contents die with the memory: whatever still holds blocks recomputes later.
+        preempted = self.scheduler.preempt_all()
+        self.block_manager.reset()
+        return preempted
 
-    def sleep(self, level: int = 2, mode: str = "abort", tags: Seq[str] | None = None) -> Ack:
-        """Pause with ``mode`` (unless already paused), reset the KV state and release memory.
-
-        With mode ``wait`` the requests must have drained first: the caller drives ``step()``
-        until ``is_drained()`` (bounded by ``drain_timeout_s``), else ``RuntimeError``.
-        """
-        self._check_sleep_enabled()
-        check_mode(mode)
-        check_level(level)
-        unknown = [t for t in tags or () if not self.arena.has_tag(t)]
-        if unknown:
-            raise InvalidRequestError(
-                "tags", f"unknown tags {unknown}; this stage has {self.arena.tags}"
-            )
-        aborted = preempted = 0
-        if self._pause_mode is None:
-            aborted, preempted = self._pause(mode)
-        effective_mode = self._pause_mode
-        if effective_mode == "wait" and not self.is_drained():
-            raise RuntimeError(
-                "sleep(mode='wait'): requests are still running; call step() until is_drained() "
-                "(bounded by drain_timeout_s), then sleep again"
-            )
-        if level >= 1:
-            # KV contents die with the memory: whatever still holds blocks recomputes later.
-            preempted += self.scheduler.preempt_all()
-            self.block_manager.reset()
-        return self.worker.sleep(
-            level, tags, mode=effective_mode, aborted=aborted, preempted=preempted
-        )
-
-    def wake_up(self, tags: Seq[str] | None = None, reload: bool = True) -> Ack:
-        """Bring memory back (weights reloaded after level 2 unless ``reload`` is False).
-        Stays paused: call ``resume()`` to generate again."""
-        self._check_sleep_enabled()
-        kv_was_asleep = self.arena.is_asleep(KV_CACHE_TAG)
-        ack = self.worker.wake_up(tags, reload)
-        if kv_was_asleep and not self.arena.is_asleep(KV_CACHE_TAG):
+    def _after_wake(self, ack: Ack) -> None:
+        if KV_CACHE in ack.metadata.tags:
             self.block_manager.reset()  # the cache came back empty
-        return ack
 
-    def update_weights(self, path: str, check_finite: bool = True) -> Ack:
-        """Load a safetensors file or folder into the (awake) weights in place; the prefix
-        cache is forgotten (its k/v came from the old weights)."""
-        ack = self.worker.update_weights(path, check_finite=check_finite)
-        self.block_manager.clear_cache()
-        return ack
-
-    def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
-        """A trainer's checked weights into the live ones; the prefix cache is forgotten."""
-        ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
-        self.block_manager.clear_cache()
-        self.weight_version = version
-        return ack
+    def _after_weights_changed(self) -> None:
+        self.block_manager.clear_cache()  # cached k/v came from the old weights
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
         self.block_manager.clear_cache()
         return True
 
-    def is_sleeping(self) -> bool:
-        return self.sleep_control.is_sleeping
-
-    def memory_stats(self) -> dict[str, object]:
-        return self.sleep_control.memory_stats()
-
     def status(self) -> dict[str, object]:
-        control = self.sleep_control
         return {
-            "stage_id": self.stage_id,
-            "kind": "ar",
-            "level": control.level,
-            "is_sleeping": control.is_sleeping,
-            "sleeping_tags": control.sleeping_tags,
-            "is_paused": self.is_paused,
-            "pause_mode": self._pause_mode,
-            "weights_valid": control.weights_valid,
-            "weight_sources": control.weight_sources,
-            "weight_version": self.weight_version,
+            **self.control_status(),
             "num_waiting": len(self.scheduler.waiting) + len(self._held),
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -411,13 +320,13 @@ class ARStageEngine:
             "cuda_graphs": self.worker.has_cuda_graphs,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "rank_pids": getattr(self.worker, "rank_pids", []),  # ranks 1..N-1
-            "memory": control.memory_stats(),
+            "memory": self.memory_stats(),
         }
 
     def shutdown(self) -> None:
         """Abort everything and free the arena (if this engine created it)."""
         if self._closed:
             return
-        self._pause("abort")
+        self._pause_requests("abort")
         self._closed = True
         self.worker.close()

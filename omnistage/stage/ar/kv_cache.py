@@ -1,8 +1,9 @@
 """The paged KV cache: one arena allocation under tag ``kv_cache``, sized once at start-up.
 
-Layout ``[2 (k, v), num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim]``. The
-extra last block is a scratch block no sequence ever owns: padded rows of a captured decode
-graph write their k/v there.
+Layout ``[2 (k, v), num_layers, num_blocks + 1, *block]``, a block's shape as the stage's
+attention backend lays it out (``[block_size, num_kv_heads, head_dim]`` for the SDPA
+backends). The extra last block is a scratch block no sequence ever owns: padded rows of a
+captured decode graph write their k/v there.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import torch
 
 from omnistage.config import ConfigError, StageConfig
 from omnistage.memory import Arena
-from omnistage.models.ar_attention import KVCacheLayer
 from omnistage.models.ar_config import ARModelConfig
-
-KV_CACHE_TAG = "kv_cache"
+from omnistage.models.attention import AttentionBackend, KVCacheLayer
+from omnistage.stage.vocabulary import KV_CACHE
 
 
 @dataclass(frozen=True)
@@ -90,18 +90,17 @@ def plan_kv_cache(
 
 class KVCache:
     def __init__(
-        self, arena: Arena, model: ARModelConfig, plan: KVCachePlan, dtype: torch.dtype
+        self,
+        arena: Arena,
+        model: ARModelConfig,
+        plan: KVCachePlan,
+        dtype: torch.dtype,
+        backend: AttentionBackend,
     ) -> None:
         self.plan = plan
-        shape = (
-            2,
-            model.num_hidden_layers,
-            plan.num_blocks + 1,
-            plan.block_size,
-            model.num_key_value_heads,
-            model.head_dim,
-        )
-        self.tensor = arena.empty(shape, dtype, KV_CACHE_TAG)
+        block = backend.block_shape(plan.block_size, model.num_key_value_heads, model.head_dim)
+        shape = (2, model.num_hidden_layers, plan.num_blocks + 1, *block)
+        self.tensor = arena.empty(shape, dtype, KV_CACHE)
         self.clear()  # also faults the pages in: resident figures then match reserved ones
         self.layers: list[KVCacheLayer] = [
             (self.tensor[0, i], self.tensor[1, i]) for i in range(model.num_hidden_layers)

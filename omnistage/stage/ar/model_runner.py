@@ -16,13 +16,14 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
-from omnistage.models.ar_attention import AttentionContext
+from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.attention import select_backend
 from omnistage.models.loader import LoadReport, load_module
-from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
 from omnistage.models.tensor_parallel import SINGLE, TPGroup, rank_heads
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
 from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
+from omnistage.stage.ar.multi_modal import encode_item
 from omnistage.stage.ar.sequence import Sequence
 from omnistage.stage.resolve import resolve_dtype
 
@@ -55,7 +56,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[resolve_dtype(config, model_config.torch_dtype)]
         self.block_size = config.block_size
-        self.model = Qwen2ForCausalLM.on_meta(model_config, self.dtype, tp)
+        self.family = registry.family(model_config.family)
+        self.model = self.family.build_decoder(model_config, self.dtype, tp)
+        self.attention = select_backend(self.device, config.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
         if load_weights:  # not for a restart asleep at level 2: released at once, unread
@@ -72,13 +75,16 @@ class ModelRunner:
             rank_config,
             plan_kv_cache(config, rank_config, self.dtype, self.device),
             self.dtype,
+            self.attention,
         )
         self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.block_size)
         self.decode_graphs: DecodeGraphs | None = None
-        # Decode graphs are captured with one rank only (a graph would hold the collectives).
-        if self.device.type == "cuda" and tp.size == 1:
+        # Decode graphs are captured with one rank only (a graph would hold the collectives),
+        # and only where the attention backend allows it.
+        if self.device.type == "cuda" and tp.size == 1 and self.attention.supports_cuda_graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model,
+                self.attention,
                 self.kv_cache.layers,
                 config.max_num_seqs,
                 self.max_blocks_per_seq,
@@ -101,11 +107,7 @@ class ModelRunner:
 
     def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
-        rename: Callable[[str], str | None] = checkpoint_rename
-        if self.model_config.checkpoint_part is not None:  # one part of a multi-part folder
-            from omnistage.models.qwen_omni import ar_rename
-
-            rename = ar_rename(self.model_config.checkpoint_part)
+        rename: Callable[[str], str | None] = self.family.rename(self.model_config.part)
         return load_module(
             self.model, path, rename=rename, strict=strict, check_finite=check_finite
         )
@@ -144,6 +146,18 @@ class ModelRunner:
             out[first - start :] += seq.decode_embeds[steps]
         return out
 
+    def _encode_multi_modal(self, seq: Sequence, rows: torch.Tensor) -> None:
+        """The encoder step: each multimodal item's embeddings replace those of its
+        placeholder positions among ``rows`` (``seq``'s positions from ``num_cached_tokens``
+        on; an item's positions before that came from the prefix cache)."""
+        start = seq.num_cached_tokens
+        for item in seq.multi_modal:
+            lo, hi = max(item.offset, start), item.offset + item.length
+            if lo >= hi:
+                continue
+            encoded = encode_item(self.model, item).to(rows.dtype)
+            rows[lo - start : hi - start] = encoded[lo - item.offset : hi - item.offset]
+
     @staticmethod
     def _hidden_rows(
         seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
@@ -171,24 +185,25 @@ class ModelRunner:
             slots += self._slots(seq, start, seq.num_tokens)
             cu_seqlens.append(cu_seqlens[-1] + seq.num_tokens - start)
         prefix_lens = [seq.num_cached_tokens for seq in seqs]
-        context = AttentionContext(
-            is_prefill=True,
-            slot_mapping=self._tensor(slots),
-            cu_seqlens=cu_seqlens,
-            prefix_lens=prefix_lens,
-            prefill_block_tables=(
-                [self._tensor(seq.block_table) for seq in seqs] if any(prefix_lens) else None
-            ),
+        metadata = self.attention.prefill(
+            self._tensor(slots),
+            cu_seqlens,
+            prefix_lens,
+            [self._tensor(seq.block_table) for seq in seqs] if any(prefix_lens) else None,
         )
         ids = self._tensor(input_ids)
         embeds = None
-        if any(seq.has_input_embeds or seq.hidden_states_with_embeddings for seq in seqs):
+        if any(
+            s.has_input_embeds or s.hidden_states_with_embeddings or s.multi_modal for s in seqs
+        ):
             embeds = self.model.embed(ids)
             for i, seq in enumerate(seqs):
+                rows = slice(cu_seqlens[i], cu_seqlens[i + 1])
                 if seq.has_input_embeds:
-                    rows = slice(cu_seqlens[i], cu_seqlens[i + 1])
                     embeds[rows] = self._inputs_embeds(seq, seq.num_cached_tokens, embeds[rows])
-        hidden = self.model(ids, self._tensor(positions), context, self.kv_cache.layers, embeds)
+                if seq.multi_modal:
+                    self._encode_multi_modal(seq, embeds[rows])
+        hidden = self.model(ids, self._tensor(positions), metadata, self.kv_cache.layers, embeds)
         last_rows = hidden[self._tensor([end - 1 for end in cu_seqlens[1:]])]
         wanted = {
             i: self._hidden_rows(seq, hidden, embeds, cu_seqlens[i], cu_seqlens[i + 1])
@@ -225,13 +240,8 @@ class ModelRunner:
         if embeds is None and graphs is not None and graphs.can_run(len(seqs), width):
             hidden = graphs.run(input_ids, positions, slots, context_lens, block_tables)
         else:
-            context = AttentionContext(
-                is_prefill=False,
-                slot_mapping=slots,
-                block_tables=block_tables,
-                context_lens=context_lens,
-            )
-            hidden = self.model(input_ids, positions, context, self.kv_cache.layers, embeds)
+            metadata = self.attention.decode(slots, block_tables, context_lens)
+            hidden = self.model(input_ids, positions, metadata, self.kv_cache.layers, embeds)
         wanted = {
             i: self._hidden_rows(seq, hidden, embeds, i, i + 1)
             for i, seq in enumerate(seqs)

@@ -70,14 +70,14 @@ def append_token(
         finish_reason=reason,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
-        payload=final_payload(seq) if reason is not None else None,
+        handoff=final_handoff(seq) if reason is not None else None,
         logprobs=[logprobs] if logprobs is not None else None,
         prompt_logprobs=prompt_logprobs,
         queue_time_s=seq.queue_time_s if first else None,
     )
 
 
-def final_payload(seq: Sequence) -> dict[str, torch.Tensor] | None:
+def final_handoff(seq: Sequence) -> dict[str, torch.Tensor] | None:
     payload = {}
     if seq.return_hidden_states and seq.hidden_states:
         payload["hidden_states"] = torch.cat(seq.hidden_states).cpu()

@@ -1,8 +1,9 @@
 """``ARRequestPreparer``: tokenize and validate AR requests in the API process.
 
-Only the tokenizer is loaded here (``tokenizers`` + jinja2), never the model. A talker stage
-(Qwen2.5-Omni) takes its sampling parameters from the request's ``talker_params`` over
-transformers' talker defaults, and stops on the codec end and pad codes.
+Only the tokenizer is loaded here (``tokenizers`` + jinja2), never the model. The stage says,
+in its ``ARStageInfo``, how its model family sets requests up: which request field its
+sampling parameters come from (``params_field``: ``sampling_params``, or e.g. a speech stage's
+``talker_params``), the defaults under the user's, and stop ids it always adds to the user's.
 """
 
 from __future__ import annotations
@@ -14,57 +15,72 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.models.processors import Wants
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.messages import ARStageInfo, ARStageRequest
-from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
-
-# transformers' Qwen2_5OmniForConditionalGeneration.generate talker defaults.
-TALKER_DEFAULTS: dict[str, Any] = {
-    "temperature": 0.9,
-    "top_k": 40,
-    "top_p": 0.8,
-    "repetition_penalty": 1.05,
-    "max_tokens": 4096,
-}
+from omnistage.stage.ar.wire import ARStageInfo, ARStageRequest, MultiModalItem
+from omnistage.stage.prepare import RequestOptions, check_mapping
 
 
 class ARRequestPreparer:
+    PROMPT_FIELDS = (
+        "prompt",
+        "prompt_token_ids",
+        "messages",
+        "prompt_embeds",
+        "token_embeds_from",
+        "decode_embeds",
+        "multi_modal",
+    )
+
     def __init__(self, config: StageConfig, info: ARStageInfo) -> None:
         self.config = config
         self.info = info
         self.tokenizer = Tokenizer.from_pretrained(config.model)
-        self.talker_stop_ids: list[int] | None = None
-        if config.model_stage == "talker":
-            from omnistage.models import qwen_omni
-
-            raw = qwen_omni.read_config(config.model) or {}
-            tokens = qwen_omni.TalkerTokens.from_config(raw)
-            self.talker_stop_ids = [tokens.codec_pad, tokens.codec_eos]
 
     @property
     def params_field(self) -> str:
-        return "sampling_params" if self.talker_stop_ids is None else "talker_params"
+        return self.info.params_field
 
-    def sampling_params(self, options: RequestOptions) -> SamplingParams:
+    def sampling_params(self, options: RequestOptions, downstream: bool = False) -> SamplingParams:
         name = self.params_field
-        given = getattr(options, name)
-        data = dict(check_mapping(given, name))
+        data = dict(check_mapping(options.params.get(name), name))
         unknown = sorted(set(data) - set(SamplingParams.__struct_fields__))
         if unknown:
             raise InvalidRequestError(
                 f"{name}.{unknown[0]}",
                 f"unknown sampling parameter; known: {sorted(SamplingParams.__struct_fields__)}",
             )
-        if self.talker_stop_ids is not None:
-            data = {**TALKER_DEFAULTS, **data, "stop_token_ids": self.talker_stop_ids}
+        if downstream and data.get("n", 1) != 1:
+            raise InvalidRequestError(
+                f"{name}.n", "a stage fed by another stage serves one sample per request"
+            )
+        if self.info.param_defaults or self.info.stop_token_ids:
+            stops = list(
+                dict.fromkeys([*(data.get("stop_token_ids") or []), *self.info.stop_token_ids])
+            )
+            data = {**self.info.param_defaults, **data, "stop_token_ids": stops}
         try:
             return SamplingParams(**data)
         except InvalidRequestError as exc:
             raise exc.under(name) from None
 
-    def check_options(self, options: RequestOptions) -> None:
-        self.sampling_params(options)
+    def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
+        self.sampling_params(options, downstream)
+
+    def num_samples(self, options: RequestOptions) -> int:
+        return self.sampling_params(options).n
+
+    def template(self, options: RequestOptions, wants: Wants) -> ARStageRequest:
+        """The request of a stage fed by another: its parameters; the prompt is filled in
+        the stage from what the stage before handed over."""
+        return ARStageRequest(
+            prompt_token_ids=[],
+            sampling_params=self.sampling_params(options, downstream=True),
+            return_hidden_states=wants.hidden_states,
+            hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
+            embed_token_ids=list(wants.embed_token_ids) or None,
+        )
 
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
@@ -109,7 +125,21 @@ class ARRequestPreparer:
             prompt_embeds=embeds.get("prompt_embeds"),
             token_embeds_from=prompt.get("token_embeds_from"),
             decode_embeds=embeds.get("decode_embeds"),
+            multi_modal=self._items(prompt.get("multi_modal"), len(token_ids)),
         )
+
+    def _items(self, value: Any, prompt_len: int) -> list[MultiModalItem]:
+        """Multimodal items of the prompt, checked against what the stage takes."""
+        from omnistage.stage.ar.multi_modal import check_items
+
+        if value is None:
+            return []
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(i, MultiModalItem) for i in value
+        ):
+            raise InvalidRequestError("multi_modal", "must be a list of MultiModalItem")
+        check_items(value, prompt_len, self.info.embedding_size, self.info.multi_modal)
+        return list(value)
 
     def _token_ids(self, value: Any) -> list[int]:
         vocab = self.info.vocab_size

@@ -1,10 +1,10 @@
 """Ranks 1..N-1 of a tensor-parallel AR stage: a process that joins the stage's group, builds
 its ``ARWorker`` (its slices of the weights, the KV cache of its kv heads) and does what rank 0
-sends it, answering control calls with its own ACK (see ``ranks.py``)."""
+sends it (``rank_wire``), answering control operations with its own ACK (see ``ranks.py``)."""
 
 from __future__ import annotations
 
-import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,10 +63,12 @@ def _serve_rank(
     outbox: zmq.Socket[Any],
     load_weights: bool,
 ) -> None:
-    from omnistage.stage.resolve import resolve_ar_stage
+    from omnistage.stage.ar import rank_wire as wire
+    from omnistage.stage.ar.resolve import resolve_ar_stage
+    from omnistage.stage.messages import WireError
 
-    def reply(*msg: object) -> None:
-        outbox.send(pickle.dumps(msg))
+    def reply(msg: wire.FromRank) -> None:
+        outbox.send(wire.encode(msg))
 
     try:
         if config.device.startswith("cuda"):  # this rank's device, chosen by rank 0
@@ -76,23 +78,37 @@ def _serve_rank(
         config = resolve_ar_stage(config, model_config)
         worker = ARWorker(config, model_config, rank=rank, load_weights=load_weights, tp=tp)
     except BaseException as exc:
-        reply("failed", rank, f"{type(exc).__name__}: {exc}")
+        reply(wire.RankFailed(rank, f"{type(exc).__name__}: {exc}"))
         raise
-    reply("ready", rank, worker.num_kv_blocks)
+    reply(wire.RankReady(rank, worker.num_kv_blocks))
+    control = rank_control(worker)
     try:
         while True:
-            msg = pickle.loads(inbox.recv())
-            kind = msg[0]
-            if kind == "step":
-                worker.execute(msg[1], msg[2])
-            elif kind == "embed":
-                worker.embed_tokens(msg[1])
-            elif kind == "copy_kv":
-                worker.copy_kv_block(msg[1], msg[2])
-            elif kind == "call":
-                _, method, kwargs = msg
-                reply("ack", rank, getattr(worker, method)(**kwargs))
-            elif kind == "shutdown":
+            msg = wire.decode_to_rank(inbox.recv())
+            if isinstance(msg, wire.RankStep):
+                worker.execute(msg.seqs, msg.is_prefill)  # type: ignore[arg-type]
+            elif isinstance(msg, wire.RankEmbed):
+                worker.embed_tokens(msg.token_ids)
+            elif isinstance(msg, wire.RankCopyKV):
+                worker.copy_kv_block(msg.src, msg.dst)
+            elif isinstance(msg, wire.RankControl):
+                try:
+                    reply(wire.RankReply(rank, ack=control[type(msg.op)](msg.op)))
+                except Exception as exc:  # answered, like the stage channel's errors
+                    reply(wire.RankReply(rank, error=WireError.from_exception(exc)))
+            elif isinstance(msg, wire.RankShutdown):
                 return
     finally:
         worker.close()
+
+
+def rank_control(worker: ARWorker) -> dict[type, Callable[[Any], Any]]:
+    """The control operations a rank serves, by type (its own memory and weights)."""
+    from omnistage.stage import control as ops
+
+    return {
+        ops.Sleep: lambda op: worker.sleep(op.level, op.tags, mode=op.mode),
+        ops.WakeUp: lambda op: worker.wake_up(op.tags, op.reload),
+        ops.UpdateWeights: lambda op: worker.update_weights(op.path, op.check_finite),
+        ops.AdoptHistory: lambda op: worker.adopt_history(op.sources, load=op.load),
+    }

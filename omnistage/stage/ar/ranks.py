@@ -6,9 +6,10 @@ the checkpoint files), the KV cache of its own kv heads and its own sleep contro
 ranks meet in a process group (gloo on the CPU, NCCL on CUDA) for the sums and gathers of the
 forward pass. Everything else runs once, on rank 0: the scheduler, the sampler, the requests.
 
-Rank 0 tells the others what to do over ZMQ (``RankGroup``): each step's batch (``SeqView``s:
-what the model runner reads of a sequence), KV block copies, and control calls (sleep, wake,
-weight updates), which every rank answers with its own ACK. ``TensorParallelWorker`` is rank 0's
+Rank 0 tells the others what to do over ZMQ (``RankGroup``) in typed messages
+(``rank_wire``): each step's batch (``SeqView``s: what the model runner reads of a sequence),
+KV block copies, and control operations (sleep, wake, weight updates — the stage channel's own
+structs), which every rank answers with its own ACK. ``TensorParallelWorker`` is rank 0's
 ``ARWorker`` as the engine sees it: it runs every call on all ranks and returns rank 0's ACK with
 the others' in ``rank_acks``. A control call succeeds only if it succeeds on every rank; where
 some ranks did it and others failed, it is undone on those that did, so the ranks never
@@ -22,16 +23,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
-import pickle
 import shutil
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,67 +40,34 @@ from omnistage.errors import InvalidRequestError, StageInternalError
 from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tensor_parallel import join_group
+from omnistage.stage import control as ops
 from omnistage.stage.ar.model_runner import StepResult
 from omnistage.stage.ar.rank_main import follower_entry, rank_device
+from omnistage.stage.ar.rank_wire import (
+    FromRank,
+    RankControl,
+    RankCopyKV,
+    RankEmbed,
+    RankFailed,
+    RankReady,
+    RankReply,
+    RankShutdown,
+    RankStep,
+    SeqView,
+    ToRank,
+    decode_from_rank,
+    encode,
+)
 from omnistage.stage.ar.ray_ranks import ActorRank, current_placement, start_rank_actor
 from omnistage.stage.ar.sequence import Sequence
 from omnistage.stage.ar.worker import ARWorker
-from omnistage.stage.messages import Ack
+from omnistage.stage.control import Ack
 from omnistage.stage.startup import start_without_main, stop_process
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 600.0
-
-
-@dataclass
-class SeqView:
-    """What the model runner reads of a sequence, for the ranks that do not schedule."""
-
-    token_ids: list[int]
-    num_tokens: int
-    num_cached_tokens: int
-    block_table: list[int]
-    num_prompt_tokens: int
-    has_input_embeds: bool
-    hidden_states_with_embeddings: bool
-    return_hidden_states: bool
-    prompt_embeds: torch.Tensor | None = None
-    token_embeds_from: int | None = None
-    decode_embeds: torch.Tensor | None = None
-    wants_prompt_logits: bool = False
-    params: Any = field(default=None, repr=False)
-    prompt_logprobs: Any = None
-
-    def __post_init__(self) -> None:
-        # The runner asks ``params.prompt_logprobs`` and ``prompt_logprobs`` for the same
-        # decision rank 0 makes: computing prompt logits is a collective.
-        self.params = SimpleNamespace(prompt_logprobs=0 if self.wants_prompt_logits else None)
-
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @classmethod
-    def of(cls, seq: Sequence, is_prefill: bool) -> SeqView:
-        return cls(
-            # A decode step reads only the last token; a prefill its tokens from the cache on.
-            token_ids=list(seq.token_ids) if is_prefill else [seq.last_token_id],
-            num_tokens=seq.num_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            block_table=list(seq.block_table),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            has_input_embeds=seq.has_input_embeds,
-            hidden_states_with_embeddings=seq.hidden_states_with_embeddings,
-            return_hidden_states=seq.return_hidden_states,
-            prompt_embeds=seq.prompt_embeds,
-            token_embeds_from=seq.token_embeds_from,
-            decode_embeds=seq.decode_embeds,
-            wants_prompt_logits=is_prefill
-            and seq.params.prompt_logprobs is not None
-            and seq.prompt_logprobs is None,
-        )
 
 
 # -- rank 0 --------------------------------------------------------------------------------
@@ -159,33 +124,37 @@ class RankGroup:
         cannot start)."""
         blocks: dict[int, int] = {}
         while len(blocks) < self.size - 1:
-            kind, rank, value = self._receive(READY_TIMEOUT_S, "start")
-            if kind == "failed":
-                raise StageInternalError(f"rank {rank} of stage {self.stage_id}: {value}")
-            blocks[rank] = value
+            msg = self._receive(READY_TIMEOUT_S, "start")
+            if isinstance(msg, RankFailed):
+                raise StageInternalError(f"rank {msg.rank} of stage {self.stage_id}: {msg.error}")
+            if isinstance(msg, RankReady):
+                blocks[msg.rank] = msg.num_kv_blocks
         return [blocks[r] for r in range(1, self.size)]
 
-    def send(self, *msg: object) -> None:
-        data = pickle.dumps(msg)
+    def send(self, msg: ToRank) -> None:
+        data = encode(msg)
         for out in self._outboxes:
             out.send(data)
 
-    def call(self, method: str, **kwargs: Any) -> list[Ack]:
-        """Every other rank's ACK for ``method`` (ranks 1..N-1, in order)."""
-        self.send("call", method, kwargs)
-        acks: dict[int, Ack] = {}
-        while len(acks) < self.size - 1:
-            kind, rank, value = self._receive(CALL_TIMEOUT_S, method)
-            if kind == "ack":
-                acks[rank] = value
-        return [acks[r] for r in range(1, self.size)]
+    def call(self, op: ops.ControlOp) -> list[Ack]:
+        """Every other rank's ACK for ``op`` (ranks 1..N-1, in order); a rank's error is
+        raised as its own class once every rank has answered."""
+        self.send(RankControl(op))
+        replies: dict[int, RankReply] = {}
+        while len(replies) < self.size - 1:
+            msg = self._receive(CALL_TIMEOUT_S, type(op).__name__)
+            if isinstance(msg, RankReply):
+                replies[msg.rank] = msg
+        failed = next((r for r in replies.values() if r.error is not None), None)
+        if failed is not None and failed.error is not None:
+            raise failed.error.rebuild(self.stage_id)
+        return [ack for r in range(1, self.size) if (ack := replies[r].ack) is not None]
 
-    def _receive(self, timeout_s: float, what: str) -> tuple[str, int, Any]:
+    def _receive(self, timeout_s: float, what: str) -> FromRank:
         deadline = timeout_s * 1000
         while deadline > 0:
             if self._replies.poll(200):
-                kind, rank, value = pickle.loads(self._replies.recv())
-                return kind, rank, value
+                return decode_from_rank(self._replies.recv())
             deadline -= 200
             dead = [p for p in self.processes if not p.is_alive()]
             if dead:
@@ -212,7 +181,7 @@ class RankGroup:
         """Stop the other ranks (politely, then by force) and release the sockets."""
         self._closing = True
         with contextlib.suppress(zmq.ZMQError):
-            self.send("shutdown")
+            self.send(RankShutdown())
         for process in self.processes:
             stop_process(process, 5.0)
             if isinstance(process, ActorRank):
@@ -319,38 +288,39 @@ class TensorParallelWorker:
 
     def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
         self._check_alive()
-        self.ranks.send("step", [SeqView.of(s, is_prefill) for s in seqs], is_prefill)
+        self.ranks.send(RankStep([SeqView.of(s, is_prefill) for s in seqs], is_prefill))
         return self.local.execute(seqs, is_prefill)
 
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         self._check_alive()
-        self.ranks.send("embed", list(token_ids))
+        self.ranks.send(RankEmbed(list(token_ids)))
         return self.local.embed_tokens(token_ids)
 
     def copy_kv_block(self, src: int, dst: int) -> None:
         self._check_alive()
-        self.ranks.send("copy_kv", src, dst)
+        self.ranks.send(RankCopyKV(src, dst))
         self.local.copy_kv_block(src, dst)
 
-    def sleep(self, level: int, tags: Seq[str] | None, **metadata: object) -> Ack:
+    def sleep(self, level: int, tags: Seq[str] | None, **metadata: Any) -> Ack:
         self._check_alive()
         local = self.local.sleep(level, tags, **metadata)
-        others = self.ranks.call("sleep", level=level, tags=tags, **metadata)
+        op = ops.Sleep(level=level, mode=metadata.get("mode") or "abort", tags=_listed(tags))
+        others = self.ranks.call(op)
+        done = _succeeded([local, *others])
         ack = _combined(local, others)
         if ack.status == "ERROR":  # undo it where it happened: the ranks stay alike
-            self._undo([local, *others], "wake_up", tags=tags, reload=True)
-            ack.metadata.sleeping_tags = self.local.sleep_control.sleeping_tags
+            self._undo(ack, done, ops.WakeUp(tags=_listed(tags), reload=True))
         return ack
 
     def wake_up(self, tags: Seq[str] | None, reload: bool) -> Ack:
         self._check_alive()
         level = self.local.sleep_control.level
         local = self.local.wake_up(tags, reload)
-        others = self.ranks.call("wake_up", tags=tags, reload=reload)
+        others = self.ranks.call(ops.WakeUp(tags=_listed(tags), reload=reload))
+        done = _succeeded([local, *others])
         ack = _combined(local, others)
         if ack.status == "ERROR":
-            self._undo([local, *others], "sleep", level=level, tags=tags)
-            ack.metadata.sleeping_tags = self.local.sleep_control.sleeping_tags
+            self._undo(ack, done, ops.Sleep(level=max(level, 1), tags=_listed(tags)))
         return ack
 
     def update_weights(self, path: str | Path, check_finite: bool = True) -> Ack:
@@ -358,23 +328,36 @@ class TensorParallelWorker:
         # Every rank checks before it copies: a bad file fails on rank 0 (raised, nothing
         # sent) and would fail alike on the others.
         local = self.local.update_weights(path, check_finite=check_finite)
-        others = self.ranks.call("update_weights", path=str(path), check_finite=check_finite)
-        return _combined(local, others)
+        op = ops.UpdateWeights(path=str(path), check_finite=check_finite)
+        return _combined(local, self.ranks.call(op))
 
     def adopt_history(self, sources: list[str], *, load: bool) -> None:
         self.local.adopt_history(sources, load=load)
-        self.ranks.call("adopt_history", sources=sources, load=load)
+        self.ranks.call(ops.AdoptHistory(sources=list(sources), load=load))
 
-    def _undo(self, acks: list[Ack], method: str, **kwargs: Any) -> None:
-        done = [a.rank for a in acks if a.status == "SUCCESS"]
+    def _undo(self, ack: Ack, done: list[int], op: ops.Sleep | ops.WakeUp) -> None:
+        """Undo a transition on the ranks in ``done`` (where it succeeded; a no-op, SKIPPED,
+        on the others), so that the ranks never disagree on what is asleep."""
         if 0 in done:
-            getattr(self.local, method)(**kwargs)
-        if any(r != 0 for r in done):
-            self.ranks.call(method, **kwargs)  # a no-op (SKIPPED) where nothing changed
+            if isinstance(op, ops.Sleep):
+                self.local.sleep(op.level, op.tags, mode=op.mode)
+            else:
+                self.local.wake_up(op.tags, op.reload)
+        if any(rank != 0 for rank in done):
+            self.ranks.call(op)
+        ack.metadata.sleeping_tags = self.local.sleep_control.sleeping_tags
 
     def close(self) -> None:
         self.ranks.close()
         self.local.close()
+
+
+def _succeeded(acks: list[Ack]) -> list[int]:
+    return [a.rank for a in acks if a.status == "SUCCESS"]
+
+
+def _listed(tags: Seq[str] | None) -> list[str] | None:
+    return None if tags is None else list(tags)
 
 
 def _combined(local: Ack, others: list[Ack]) -> Ack:

@@ -14,9 +14,10 @@ from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from omnistage.stage.ar.kv_cache import resolved_max_model_len
+from omnistage.stage.ar.multi_modal import EMBEDS, check_items
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest, Sequence
-from omnistage.stage.messages import ARStageRequest
+from omnistage.stage.ar.wire import ARStageRequest
 
 
 def from_wire(request_id: str, request: object) -> ARRequest:
@@ -36,6 +37,7 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.prompt_embeds,
         request.token_embeds_from,
         request.decode_embeds,
+        list(request.multi_modal),
     )
 
 
@@ -50,6 +52,7 @@ class RequestTable:
         embed_dim: int = 0,
         dtype: torch.dtype = torch.float32,
         emits_text: bool = True,
+        multi_modal: tuple[str, ...] = (EMBEDS,),
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -58,6 +61,7 @@ class RequestTable:
         self.embed_dim = embed_dim  # width of input embeddings a request may bring
         self.dtype = dtype
         self.emits_text = emits_text  # False: tokens are codes, never detokenized
+        self.multi_modal = multi_modal  # the modalities of the items a request may carry
         self._samples: dict[str, list[Sequence]] = {}
 
     def __contains__(self, request_id: str) -> bool:
@@ -77,6 +81,8 @@ class RequestTable:
             value = getattr(request, name)
             if value is not None:
                 setattr(request, name, value.to(self.device, self.dtype))
+        for item in request.multi_modal:  # the encoders' inputs, on the device
+            item.data = {k: v.to(self.device) for k, v in item.data.items()}
         samples = [self._sample(request, i) for i in range(request.sampling_params.n)]
         samples[0].pending_samples = samples[1:]
         self._samples[request.request_id] = samples
@@ -130,6 +136,7 @@ class RequestTable:
                 f"{len(ids)} tokens leave no room to generate within max_model_len={max_model_len}",
             )
         self._validate_embeddings(request)
+        check_items(request.multi_modal, len(ids), self.embed_dim, self.multi_modal)
 
     def _validate_embeddings(self, request: ARRequest) -> None:
         rows = {"prompt_embeds": len(request.prompt_token_ids), "decode_embeds": None}

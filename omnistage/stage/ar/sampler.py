@@ -97,7 +97,7 @@ class Sampler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.generator = generator  # for requests without a seed
         self.processed_logprobs = processed_logprobs
-        # Never sampled, whatever the request (the Qwen2.5-Omni talker's codec bos).
+        # Never sampled, whatever the request (a model's start code, say: its family sets them).
         self.suppressed = frozenset(suppressed)
 
     def _banned_ids(self, seq: Sequence, vocab_size: int) -> list[int]:

@@ -10,6 +10,7 @@ import torch
 
 from omnistage.models.tokenizer import IncrementalDetokenizer
 from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.wire import MultiModalItem
 from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason
 
@@ -18,7 +19,7 @@ from omnistage.stage.types import FinishReason
 class ARRequest:
     """What a client asks of an AR stage.
 
-    With ``return_hidden_states`` the finished output carries ``payload["hidden_states"]``:
+    With ``return_hidden_states`` the finished output carries ``handoff["hidden_states"]``:
     the final hidden states (after the last norm, on the CPU) of every token the model
     processed — the prompt and each generated token except the last, which is never fed back.
     """
@@ -34,6 +35,7 @@ class ARRequest:
     prompt_embeds: torch.Tensor | None = None
     token_embeds_from: int | None = None
     decode_embeds: torch.Tensor | None = None
+    multi_modal: list[MultiModalItem] = field(default_factory=list)
 
 
 class SequenceStatus(Enum):
@@ -64,6 +66,7 @@ class Sequence:
         self.token_embeds_from = request.token_embeds_from
         self.token_embeddings: torch.Tensor | None = None  # of embed_token_ids, on the CPU
         self.decode_embeds = request.decode_embeds
+        self.multi_modal = list(request.multi_modal)  # placeholder ranges, in prompt order
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
@@ -104,13 +107,23 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def kv_keyed_by_tokens(self) -> bool:
+        """Whether its k/v follow from its token ids (and its multimodal items' content
+        hashes) alone: only then may its blocks be found through the prefix cache."""
+        return (
+            self.prompt_embeds is None  # its ids do not say what its inputs are
+            and self.decode_embeds is None
+            and all(item.content_hash for item in self.multi_modal)
+        )
+
+    @property
     def may_use_prefix_cache(self) -> bool:
         """Whether its prefill may skip cached blocks: not when every prompt position's output
         (hidden states, prompt logprobs) is asked for."""
         return (
-            not self.return_hidden_states
+            self.kv_keyed_by_tokens
+            and not self.return_hidden_states
             and self.params.prompt_logprobs is None
-            and self.prompt_embeds is None  # its ids do not say what its prompt is
         )
 
     @property

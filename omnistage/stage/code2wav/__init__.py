@@ -1,2 +1,2 @@
-"""The code2wav stage kind: speech-codec tokens → a waveform (Qwen2.5-Omni's token2wav: a
-flow-matching DiT to a mel spectrogram, then a BigVGAN vocoder), scheduled step by step."""
+"""The code2wav stage kind: speech-codec tokens → a waveform, synthesised step by step by the
+vocoder of the checkpoint's model family (``omnistage.models.registry``)."""

@@ -2,10 +2,11 @@
 
 Scheduling, control and weights are the step-scheduled engine's (``omnistage.stage.jobs``):
 the same pause modes, sleep levels, wake with reload, weight updates and syncs as a diffusion
-stage. A job here is one request (``omnistage.stage.code2wav.flow``): up to ``max_num_seqs``
-utterances are decoded at once, taking turns one RK4 step each per engine step, so a long
-utterance never holds a short one behind it; each one's audio is bit-identical to what it
-would be alone. A request without a seed draws one, reported in its ``AudioOutput``.
+stage. A job here is one request (``omnistage.stage.code2wav.job``), synthesised by the
+vocoder of the checkpoint's model family: up to ``max_num_seqs`` utterances are decoded at
+once, taking turns one synthesis step each per engine step, so a long utterance never holds a
+short one behind it; each one's audio is bit-identical to what it would be alone. A request
+without a seed draws one, reported in its ``AudioOutput``.
 """
 
 from __future__ import annotations
@@ -15,32 +16,28 @@ from typing import Any
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.code2wav.flow import Code2WavJob
+from omnistage.stage.code2wav.job import Code2WavJob
 from omnistage.stage.code2wav.params import Code2WavLimits
-from omnistage.stage.code2wav.pipeline import Token2WavPipeline
 from omnistage.stage.code2wav.request import Code2WavRequest, validate_request
+from omnistage.stage.code2wav.wire import KIND, Code2WavStageInfo, Code2WavStageRequest
 from omnistage.stage.code2wav.worker import Code2WavWorker
 from omnistage.stage.jobs import JobEngine, StepJob
-from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
 
 MAX_SEED = 2**63 - 1  # drawn seeds
 
 
-class Code2WavStageEngine(JobEngine[Code2WavRequest]):
-    """Serves the token2wav part of a Qwen2.5-Omni checkpoint folder (``config.model``)."""
-
-    payload_key = "audio"
+class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
+    """Serves the vocoder part of a checkpoint folder (``config.model``)."""
 
     def __init__(self, config: StageConfig, *, load_weights: bool = True) -> None:
-        if config.kind != "code2wav":
-            raise ValueError(f"Code2WavStageEngine needs kind 'code2wav', got {config.kind!r}")
-        self.worker: Code2WavWorker = Code2WavWorker(config, load_weights=load_weights)
-        super().__init__(config, self.worker)
-        self.limits: Code2WavLimits = self.pipeline.limits
+        if config.kind != KIND:
+            raise ValueError(f"Code2WavStageEngine needs kind {KIND!r}, got {config.kind!r}")
+        super().__init__(config, Code2WavWorker(config, load_weights=load_weights))
+        self.limits: Code2WavLimits = self.worker.limits
 
     @property
-    def pipeline(self) -> Token2WavPipeline:
-        return self.worker.pipeline
+    def vocoder(self) -> Any:
+        return self.worker.vocoder
 
     @property
     def max_active_jobs(self) -> int:
@@ -66,14 +63,14 @@ class Code2WavStageEngine(JobEngine[Code2WavRequest]):
         (request,) = requests
         seed = request.params.seed
         return Code2WavJob(
-            self.pipeline, request, seed if seed is not None else secrets.randbelow(MAX_SEED)
+            self.vocoder, request, seed if seed is not None else secrets.randbelow(MAX_SEED)
         )
 
     def _status_fields(self) -> dict[str, Any]:
         return {
             "num_requests_started": self.num_jobs,
-            "num_ode_steps": self.num_steps,
-            "weight_bytes": self.pipeline.weight_bytes,
+            "num_synthesis_steps": self.num_steps,
+            "weight_bytes": self.vocoder.weight_bytes,
             "voices": list(self.limits.voices),
             "default_voice": self.limits.default_voice,
             "sample_rate": self.limits.sample_rate,

@@ -9,6 +9,7 @@ import msgspec
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stage.media import OmniAudio
 
 SEED_RANGE = (-(2**63), 2**64)
 MAX_NUM_STEPS = 100
@@ -60,14 +61,23 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return cls(**data)
 
 
-class AudioOutput(msgspec.Struct):
+class AudioOutput(msgspec.Struct, tag="audio"):
     """A finished waveform: float32 samples in [-1, 1] (1-D, on the CPU) at ``sample_rate``."""
 
     samples: torch.Tensor
     sample_rate: int
     voice: str
     seed: int | None = None
-    codes: list[int] = []  # the speech codes it speaks (what the talker produced)
+    codes: list[int] = []  # the speech codes it speaks (what the upstream stage produced)
+
+    def to_client(self) -> OmniAudio:
+        return OmniAudio(
+            samples=self.samples.numpy(),
+            sample_rate=self.sample_rate,
+            voice=self.voice,
+            seed=self.seed,
+            codes=list(self.codes),
+        )
 
 
 class Code2WavLimits(msgspec.Struct, frozen=True):

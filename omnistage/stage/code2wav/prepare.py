@@ -8,21 +8,24 @@ from typing import Any
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
+from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.params import Code2WavParams
 from omnistage.stage.code2wav.request import check_codes, check_voice
-from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
+from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
+from omnistage.stage.prepare import RequestOptions, check_mapping
 
 FIELD = "audio_params"
 
 
 class Code2WavRequestPreparer:
+    PROMPT_FIELDS = ("codes",)
+
     def __init__(self, config: StageConfig, info: Code2WavStageInfo) -> None:
         self.config = config
         self.limits = info.limits
 
     def params(self, options: RequestOptions) -> Code2WavParams:
-        data = dict(check_mapping(options.audio_params, FIELD))
+        data = dict(check_mapping(options.params.get(FIELD), FIELD))
         try:
             params = Code2WavParams.from_dict(data)
             check_voice(params.voice, self.limits)
@@ -32,8 +35,15 @@ class Code2WavRequestPreparer:
             raise InvalidRequestError(FIELD, f"keys must be parameter names: {exc}") from None
         return params
 
-    def check_options(self, options: RequestOptions) -> None:
+    def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         self.params(options)
+
+    def num_samples(self, options: RequestOptions) -> int:
+        return 1
+
+    def template(self, options: RequestOptions, wants: Wants) -> Code2WavStageRequest:
+        """The request of a stage fed by another: its parameters, the codes to come."""
+        return Code2WavStageRequest(codes=[], params=self.params(options))
 
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants

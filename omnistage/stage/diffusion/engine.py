@@ -14,16 +14,18 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-import msgspec
-
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.diffusion.denoise import DenoiseJob, batch_key
-from omnistage.stage.diffusion.params import MAX_SEED, DiffusionRequest, validate_request
-from omnistage.stage.diffusion.pipeline import ImagePipeline
+from omnistage.stage.diffusion.params import (
+    MAX_SEED,
+    DiffusionRequest,
+    PipelineLimits,
+    validate_request,
+)
+from omnistage.stage.diffusion.wire import DiffusionStageInfo, DiffusionStageRequest
 from omnistage.stage.diffusion.worker import DiffusionWorker
 from omnistage.stage.jobs import JobEngine, StepJob
-from omnistage.stage.messages import DiffusionStageInfo, DiffusionStageRequest
 
 
 def default_max_image_pixels(device: str) -> int:
@@ -31,28 +33,32 @@ def default_max_image_pixels(device: str) -> int:
     return 512 * 512 if device == "cpu" else 2048 * 2048
 
 
-class DiffusionStageEngine(JobEngine[DiffusionRequest]):
-    """Serves one diffusers-format pipeline folder (``config.model``) on ``config.device``."""
-
-    payload_key = "images"
+class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
+    """Serves one diffusers-format pipeline folder (``config.model``) on ``config.device``,
+    through the model family the registry finds for it (``worker.family``)."""
 
     def __init__(self, config: StageConfig, *, load_weights: bool = True) -> None:
         if config.kind != "diffusion":
             raise ValueError(f"DiffusionStageEngine needs kind 'diffusion', got {config.kind!r}")
-        self.worker: DiffusionWorker = DiffusionWorker(config, load_weights=load_weights)
-        super().__init__(config, self.worker)
-        pipeline = self.pipeline
-        self.limits = msgspec.structs.replace(
-            pipeline.limits,
-            native_size=pipeline.native_size,
-            max_inference_steps=min(
-                pipeline.limits.max_inference_steps, config.max_inference_steps
-            ),
+        super().__init__(config, DiffusionWorker(config, load_weights=load_weights))
+        own = self.family.limits(self.pipeline)
+        self.limits = PipelineLimits(
+            size_multiple=own.size_multiple,
+            embedding_dim=own.embedding_dim,
+            has_text_encoder=own.has_text_encoder,
+            native_size=own.native_size,
+            max_inference_steps=min(own.max_inference_steps, config.max_inference_steps),
             max_image_pixels=config.max_image_pixels or default_max_image_pixels(config.device),
         )
 
     @property
-    def pipeline(self) -> ImagePipeline:
+    def family(self) -> Any:
+        """The model family serving the folder (``registry.family_of_folder``)."""
+        return self.worker.family
+
+    @property
+    def pipeline(self) -> Any:
+        """The family's loaded pipeline: ``modules``, ``weight_bytes``, scheduler config."""
         return self.worker.pipeline
 
     @property
@@ -93,8 +99,8 @@ class DiffusionStageEngine(JobEngine[DiffusionRequest]):
 
     def _take_job(self, runnable: list[DiffusionRequest]) -> list[DiffusionRequest]:
         """A batch around the oldest runnable request, of the requests that fit with it."""
-        key = batch_key(self.pipeline, runnable[0])
-        batch = [r for r in runnable if batch_key(self.pipeline, r) == key]
+        key = batch_key(self.family, self.pipeline, runnable[0])
+        batch = [r for r in runnable if batch_key(self.family, self.pipeline, r) == key]
         return batch[: self.config.max_batch_size]
 
     def _make_job(self, requests: list[DiffusionRequest]) -> StepJob:
@@ -102,7 +108,7 @@ class DiffusionStageEngine(JobEngine[DiffusionRequest]):
             r.params.seed if r.params.seed is not None else secrets.randbelow(MAX_SEED)
             for r in requests
         ]
-        return DenoiseJob(self.pipeline, requests, seeds)
+        return DenoiseJob(self.family, self.pipeline, requests, seeds)
 
     def _status_fields(self) -> dict[str, Any]:
         return {

@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stage.media import OmniImage
 
 # Short names accepted for ``DiffusionParams.scheduler`` -> diffusers scheduler class names.
 SCHEDULER_NAMES: dict[str, str] = {
@@ -31,13 +32,14 @@ MAX_SEED = 2**63 - 1
 class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per-request generation settings.
 
-    ``None`` for ``height``/``width`` means the pipeline's native size (transformer
-    ``sample_size`` × VAE scale factor); ``seed`` None draws one (reported back in
-    ``ImageOutput.seed``). Classifier-free guidance runs when ``guidance_scale > 1``, with
-    ``negative_prompt`` (text pipelines) or the request's ``negative_prompt_embeds`` (a zero
-    embedding when neither exists) as the unconditional input. ``scheduler`` None uses the
-    pipeline's own scheduler folder; "flow_match_euler" or "ddim" override it.
-    ``max_sequence_length`` None uses the pipeline default (tokenizer limit, at most 300).
+    ``None`` for ``height``/``width`` means the pipeline's native size (its family's
+    ``native_size``, e.g. the denoiser's sample size × the VAE's scale factor); ``seed`` None
+    draws one (reported back in ``ImageOutput.seed``). Classifier-free guidance runs when
+    ``guidance_scale > 1``, with ``negative_prompt`` (text pipelines) or the request's
+    ``negative_prompt_embeds`` as the unconditional input (the family decides what stands in
+    when neither exists). ``scheduler`` None uses the pipeline's own scheduler folder;
+    "flow_match_euler" or "ddim" override it. ``max_sequence_length`` None uses the family's
+    default (diffusers' for the pipeline class, within the tokenizer's limit).
     ``return_pixels`` also returns the decoded float image (H, W, 3) in [0, 1].
     """
 
@@ -69,7 +71,7 @@ class DiffusionRequest:
     queue_time_s: float | None = None  # set when its batch starts
 
 
-class ImageOutput(msgspec.Struct):
+class ImageOutput(msgspec.Struct, tag="image"):
     """A finished image: PNG bytes plus its size and the seed that produced it.
 
     ``pixels`` (float32, [height, width, 3], values in [0, 1], before PNG quantisation) is set
@@ -82,12 +84,15 @@ class ImageOutput(msgspec.Struct):
     seed: int
     pixels: torch.Tensor | None = None
 
+    def to_client(self) -> OmniImage:
+        return OmniImage(png=self.png, width=self.width, height=self.height, seed=self.seed)
+
 
 class PipelineLimits(msgspec.Struct, frozen=True):
     """What the loaded pipeline accepts; validation checks requests against it."""
 
-    size_multiple: int  # VAE scale factor × transformer patch size
-    embedding_dim: int  # transformer caption_channels
+    size_multiple: int  # the family's: e.g. VAE scale factor × denoiser patch size
+    embedding_dim: int  # the width of the prompt embeddings the denoiser takes
     has_text_encoder: bool
     native_size: int = 64  # height and width when a request gives none
     max_inference_steps: int = MAX_INFERENCE_STEPS

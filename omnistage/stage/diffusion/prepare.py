@@ -10,32 +10,44 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
+from omnistage.models.processors import Wants
 from omnistage.stage.diffusion.params import DiffusionParams, check_embeddings, validate_params
-from omnistage.stage.messages import DiffusionStageInfo, DiffusionStageRequest
-from omnistage.stage.prepare import RequestOptions, Wants, check_mapping
+from omnistage.stage.diffusion.wire import DiffusionStageInfo, DiffusionStageRequest
+from omnistage.stage.prepare import RequestOptions, check_mapping
+
+FIELD = "image_params"
 
 
 class DiffusionRequestPreparer:
+    PROMPT_FIELDS = ("prompt", "prompt_embeds", "negative_prompt", "negative_prompt_embeds")
+
     def __init__(self, config: StageConfig, info: DiffusionStageInfo) -> None:
         self.config = config
         self.limits = info.limits
 
     def params(self, options: RequestOptions, negative_prompt: Any = None) -> DiffusionParams:
-        data = dict(check_mapping(options.image_params, "image_params"))
+        data = dict(check_mapping(options.params.get(FIELD), FIELD))
         if negative_prompt is not None:
             data.setdefault("negative_prompt", negative_prompt)
         unknown = sorted(set(data) - set(DiffusionParams.__struct_fields__))
         if unknown:
             raise InvalidRequestError(
-                f"image_params.{unknown[0]}",
+                f"{FIELD}.{unknown[0]}",
                 f"unknown parameter; known: {sorted(DiffusionParams.__struct_fields__)}",
             )
         params = DiffusionParams(**data)
         validate_params(params, self.limits)
         return params
 
-    def check_options(self, options: RequestOptions) -> None:
+    def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         self.params(options)
+
+    def num_samples(self, options: RequestOptions) -> int:
+        return 1
+
+    def template(self, options: RequestOptions, wants: Wants) -> DiffusionStageRequest:
+        """The request of a stage fed by another: its parameters, the prompt to come."""
+        return DiffusionStageRequest(params=self.params(options))
 
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants

@@ -18,19 +18,36 @@ from omnistage.engine.async_omni import AsyncOmni
 from omnistage.errors import StageAsleepError, StageBusyError, StageDeadError
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
+from omnistage.stage import control as ops
+from omnistage.stage.ar.wire import ARStageInfo
+from omnistage.stage.control import make_ack
 from omnistage.stage.diffusion.params import PipelineLimits
+from omnistage.stage.diffusion.wire import DiffusionStageInfo
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
-    ARStageInfo,
-    DiffusionStageInfo,
+    ControlCall,
+    DiscardHandoff,
     OutputMessage,
     StageInfo,
     StageRequest,
     ToStage,
-    UtilityCall,
-    make_ack,
 )
+
+# The operations by the names the tests hold and fail them under.
+NAMES = {
+    ops.Sleep: "sleep",
+    ops.WakeUp: "wake_up",
+    ops.Pause: "pause",
+    ops.Resume: "resume",
+    ops.Status: "status",
+    ops.UpdateWeights: "update_weights",
+    ops.ResetPrefixCache: "reset_prefix_cache",
+}
+
+
+def method(call: ControlCall) -> str:
+    return NAMES[type(call.op)]
 
 
 class FakeStage:
@@ -47,7 +64,7 @@ class FakeStage:
         self.death_reason = ""
         self.sent: list[ToStage] = []
         self.hold: set[str] = set()
-        self.held: list[tuple[UtilityCall, asyncio.Future[Any]]] = []
+        self.held: list[tuple[ControlCall, asyncio.Future[Any]]] = []
         self.fail: set[str] = set()
         self.queues: dict[str, asyncio.Queue[OutputMessage]] = {}
         self._call_ids = iter(range(1, 10**9))
@@ -61,41 +78,47 @@ class FakeStage:
     async def restart(self, options: Any) -> None: ...
     def shutdown(self) -> None: ...
 
-    def add_request(self, request_id: str, request: StageRequest) -> asyncio.Queue[OutputMessage]:
+    def add_request(
+        self, request_id: str, request: StageRequest, *, forward: bool = False, upstream: Any = None
+    ) -> asyncio.Queue[OutputMessage]:
         if self.is_dead:
             raise StageDeadError(self.stage_id, self.death_reason)
-        self.sent.append(AddRequest(request_id=request_id, request=request))
+        self.sent.append(AddRequest(request_id, request, forward=forward, upstream=upstream))
         self.queues[request_id] = asyncio.Queue()
         return self.queues[request_id]
 
     def abort(self, request_ids: list[str]) -> None:
         self.sent.append(AbortRequest(request_ids=request_ids))
 
-    async def call(self, method: str, **args: Any) -> Any:
-        call = UtilityCall(call_id=next(self._call_ids), method=method, args=args)
+    def discard(self, ref: Any) -> None:
+        self.sent.append(DiscardHandoff(ref))
+
+    async def call(self, op: ops.ControlOp) -> Any:
+        call = ControlCall(call_id=next(self._call_ids), op=op)
         self.sent.append(call)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        if method in self.hold:
+        if method(call) in self.hold:
             self.held.append((call, fut))
         else:
             asyncio.get_running_loop().call_soon(self._reply, call, fut)
         return await fut
 
-    def release(self, method: str) -> None:
-        for call, fut in [(c, f) for c, f in self.held if c.method == method]:
+    def release(self, name: str) -> None:
+        for call, fut in [(c, f) for c, f in self.held if method(c) == name]:
             self.held.remove((call, fut))
             self._reply(call, fut)
 
-    def calls(self, method: str) -> list[UtilityCall]:
-        return [m for m in self.sent if isinstance(m, UtilityCall) and m.method == method]
+    def calls(self, name: str) -> list[ControlCall]:
+        return [m for m in self.sent if isinstance(m, ControlCall) and method(m) == name]
 
-    def _reply(self, call: UtilityCall, fut: asyncio.Future[Any]) -> None:
+    def _reply(self, call: ControlCall, fut: asyncio.Future[Any]) -> None:
         if fut.done():
             return
-        if call.method in self.fail:
+        if method(call) in self.fail:
             fut.set_exception(RuntimeError("boom"))
-        elif call.method in ("sleep", "wake_up"):
-            fut.set_result(make_ack(self.stage_id))
+        elif isinstance(call.op, ops.Sleep | ops.WakeUp):
+            # An AR stage waits for a resume after a wake; the others schedule by themselves.
+            fut.set_result([make_ack(self.stage_id, paused=self.kind == "ar")])
         else:
             fut.set_result(None)
 

@@ -7,7 +7,7 @@ import logging
 
 from omnistage.engine.events import log_sleep, log_wake, log_weights
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.messages import make_ack
+from omnistage.stage.control import make_ack
 
 logger = logging.getLogger("omnistage.engine.control")
 

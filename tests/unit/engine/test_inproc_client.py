@@ -12,8 +12,10 @@ from omnistage.engine.launcher import InProcessLauncher
 from omnistage.engine.stage_client import StageClient
 from omnistage.errors import InvalidRequestError, StageDeadError
 from omnistage.pipelines import cache_dir, ensure_models, load_pipeline
+from omnistage.stage import control as ops
 from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.messages import ARStageRequest, DiffusionStageRequest
+from omnistage.stage.ar.wire import ARStageRequest
+from omnistage.stage.diffusion.wire import DiffusionStageRequest
 from omnistage.stage.types import StageOutput
 
 
@@ -57,32 +59,33 @@ async def test_bad_request_fails_with_the_field_named(client):
     assert out.error.field == "prompt" and "token ids" in out.error.message
 
 
-async def test_utility_errors_cross_as_data(client):
+async def test_control_errors_cross_as_data(client):
     with pytest.raises(InvalidRequestError) as info:
-        await client.call("sleep", level=9)
-    assert info.value.field == "level"
-    with pytest.raises(InvalidRequestError, match="unknown utility"):
-        await client.call("format_disk")
+        await client.call(ops.UpdateWeights(path="/no/such/checkpoint"))
+    assert info.value.field == "path" and "no such file" in str(info.value)
+    with pytest.raises(InvalidRequestError) as bad:
+        ops.Sleep(level=9)  # refused where it is made, before any stage sees it
+    assert bad.value.field == "level"
 
 
 async def test_sleep_with_wait_replies_after_the_drain(client):
     q = client.add_request("long", ar_request(max_tokens=24, ignore_eos=True))
-    ack = await client.call("sleep", level=1, mode="wait", drain_timeout_s=60)
+    (ack,) = await client.call(ops.Sleep(level=1, mode="wait", drain_timeout_s=60))
     assert q.qsize() > 0  # the request's outputs arrived before the reply
     outputs = []
     while not q.empty():
         outputs.append(q.get_nowait())
     assert outputs[-1].finished and outputs[-1].finish_reason == "length"
     assert ack.status == "SUCCESS" and ack.metadata.mode == "wait"
-    await client.call("wake_up")
-    await client.call("resume")
+    await client.call(ops.WakeUp())
+    await client.call(ops.Resume())
 
 
 async def test_wait_drain_gives_up_after_the_timeout_and_resumes(client):
     q = client.add_request("slow", ar_request(max_tokens=400, ignore_eos=True))
     with pytest.raises(TimeoutError, match="drain_timeout_s"):
-        await client.call("sleep", level=1, mode="wait", drain_timeout_s=0.05)
-    status = await client.call("status")
+        await client.call(ops.Sleep(level=1, mode="wait", drain_timeout_s=0.05))
+    status = await client.call(ops.Status())
     assert not status["is_sleeping"]
     client.abort(["slow"])
     assert (await drain(q))[-1].finish_reason == "abort"
@@ -125,6 +128,7 @@ class SlowEngine:
     """Finishes each request after a step of ``step_s``; records how it was shut down."""
 
     def __init__(self, step_s: float) -> None:
+        self.config = StageConfig(stage_id=0, kind="diffusion", model="unused")
         self.step_s = step_s
         self.waiting: list[Any] = []
         self.is_stepping = False
@@ -182,14 +186,14 @@ async def test_requests_after_shutdown_fail_instead_of_waiting_forever():
 async def test_deepening_a_kept_sleep_with_wait_does_not_drain_or_resume(client):
     q = client.add_request("kept", ar_request(max_tokens=40, ignore_eos=True))
     await asyncio.wait_for(q.get(), 30)  # it is running
-    first = await client.call("sleep", level=1, mode="keep")
+    (first,) = await client.call(ops.Sleep(level=1, mode="keep"))
     assert first.metadata.preempted >= 1
-    deeper = await asyncio.wait_for(
-        client.call("sleep", level=2, mode="wait", drain_timeout_s=30), 5
+    (deeper,) = await asyncio.wait_for(
+        client.call(ops.Sleep(level=2, mode="wait", drain_timeout_s=30)), 5
     )
     assert deeper.status == "SUCCESS" and deeper.metadata.mode == "keep"
-    status = await client.call("status")
+    status = await client.call(ops.Status())
     assert status["is_sleeping"] and status["pause_mode"] == "keep"
-    await client.call("wake_up")
-    await client.call("resume")
+    await client.call(ops.WakeUp())
+    await client.call(ops.Resume())
     assert (await drain(q))[-1].finish_reason == "length"

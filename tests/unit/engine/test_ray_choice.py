@@ -7,6 +7,7 @@ import pytest
 from omnistage.config import ConfigError, PipelineConfig, parse_pipeline_config
 from omnistage.engine.spawn import uses_ray
 from omnistage.errors import StageStartupError
+from omnistage.pipelines import parse_pipeline
 
 
 def pipeline(**stage0) -> PipelineConfig:
@@ -30,9 +31,9 @@ def test_placement_fields_are_checked():
         pipeline(placement={"zone": "a"})
 
 
-def test_tensor_parallel_size_is_for_ar_stages():
-    with pytest.raises(ConfigError, match="tensor_parallel_size applies to AR stages"):
-        parse_pipeline_config(
+def test_tensor_parallel_size_is_for_kinds_that_split():
+    with pytest.raises(ConfigError, match=r"stages.0.tensor_parallel_size: a 'diffusion' stage"):
+        parse_pipeline(
             {"stages": [{"stage_id": 0, "kind": "diffusion", "model": "m",
                          "tensor_parallel_size": 2}]},
             "test",

@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from omnistage.entrypoints import ctl
-from omnistage.stage.messages import make_ack
+from omnistage.stage.control import make_ack
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -76,7 +76,7 @@ def test_paused_llm_refuses_to_generate_until_resumed(llm):
 
 
 def test_sleep_wait_with_nothing_in_flight_sleeps_at_once(llm):
-    ack = llm.sleep(level=1, mode="wait")
+    (ack,) = llm.sleep(level=1, mode="wait")  # one ACK per rank
     assert ack["status"] == "SUCCESS" and ack["metadata"]["mode"] == "wait"
     with pytest.raises(StageAsleepError):
         llm.generate("Hello there", GREEDY)
@@ -105,7 +105,8 @@ def test_update_weights_after_reload_false_matches_transformers(llm, demo, tmp_p
     llm.wake_up(reload=False)
     with pytest.raises(WeightsInvalidError, match="update_weights"):
         llm.generate(PROMPTS, GREEDY)
-    assert llm.update_weights(str(tmp_path / "changed.safetensors"))["status"] == "SUCCESS"
+    (ack,) = llm.update_weights(str(tmp_path / "changed.safetensors"))
+    assert ack["status"] == "SUCCESS"
     after = llm.generate(PROMPTS, GREEDY)
     reference = Qwen2ForCausalLM.from_pretrained(demo).eval()
     reference.load_state_dict(changed)
@@ -140,7 +141,7 @@ def test_sleep_wake_gives_identical_outputs_and_frees_memory(sizeable, level):
     weights, kv = tags["weights"]["reserved_bytes"], tags["kv_cache"]["reserved_bytes"]
     assert weights >= 32 * MiB
     rss_before = process_resident_bytes()
-    ack = sizeable.sleep(level=level)
+    (ack,) = sizeable.sleep(level=level)
     rss_drop = rss_before - process_resident_bytes()
     stats = sizeable.memory_stats()
     assert sizeable.is_sleeping() and stats["resident_bytes"] == 0
@@ -150,6 +151,6 @@ def test_sleep_wake_gives_identical_outputs_and_frees_memory(sizeable, level):
     else:
         assert stats["backup_bytes"] == 0
         assert rss_drop >= 0.9 * (weights + kv)
-    wake = sizeable.wake_up()
+    (wake,) = sizeable.wake_up()
     assert wake["status"] == "SUCCESS" and not sizeable.is_sleeping()
     assert token_ids(sizeable.generate(PROMPTS, GREEDY)) == before

@@ -31,10 +31,25 @@ def test_only_one_model_source():
         ServerConfig(pipeline="tiny-chat", model="/some/checkpoint")
 
 
+DECODER_CONFIG = '{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}'
+
+
 def test_model_path_becomes_one_ar_stage(tmp_path):
+    (tmp_path / "config.json").write_text(DECODER_CONFIG)
     pipeline = ServerConfig(model=str(tmp_path), enable_sleep_mode=True).pipeline_config()
     (stage,) = pipeline.stages
     assert stage.kind == "ar" and stage.model == str(tmp_path) and stage.enable_sleep_mode
+
+
+def test_a_model_the_registry_does_not_know_is_refused_naming_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ConfigError, match=r"'GPT2LMHeadModel'\] is not a supported model.*"):
+        ServerConfig(model=str(tmp_path)).pipeline_config()
+    with pytest.raises(ConfigError, match="Qwen3MoeForCausalLM"):
+        ServerConfig(model=str(tmp_path)).pipeline_config()
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ConfigError, match="no config.json"):
+        ServerConfig(model=str(tmp_path)).pipeline_config()
 
 
 @pytest.mark.parametrize("key", ["", " ", "secret "])

@@ -1,5 +1,6 @@
 """Tiny random checkpoints that transformers' own classes build and save (Qwen2 with tied
-embeddings, Qwen3, Llama with llama3 rope): the files a real checkpoint has."""
+embeddings, Qwen3, Qwen3-MoE with a dense layer among its sparse ones, Llama with llama3
+rope): the files a real checkpoint has."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ COMMON = dict(
     vocab_size=VOCAB,
     max_position_embeddings=256,
 )
-ARCHS = ["qwen2-tied", "qwen3", "llama-llama3-rope"]
+ARCHS = ["qwen2-tied", "qwen3", "qwen3-moe", "llama-llama3-rope"]
 # Tensor parallelism also meets multi-query attention: one kv head for two ranks.
 TP_ARCHS = [*ARCHS, "qwen2-mqa"]
 
@@ -34,6 +35,16 @@ def hf_model(arch: str):
         return tf.Qwen2ForCausalLM(tf.Qwen2Config(**{**COMMON, "num_key_value_heads": 1}))
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(**COMMON, head_dim=32))
+    if arch == "qwen3-moe":
+        experts = dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+        )
+        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**COMMON, head_dim=32, **experts))
     llama3 = {
         "rope_type": "llama3",
         "rope_theta": 50000.0,

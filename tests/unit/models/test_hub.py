@@ -15,6 +15,7 @@ def cache_snapshot(cache, repo_id: str, commit: str = "abc123"):
     (repo / "refs" / "main").write_text(commit)
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
     return snapshot
 
 

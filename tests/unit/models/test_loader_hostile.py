@@ -265,11 +265,11 @@ def test_float8_and_integer_sources_are_checked_or_skipped(tmp_path):
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     from omnistage.memory import Arena
+    from omnistage.models.diffusion.pipeline import LoadedPipeline
     from omnistage.models.tiny import build_preset
-    from omnistage.stage.diffusion.pipeline import ImagePipeline
 
     folder = build_preset("image", tmp_path_factory.mktemp("image"))
-    return ImagePipeline(folder, Arena("cpu"))
+    return LoadedPipeline(folder, Arena("cpu"))
 
 
 def weights_of(pipeline) -> dict[str, torch.Tensor]:
@@ -336,7 +336,7 @@ def test_hostile_sources_for_the_image_pipeline(pipeline, tmp_path, build, messa
 @pytest.mark.timeout(10)
 def test_image_pipeline_non_finite_update_is_refused_with_check_finite(pipeline, tmp_path):
     before = weights_of(pipeline)
-    weight = pipeline.transformer.proj_out.weight.detach().clone()
+    weight = pipeline.module("transformer").proj_out.weight.detach().clone()
     weight.view(-1)[:2] = float("nan")
     update = tmp_path / "update.safetensors"
     save_file({"transformer.proj_out.weight": weight}, str(update))
@@ -345,6 +345,6 @@ def test_image_pipeline_non_finite_update_is_refused_with_check_finite(pipeline,
     assert unchanged(pipeline, before)
     assert mapped_under(tmp_path) == []
     pipeline.load_weights(update, strict=False, check_finite=False)
-    assert int(torch.isnan(pipeline.transformer.proj_out.weight).sum()) == 2
+    assert int(torch.isnan(pipeline.module("transformer").proj_out.weight).sum()) == 2
     pipeline.load_weights(pipeline.folder, strict=True, check_finite=True)  # put back, checked
     assert unchanged(pipeline, before)

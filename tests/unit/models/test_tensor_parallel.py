@@ -1,7 +1,12 @@
-"""Tensor-parallel qwen2-family models: two gloo ranks (spawned processes), each loading its
-slices straight from the checkpoint, compute the logits one rank computes — on Qwen2 (tied
-embeddings), multi-query Qwen2 (one kv head for two ranks), Qwen3 and Llama checkpoints that
-transformers built, and with a vocabulary the ranks do not divide."""
+"""Tensor-parallel decoders: two gloo ranks (spawned processes), each loading its slices
+straight from the checkpoint, compute the logits one rank computes — on Qwen2 (tied
+embeddings), multi-query Qwen2 (one kv head for two ranks), Qwen3, Qwen3-MoE (experts split
+over their features) and Llama checkpoints that transformers built, and with a vocabulary the
+ranks do not divide.
+
+A rank sends its results as plain arrays: a tensor put on a multiprocessing queue travels as
+a handle to shared memory that dies with the rank, so a rank that exits before the test reads
+its result would leave a handle to nothing (an EOFError at random)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ import pytest
 import torch
 
 from omnistage.memory import Arena
+from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.decoder import CausalLM
 from omnistage.models.loader import load_module
-from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
 from omnistage.models.tensor_parallel import (
     SINGLE,
     TPGroup,
@@ -31,10 +37,11 @@ IDS = [[5, 17, 301, 42, 7, 99, 250, 3], [11, 480, 2]]
 
 def logits_of(folder: Path, tp: TPGroup) -> list[torch.Tensor]:
     config = ARModelConfig.from_pretrained(folder)
-    model = Qwen2ForCausalLM.on_meta(config, torch.float32, tp)
+    family = registry.family(config.family)
+    model = family.build_decoder(config, torch.float32, tp)
     arena = Arena("cpu")
     arena.adopt(model)
-    load_module(model, folder, rename=checkpoint_rename)
+    load_module(model, folder, rename=family.rename(None))
     model.model.rotary_emb.to("cpu")
     out = []
     with torch.no_grad():
@@ -49,7 +56,7 @@ def rank_main(folder: str, store: str, rank: int, queue: multiprocessing.Queue) 
     torch.set_num_threads(1)
     try:
         tp = join_group(store, rank, 2, torch.device("cpu"))
-        queue.put((rank, logits_of(Path(folder), tp)))
+        queue.put((rank, [t.numpy() for t in logits_of(Path(folder), tp)]))
     except BaseException as exc:  # reported to the test
         queue.put((rank, repr(exc)))
 
@@ -66,10 +73,11 @@ def tp2_logits(folder: Path) -> list[torch.Tensor]:
         p.join(30)
     for rank, got in results.items():
         assert not isinstance(got, str), f"rank {rank}: {got}"
+    logits = {rank: [torch.from_numpy(a) for a in got] for rank, got in results.items()}
     # Both ranks end with the whole logits (gathered): they agree exactly.
-    for a, b in zip(results[0], results[1], strict=True):
+    for a, b in zip(logits[0], logits[1], strict=True):
         assert torch.equal(a, b)
-    return results[0]
+    return logits[0]
 
 
 @pytest.fixture(scope="module", params=TP_ARCHS)
@@ -95,9 +103,7 @@ def test_shards_name_each_ranks_slice():
         model_type="qwen2", vocab_size=511, hidden_size=64, intermediate_size=128,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
     )  # fmt: skip
-    shards = [
-        shards_of(Qwen2ForCausalLM.on_meta(config, torch.float32, TPGroup(r, 2))) for r in (0, 1)
-    ]
+    shards = [shards_of(CausalLM.on_meta(config, torch.float32, TPGroup(r, 2))) for r in (0, 1)]
     q = "model.layers.0.self_attn.q_proj.weight"
     assert [(s[q].start, s[q].length) for s in shards] == [(0, 32), (32, 32)]
     k = "model.layers.0.self_attn.k_proj.weight"  # one kv head, replicated
@@ -114,13 +120,12 @@ def test_shards_name_each_ranks_slice():
 
 def part_outputs(folder: str, part: str, tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """A Qwen2.5-Omni part's logits from input embeddings, and its token embeddings."""
-    from omnistage.models.qwen_omni import ar_rename
-
     config = ARModelConfig.from_pretrained(folder, part)
-    model = Qwen2ForCausalLM.on_meta(config, torch.float32, tp)
+    family = registry.family(config.family)
+    model = family.build_decoder(config, torch.float32, tp)
     arena = Arena("cpu")
     arena.adopt(model)
-    load_module(model, folder, rename=ar_rename(part))
+    load_module(model, folder, rename=family.rename(part))
     model.model.rotary_emb.to("cpu")
     embeds = torch.randn(7, config.embedding_size or config.hidden_size, generator=seeded()) * 0.1
     with torch.no_grad():
@@ -135,7 +140,8 @@ def seeded() -> torch.Generator:  # the same stream on every rank
 def omni_rank(folder: str, store: str, rank: int, queue: multiprocessing.Queue) -> None:
     torch.set_num_threads(1)
     tp = join_group(store, rank, 2, torch.device("cpu"))
-    queue.put((rank, {p: part_outputs(folder, p, tp) for p in ("thinker", "talker")}))
+    outputs = {p: part_outputs(folder, p, tp) for p in ("thinker", "talker")}
+    queue.put((rank, {p: tuple(t.numpy() for t in pair) for p, pair in outputs.items()}))
 
 
 def test_qwen_omni_thinker_and_talker_split_over_two_ranks():
@@ -154,5 +160,6 @@ def test_qwen_omni_thinker_and_talker_split_over_two_ranks():
         p.join(30)
     for part in ("thinker", "talker"):
         logits, embeddings = part_outputs(folder, part, SINGLE)
-        torch.testing.assert_close(results[0][part][0], logits, atol=1e-5, rtol=1e-4)
-        assert torch.equal(results[0][part][1], embeddings)  # a sum of one non-zero row
+        rank0_logits, rank0_embeddings = (torch.from_numpy(a) for a in results[0][part])
+        torch.testing.assert_close(rank0_logits, logits, atol=1e-5, rtol=1e-4)
+        assert torch.equal(rank0_embeddings, embeddings)  # a sum of one non-zero row

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from omnistage.models.tiny_qwen_omni import (
+from omnistage.models.qwen2_5_omni.tiny import (
     ALT,
     DEFAULT,
     SPECIAL_TOKENS,
@@ -283,7 +283,9 @@ def test_without_the_codec_prefill_embeds_transformers_5_differs(folders):
 def test_build_is_a_preset_builder(tmp_path, monkeypatch):
     from omnistage.models import tiny
 
-    monkeypatch.setitem(tiny.PRESETS, "tiny-qwen2.5-omni", "omnistage.models.tiny_qwen_omni:build")
+    monkeypatch.setitem(
+        tiny.PRESETS, "tiny-qwen2.5-omni", "omnistage.models.qwen2_5_omni.tiny:build"
+    )
     out = tiny.ensure_preset("tiny-qwen2.5-omni", tmp_path / "omni")
     assert tiny.is_built(out)
     assert json.loads((out / "config.json").read_text())["model_type"] == "qwen2_5_omni"

@@ -5,13 +5,15 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.models.processors import Wants
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.prepare import ARRequestPreparer
+from omnistage.stage.ar.wire import ARStageInfo
 from omnistage.stage.diffusion.params import DiffusionParams, PipelineLimits
 from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
-from omnistage.stage.messages import ARStageInfo, DiffusionStageInfo
-from omnistage.stage.prepare import RequestOptions, Wants, prompt_fields
+from omnistage.stage.diffusion.wire import DiffusionStageInfo
+from omnistage.stage.prepare import RequestOptions, prompt_fields
 
 NOTHING = Wants()
 LIMITS = PipelineLimits(
@@ -34,7 +36,9 @@ def diffusion():
 
 
 def prepare(preparer, prompt, wants=NOTHING, **options):
-    return preparer.prepare(prompt_fields(prompt), RequestOptions(**options), wants)
+    return preparer.prepare(
+        prompt_fields(prompt, preparer.PROMPT_FIELDS), RequestOptions.of(**options), wants
+    )
 
 
 def test_text_and_chat_prompts_are_tokenized(ar):

@@ -70,10 +70,9 @@ def test_wake_without_reload_refuses_until_update(stage, tmp_path):
     assert torch.all(model.weight == 0.5)
 
 
-def test_bad_level_and_tags_name_the_field(stage):
+def test_tags_the_arena_lacks_name_the_field(stage):
+    """(Levels, modes and tags of the vocabulary are checked where a ``Sleep`` is made.)"""
     _, control, _ = stage
-    with pytest.raises(InvalidRequestError, match="level"):
-        control.sleep(7)
     with pytest.raises(InvalidRequestError, match="tags"):
         control.sleep(1, tags=["activations"])
 

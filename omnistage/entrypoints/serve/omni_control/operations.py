@@ -6,31 +6,30 @@ Two rules from vLLM-Omni's serving code shape this module:
 - Capability is probed with ``hasattr`` (501 when missing), and a body holding only vLLM-Omni's
   fields produces exactly vLLM-Omni's engine call (``sleep(stage_ids=, level=)``,
   ``wake_up(stage_ids=)``); extension fields are passed only when the client sent them.
-- ``sleeping`` (``app.state.sleeping_stages``) is the set the wakeup route consults to answer
-  SKIPPED without calling the engine. It is updated from the ACKs (a stage whose ACK says ERROR
-  did not change state) and, for engine clients that report it, replaced by the engine's own
-  truth (``sleeping_stage_ids()``) before every decision and after every operation, whether the
-  operation returned or raised — so a failed sleep, a wake error, a dead stage or an automatic
-  wake never leaves it stale. Engine exceptions are not caught here: the app's exception
-  handlers turn them into responses.
+- A wakeup of stages none of which sleeps answers SKIPPED without calling the engine; which
+  stages sleep is the engine client's truth (``stage_states.py``), read before every decision.
+
+Answers have one shape: ``{"status", "acks"}`` with one ACK per stage and rank, plus a
+``reason`` when the status is SKIPPED (nothing had to change: a repeated sleep or wake) or
+ERROR. Engine exceptions are not caught here: the app's exception handlers turn them into
+responses.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 from fastapi import HTTPException
 
-from omnistage.entrypoints.serve.omni_control.protocol import ALL_MEMORY_TAGS, OmniControlResponse
-from omnistage.errors import InvalidRequestError
+from omnistage.entrypoints.serve.omni_control.protocol import OmniControlResponse
+from omnistage.entrypoints.serve.stage_states import StageStates
+from omnistage.stage.control import Ack, make_ack
+from omnistage.stage.vocabulary import ALREADY_SLEEPING, NOT_SLEEPING
+from omnistage.stage.vocabulary import check_stage_ids as check_ids
 
-logger = logging.getLogger(__name__)
-
-SKIPPED_REASON = "Target stages are not sleeping."
 _SLEEP_METHODS = frozenset({"sleep", "wake_up"})
 
 
@@ -52,22 +51,18 @@ def require_capability(engine_client: Any, method: str) -> None:
 
 
 def check_stage_ids(engine_client: Any, stage_ids: Iterable[int], field: str = "stage_ids") -> None:
-    """Refuse ids outside ``0..num_stages-1`` (400 naming ``field`` and the valid range).
-
-    Engine clients without an integer ``num_stages`` (vLLM-Omni's) validate ids themselves.
-    """
+    """Refuse ids outside ``0..num_stages-1`` (400 naming ``field`` and the valid range), with
+    the engine client's own check. Engine clients without an integer ``num_stages``
+    (vLLM-Omni's) validate ids themselves."""
     num_stages = getattr(engine_client, "num_stages", None)
-    if not isinstance(num_stages, int) or isinstance(num_stages, bool):
-        return
-    unknown = sorted({sid for sid in stage_ids if sid >= num_stages})
-    if unknown:
-        raise InvalidRequestError(
-            field, f"unknown stage id(s) {unknown}; valid ids are 0..{num_stages - 1}"
-        )
+    if isinstance(num_stages, int) and not isinstance(num_stages, bool):
+        check_ids(stage_ids, num_stages, field)
 
 
 def ack_to_dict(ack: Any) -> dict[str, Any]:
     """An ACK as a plain dict, whether the engine returned a dict, dataclass or msgspec Struct."""
+    if isinstance(ack, Ack):
+        return ack.to_dict()
     if isinstance(ack, Mapping):
         return dict(ack)
     if dataclasses.is_dataclass(ack) and not isinstance(ack, type):
@@ -78,59 +73,27 @@ def ack_to_dict(ack: Any) -> dict[str, Any]:
 
 
 def normalize_acks(acks: Iterable[Any] | None) -> list[dict[str, Any]]:
-    """The engine's ACK list as dicts (``None`` counts as no ACKs); a tensor-parallel
-    stage's ACK is followed by its other ranks' (one ACK per rank, vLLM-Omni's shape)."""
-    flat: list[dict[str, Any]] = []
-    for ack in acks or ():
-        data = ack_to_dict(ack)
-        ranks = [ack_to_dict(r) for r in data.pop("rank_acks", None) or []]
-        for rank in ranks:
-            rank.pop("rank_acks", None)
-        flat += [data, *ranks]
-    return flat
+    """The engine's ACK list (one per stage and rank) as dicts; ``None`` counts as no ACKs."""
+    return [ack_to_dict(ack) for ack in acks or ()]
 
 
-def failed_stage_ids(acks: Iterable[Mapping[str, Any]]) -> set[int]:
-    """Stages with an ERROR ACK (any rank): their state did not change."""
-    return {
-        ack["stage_id"]
-        for ack in acks
-        if ack.get("status") == "ERROR" and isinstance(ack.get("stage_id"), int)
-    }
+def skipped_acks(stage_ids: Sequence[int], reason: str) -> list[dict[str, Any]]:
+    """The ACKs of stages an operation left alone, answered without calling the engine."""
+    return [make_ack(sid, status="SKIPPED", error_msg=reason).to_dict() for sid in stage_ids]
 
 
-def summarize(acks: list[dict[str, Any]]) -> OmniControlResponse:
-    """SUCCESS with the ACKs, or ERROR with the ACKs and a reason naming the failed stages."""
+def summarize(acks: list[dict[str, Any]], skipped_reason: str = "") -> OmniControlResponse:
+    """ERROR (a reason naming the failed stages) if any ACK failed; SKIPPED (``skipped_reason``)
+    if every ACK is SKIPPED; else SUCCESS."""
     errors = [ack for ack in acks if ack.get("status") == "ERROR"]
-    if not errors:
-        return OmniControlResponse(status="SUCCESS", acks=acks)
-    reason = "; ".join(
-        f"stage {ack.get('stage_id')}: {ack.get('error_msg') or 'failed'}" for ack in errors
-    )
-    return OmniControlResponse(status="ERROR", acks=acks, reason=reason)
-
-
-def engine_sleeping_stage_ids(engine_client: Any) -> set[int] | None:
-    """The engine's own sleeping set, or ``None`` for engine clients that do not report it.
-
-    The method is looked up on the class, not the instance: mock engine clients answer every
-    attribute, and their answer is not the truth.
-    """
-    if getattr(type(engine_client), "sleeping_stage_ids", None) is None:
-        return None
-    return set(engine_client.sleeping_stage_ids())
-
-
-def sync_with_engine(sleeping: set[int], engine_client: Any) -> None:
-    """Replace ``sleeping``'s contents (in place) with the engine's truth when it reports one."""
-    truth = engine_sleeping_stage_ids(engine_client)
-    if truth is None or truth == sleeping:
-        return
-    logger.info(
-        "sleeping stages reconciled with the engine: %s -> %s", sorted(sleeping), sorted(truth)
-    )
-    sleeping.clear()
-    sleeping.update(truth)
+    if errors:
+        reason = "; ".join(
+            f"stage {ack.get('stage_id')}: {ack.get('error_msg') or 'failed'}" for ack in errors
+        )
+        return OmniControlResponse(status="ERROR", acks=acks, reason=reason)
+    if acks and skipped_reason and all(ack.get("status") == "SKIPPED" for ack in acks):
+        return OmniControlResponse(status="SKIPPED", acks=acks, reason=skipped_reason)
+    return OmniControlResponse(status="SUCCESS", acks=acks)
 
 
 def _sent(**options: Any) -> dict[str, Any]:
@@ -140,61 +103,45 @@ def _sent(**options: Any) -> dict[str, Any]:
 
 async def sleep_stages(
     engine_client: Any,
-    sleeping: set[int],
+    states: StageStates,
     stage_ids: list[int],
     level: int,
     *,
     mode: str | None = None,
     tags: Sequence[str] | None = None,
 ) -> OmniControlResponse:
-    """Sleep ``stage_ids``; the stages that did not fail are recorded as sleeping."""
+    """Sleep ``stage_ids``; SKIPPED when every one was asleep already."""
     require_capability(engine_client, "sleep")
     check_stage_ids(engine_client, stage_ids)
-    try:
-        acks = normalize_acks(
-            await engine_client.sleep(
-                stage_ids=stage_ids, level=level, **_sent(mode=mode, tags=tags)
-            )
-        )
-        failed = failed_stage_ids(acks)
-        sleeping.update(sid for sid in stage_ids if sid not in failed)
-    finally:
-        sync_with_engine(sleeping, engine_client)
-    return summarize(acks)
+    acks = normalize_acks(
+        await engine_client.sleep(stage_ids=stage_ids, level=level, **_sent(mode=mode, tags=tags))
+    )
+    states.record_sleep(stage_ids, acks)
+    return summarize(acks, ALREADY_SLEEPING)
 
 
 async def wake_stages(
     engine_client: Any,
-    sleeping: set[int],
+    states: StageStates,
     stage_ids: list[int],
     *,
     tags: Sequence[str] | None = None,
     reload: bool | None = None,
     resume: bool | None = None,
 ) -> OmniControlResponse:
-    """Wake ``stage_ids`` if any of them sleeps (else SKIPPED, engine not called).
-
-    A stage leaves ``sleeping`` only when it really slept, its ACK is not ERROR, and the wake
-    covered all its memory (no ``tags``, or all tags): after ``tags=["weights"]`` its KV cache
-    still sleeps and a later ``tags=["kv_cache"]`` wakeup must not be skipped.
-    """
+    """Wake ``stage_ids`` if any of them sleeps, else SKIPPED without calling the engine."""
     require_capability(engine_client, "wake_up")
     check_stage_ids(engine_client, stage_ids)
-    sync_with_engine(sleeping, engine_client)
-    if not any(sid in sleeping for sid in stage_ids):
-        return OmniControlResponse(status="SKIPPED", reason=SKIPPED_REASON)
-    try:
-        acks = normalize_acks(
-            await engine_client.wake_up(
-                stage_ids=stage_ids, **_sent(tags=tags, reload=reload, resume=resume)
-            )
+    if not states.sleeping_stage_ids() & set(stage_ids):
+        acks = skipped_acks(stage_ids, "not asleep")
+        return OmniControlResponse(status="SKIPPED", acks=acks, reason=NOT_SLEEPING)
+    acks = normalize_acks(
+        await engine_client.wake_up(
+            stage_ids=stage_ids, **_sent(tags=tags, reload=reload, resume=resume)
         )
-        if tags is None or set(tags) >= ALL_MEMORY_TAGS:
-            failed = failed_stage_ids(acks)
-            sleeping.difference_update({sid for sid in stage_ids if sid not in failed})
-    finally:
-        sync_with_engine(sleeping, engine_client)
-    return summarize(acks)
+    )
+    states.record_wake(stage_ids, acks, tags)
+    return summarize(acks, NOT_SLEEPING)
 
 
 async def pause_stages(
@@ -217,17 +164,15 @@ async def resume_stages(engine_client: Any, stage_ids: list[int] | None) -> Omni
     return summarize(normalize_acks(result if isinstance(result, list) else None))
 
 
-async def stage_statuses(engine_client: Any, sleeping: set[int]) -> list[dict[str, Any]]:
-    """The engine's per-stage status dicts (and ``sleeping`` brought up to date)."""
+async def stage_statuses(engine_client: Any) -> list[dict[str, Any]]:
+    """The engine's per-stage status dicts."""
     require_capability(engine_client, "stage_status")
-    statuses = [dict(status) for status in await engine_client.stage_status()]
-    sync_with_engine(sleeping, engine_client)
-    return statuses
+    return [dict(status) for status in await engine_client.stage_status()]
 
 
 async def update_stage_weights(engine_client: Any, stage_id: int, path: str) -> OmniControlResponse:
     """Load the checkpoint at ``path`` into stage ``stage_id``'s weights in place."""
     require_capability(engine_client, "update_weights")
     check_stage_ids(engine_client, [stage_id], field="stage_id")
-    ack = await engine_client.update_weights(stage_id=stage_id, path=path)
-    return summarize(normalize_acks([ack]))
+    acks = await engine_client.update_weights(stage_id=stage_id, path=path)
+    return summarize(normalize_acks(acks if isinstance(acks, list) else [acks]))

@@ -6,7 +6,10 @@ to ``None``, meaning "not sent": the routes pass only the fields a client really
 engine client, so a body with just vLLM-Omni's fields produces exactly vLLM-Omni's engine call.
 
 Validation is strict (``"2"``, ``1.5`` or ``true`` are not integers; ``"true"`` is not a boolean)
-so that a malformed body is refused with the field named instead of being guessed at.
+so that a malformed body is refused with the field named instead of being guessed at. Levels,
+modes and tags are checked by the control vocabulary's own checks
+(``omnistage.stage.vocabulary``), so a bad one is refused with the same words here as by the
+engine client and the stages.
 
 Unknown body keys are accepted and ignored (``extra="allow"`` keeps them visible as
 ``ignored_fields`` so the route can log them): vLLM-Omni clients may send keys omnistage does not
@@ -15,17 +18,60 @@ know, and refusing them would break the promise that those clients work unchange
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+)
+from pydantic_core import PydanticCustomError
+
+from omnistage.errors import InvalidRequestError
+from omnistage.stage.vocabulary import (
+    ACK_STATUSES,
+    DEFAULT_SLEEP_LEVEL,
+    MEMORY_TAGS,
+    SLEEP_LEVELS,
+    SLEEP_MODES,
+    check_level,
+    check_mode,
+    check_tags,
+)
+
+
+def _checked(check: Callable[[Any], Any]) -> AfterValidator:
+    """A pydantic validator that refuses with ``check``'s own words."""
+
+    def validate(value: Any) -> Any:
+        try:
+            check(value)
+        except InvalidRequestError as exc:
+            raise PydanticCustomError("invalid_value", exc.reason) from None
+        return value
+
+    return AfterValidator(validate)
+
+
+def _one_of(values: tuple[Any, ...]) -> Any:
+    return Field(json_schema_extra={"enum": list(values)})
+
 
 StageId = Annotated[StrictInt, Field(ge=0)]
-SleepLevel = Annotated[StrictInt, Field(ge=0, le=2)]
-SleepMode = Literal["abort", "wait", "keep"]
-MemoryTag = Literal["weights", "kv_cache"]
-AckStatus = Literal["SUCCESS", "ERROR", "SKIPPED"]
-
-ALL_MEMORY_TAGS: frozenset[str] = frozenset({"weights", "kv_cache"})
+SleepLevel = Annotated[StrictInt, _checked(check_level), _one_of(SLEEP_LEVELS)]
+QuerySleepLevel = Annotated[int, _checked(check_level), _one_of(SLEEP_LEVELS)]  # "?level=2"
+SleepMode = Annotated[StrictStr, _checked(check_mode), _one_of(SLEEP_MODES)]
+MemoryTags = Annotated[
+    list[StrictStr],
+    _checked(check_tags),
+    Field(json_schema_extra={"items": {"enum": list(MEMORY_TAGS)}}),
+]
+AckStatus = Annotated[StrictStr, _one_of(ACK_STATUSES)]
 
 
 class ControlRequest(BaseModel):
@@ -49,9 +95,9 @@ class OmniSleepRequest(ControlRequest):
     """
 
     stage_ids: list[StageId]
-    level: SleepLevel = 2
+    level: SleepLevel = DEFAULT_SLEEP_LEVEL
     mode: SleepMode | None = None
-    tags: list[MemoryTag] | None = Field(default=None, min_length=1)
+    tags: MemoryTags | None = None
 
 
 class OmniWakeupRequest(ControlRequest):
@@ -63,7 +109,7 @@ class OmniWakeupRequest(ControlRequest):
     """
 
     stage_ids: list[StageId]
-    tags: list[MemoryTag] | None = Field(default=None, min_length=1)
+    tags: MemoryTags | None = None
     reload: StrictBool | None = None
     resume: StrictBool | None = None
 
@@ -89,11 +135,14 @@ class OmniUpdateWeightsRequest(ControlRequest):
 
 
 class OmniControlResponse(BaseModel):
-    """Reply of the control operations, as vLLM-Omni's: ``{"status", "acks"}`` or ``{"status", "reason"}``.
+    """Reply of the control operations, as vLLM-Omni's: ``{"status", "acks"}``, plus a
+    ``reason`` when the status is not ``SUCCESS``.
 
     ``status`` is ``ERROR`` when any ACK reports ``ERROR`` (the HTTP status is still 200: the
-    operation ran and the ACKs say per stage what happened; ``reason`` names the failed stages).
-    Routes serialise it without ``None`` fields so vLLM-Omni's exact bodies come out.
+    operation ran and the ACKs say per stage and rank what happened; ``reason`` names the
+    failed stages), ``SKIPPED`` when nothing had to change (a wake of stages that do not sleep,
+    a sleep of stages asleep already): ``reason`` says which, and the ACKs are there as for any
+    other answer. Routes serialise it without ``None`` fields.
     """
 
     status: AckStatus

@@ -1,11 +1,11 @@
 """The ``/v1/omni/*`` control routes (vLLM-Omni's ``sleep`` and ``wakeup`` plus extensions).
 
-Each route depends only on ``app.state.engine_client`` and ``app.state.sleeping_stages`` and
-demands the control key. Bodies holding only vLLM-Omni's fields produce exactly vLLM-Omni's engine
+Each route depends only on ``app.state.engine_client`` (and what it says of which stages sleep,
+``stage_states.py``) and demands the control key. Bodies holding only vLLM-Omni's fields produce exactly vLLM-Omni's engine
 calls; see :mod:`.operations` for the bookkeeping. Engine exceptions reach the app's handlers.
 
-Status codes: 200 with ``status`` SUCCESS, SKIPPED or ERROR (ERROR: some stage's ACK reports a
-failure, the ACKs say which); 400 bad body or unknown stage id; 401 missing/wrong key; 409 a
+Status codes: 200 with ``status`` SUCCESS, SKIPPED or ERROR (SKIPPED: nothing had to change;
+ERROR: some stage's ACK reports a failure, the ACKs say which); 400 bad body or unknown stage id; 401 missing/wrong key; 409 a
 conflicting transition is running; 501 the engine cannot do it; 503 a stage is dead.
 """
 
@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Depends
 
 from omnistage.entrypoints.serve.auth import require_control_key
-from omnistage.entrypoints.serve.deps import EngineClientDep, SleepingStagesDep
+from omnistage.entrypoints.serve.deps import EngineClientDep, StageStatesDep
 from omnistage.entrypoints.serve.omni_control.operations import (
     pause_stages,
     resume_stages,
@@ -51,24 +51,24 @@ def _warn_ignored(route: str, body: ControlRequest | None) -> None:
 
 @router.post("/sleep", response_model_exclude_none=True)
 async def omni_sleep(
-    body: OmniSleepRequest, engine_client: EngineClientDep, sleeping: SleepingStagesDep
+    body: OmniSleepRequest, engine_client: EngineClientDep, states: StageStatesDep
 ) -> OmniControlResponse:
     """Put ``stage_ids`` to sleep at ``level``; they are recorded as sleeping."""
     _warn_ignored("/v1/omni/sleep", body)
     return await sleep_stages(
-        engine_client, sleeping, body.stage_ids, body.level, mode=body.mode, tags=body.tags
+        engine_client, states, body.stage_ids, body.level, mode=body.mode, tags=body.tags
     )
 
 
 @router.post("/wakeup", response_model_exclude_none=True)
 async def omni_wakeup(
-    body: OmniWakeupRequest, engine_client: EngineClientDep, sleeping: SleepingStagesDep
+    body: OmniWakeupRequest, engine_client: EngineClientDep, states: StageStatesDep
 ) -> OmniControlResponse:
     """Wake the sleeping ones among ``stage_ids``; SKIPPED (engine not called) if none sleeps."""
     _warn_ignored("/v1/omni/wakeup", body)
     return await wake_stages(
         engine_client,
-        sleeping,
+        states,
         body.stage_ids,
         tags=body.tags,
         reload=body.reload,
@@ -77,11 +77,9 @@ async def omni_wakeup(
 
 
 @router.get("/stages", response_model=OmniStagesResponse)
-async def omni_stages(
-    engine_client: EngineClientDep, sleeping: SleepingStagesDep
-) -> OmniStagesResponse:
+async def omni_stages(engine_client: EngineClientDep) -> OmniStagesResponse:
     """Per-stage state, level, sleeping tags, paused flag, in-flight counts and memory."""
-    return OmniStagesResponse(stages=await stage_statuses(engine_client, sleeping))
+    return OmniStagesResponse(stages=await stage_statuses(engine_client))
 
 
 @router.post("/pause", response_model_exclude_none=True)

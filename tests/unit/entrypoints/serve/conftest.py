@@ -20,8 +20,9 @@ from omnistage.entrypoints.serve import vllm_compat
 from omnistage.entrypoints.serve.auth import require_api_key
 from omnistage.entrypoints.serve.errors import register_exception_handlers
 from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
+from omnistage.entrypoints.serve.stage_states import stage_states
 from omnistage.errors import StageBusyError
-from omnistage.stage.messages import make_ack
+from omnistage.stage.control import make_ack
 
 
 class SeedEngine:
@@ -120,9 +121,9 @@ class FakeEngine(SeedEngine):
         stage_ids = kwargs["stage_ids"]
         self.paused -= set(range(self.num_stages) if stage_ids is None else stage_ids)
 
-    async def update_weights(self, **kwargs: Any) -> dict[str, Any]:
+    async def update_weights(self, **kwargs: Any) -> list[dict[str, Any]]:
         self.calls.append(("update_weights", kwargs))
-        return make_ack(kwargs["stage_id"])
+        return [make_ack(kwargs["stage_id"]).to_dict()]
 
     async def stage_status(self) -> list[dict[str, Any]]:
         self.calls.append(("stage_status", {}))
@@ -149,7 +150,7 @@ def build_test_app(
     app = FastAPI()
     register_exception_handlers(app)
     app.state.engine_client = engine
-    app.state.sleeping_stages = set(sleeping)
+    app.state.stage_states = stage_states(engine, sleeping)
     app.state.api_key = api_key
     app.state.control_api_key = control_api_key
 
@@ -185,7 +186,7 @@ def client_for() -> ClientFactory:
 
 
 def recorded_sleeping(client: TestClient) -> set[int]:
-    """The app's ``sleeping_stages`` set behind ``client``."""
+    """The stages the app behind ``client`` knows to be sleeping."""
     app = cast(FastAPI, client.app)
-    sleeping: set[int] = app.state.sleeping_stages
+    sleeping: set[int] = app.state.stage_states.sleeping_stage_ids()
     return sleeping

@@ -12,12 +12,15 @@ from omnistage.errors import (
     StageBusyError,
     StageDeadError,
     StagePausedError,
+    StageRestartingError,
     WeightsInvalidError,
 )
 from tests.unit.entrypoints.serve.conftest import ClientFactory, FakeEngine, SeedEngine
 
 RAISED = {
     "asleep": StageAsleepError(1),
+    "asleep-auto-wake": StageAsleepError([0, 1], retry_after=True),
+    "restarting": StageRestartingError(1, "exit code -9"),
     "paused": StagePausedError(1),
     "dead": StageDeadError(1, "exit code -9"),
     "weights": WeightsInvalidError(0),
@@ -42,8 +45,11 @@ def _raising_router() -> APIRouter:
 @pytest.mark.parametrize(
     ("name", "status", "code", "retry_after"),
     [
-        ("asleep", 503, "stage_asleep", True),
-        ("paused", 503, "stage_paused", True),
+        # Retry-After only where the stage comes back by itself (a restart, an auto-wake).
+        ("asleep", 503, "stage_asleep", False),
+        ("asleep-auto-wake", 503, "stage_asleep", True),
+        ("restarting", 503, "stage_restarting", True),
+        ("paused", 503, "stage_paused", False),
         ("dead", 503, "stage_dead", False),
         ("weights", 503, "weights_invalid", False),
         ("busy", 409, "stage_busy", False),
@@ -67,6 +73,12 @@ def test_exception_maps_to_status_code_and_retry_after(
 def test_asleep_reply_names_the_stage(client_for: ClientFactory) -> None:
     reply = client_for(FakeEngine(), extra_routers=[_raising_router()]).get("/raise/asleep")
     assert "stage 1 is asleep" in reply.json()["detail"]
+
+
+def test_asleep_reply_names_every_sleeping_stage(client_for: ClientFactory) -> None:
+    client = client_for(FakeEngine(), extra_routers=[_raising_router()])
+    detail = client.get("/raise/asleep-auto-wake").json()["detail"]
+    assert "stages [0, 1] are asleep" in detail and '{"stage_ids": [0, 1]}' in detail
 
 
 def test_invalid_request_names_the_param(client_for: ClientFactory) -> None:

@@ -6,6 +6,8 @@ and bookkeeping are the seed's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.unit.entrypoints.serve.conftest import (
@@ -16,6 +18,16 @@ from tests.unit.entrypoints.serve.conftest import (
 )
 
 SKIPPED = {"status": "SKIPPED", "reason": "Target stages are not sleeping."}
+
+
+def assert_skipped(reply: Any, stage_ids: list[int]) -> None:
+    """vLLM-Omni's SKIPPED body, with one SKIPPED ACK per stage (the shape of every answer)."""
+    body = reply.json()
+    assert reply.status_code == 200
+    assert {k: body[k] for k in ("status", "reason")} == SKIPPED
+    assert [(a["stage_id"], a["status"]) for a in body["acks"]] == [
+        (sid, "SKIPPED") for sid in stage_ids
+    ]
 
 
 def test_sleep_default_level_acks_each_stage_and_records_both(client_for: ClientFactory) -> None:
@@ -71,8 +83,7 @@ def test_wakeup_none_sleeping_is_skipped_without_engine_call(
 ) -> None:
     engine = SeedEngine()
     reply = client_for(engine).post("/v1/omni/wakeup", json=body)
-    assert reply.status_code == 200
-    assert reply.json() == SKIPPED
+    assert_skipped(reply, body["stage_ids"])
     assert engine.calls == []
 
 
@@ -88,7 +99,7 @@ def test_wakeup_partly_sleeping_removes_only_the_sleeper(client_for: ClientFacto
 def test_wakeup_empty_is_skipped_without_engine_call(client_for: ClientFactory) -> None:
     engine = SeedEngine()
     reply = client_for(engine, sleeping={0}).post("/v1/omni/wakeup", json={"stage_ids": []})
-    assert reply.json() == SKIPPED
+    assert_skipped(reply, [])
     assert engine.calls == []
 
 

@@ -15,9 +15,13 @@ import random
 import pytest
 import torch
 
-from omnistage.models.ar_attention import AttentionContext, paged_decode_attention
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.qwen2 import Qwen2ForCausalLM, rowwise_rows
+from omnistage.models.attention import (
+    PaddedTorchSDPABackend,
+    TorchSDPABackend,
+    paged_decode_attention,
+)
+from omnistage.models.decoder import CausalLM, rowwise_rows
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.engine import ARStageEngine
@@ -142,8 +146,8 @@ def test_tokens_and_hidden_states_match_alone_beside_63_requests(engine, kind, m
     assert max(widths) >= 3 * 7, widths  # the target needs 7 blocks at most
     assert alone.final is not None and crowded.final is not None
     assert crowded.token_ids == alone.token_ids
-    hidden_alone = alone.final.payload["hidden_states"]
-    hidden_crowded = crowded.final.payload["hidden_states"]
+    hidden_alone = alone.final.handoff["hidden_states"]
+    hidden_crowded = crowded.final.handoff["hidden_states"]
     assert hidden_alone.shape == (len(TARGET_PROMPT) + 63, 256)
     differing = (hidden_crowded != hidden_alone).any(-1).nonzero().flatten().tolist()
     assert differing == [], f"hidden-state rows that differ: {differing}"
@@ -153,21 +157,21 @@ def test_tokens_and_hidden_states_match_alone_beside_63_requests(engine, kind, m
 @pytest.fixture(scope="module")
 def demo_model(demo):
     torch.manual_seed(0)  # random weights serve as well as the checkpoint's here
-    return Qwen2ForCausalLM(ARModelConfig.from_pretrained(str(demo))).eval()
+    return CausalLM(ARModelConfig.from_pretrained(str(demo))).eval()
 
 
-def prefill(model: Qwen2ForCausalLM, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+def prefill(model: CausalLM, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
     """The hidden states of each prompt, all prefilled in one concatenated batch."""
     cu_seqlens = [0]
     for prompt in prompts:
         cu_seqlens.append(cu_seqlens[-1] + len(prompt))
     ids = torch.cat(prompts)
     positions = torch.cat([torch.arange(len(p)) for p in prompts])
-    context = AttentionContext(
-        is_prefill=True, slot_mapping=torch.zeros_like(ids), cu_seqlens=cu_seqlens
+    metadata = TorchSDPABackend().prefill(
+        torch.zeros_like(ids), cu_seqlens, [0] * len(prompts), None
     )
     with torch.no_grad():
-        hidden = model(ids, positions, context, None)
+        hidden = model(ids, positions, metadata, None)
     return [hidden[a:b] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
 
 
@@ -211,14 +215,17 @@ def test_decode_attention_does_not_depend_on_the_batch(num_heads, num_kv_heads, 
                 assert torch.equal(out[1], alone[0]), (length, width, batch)
 
 
-def test_decode_attention_off_the_cpu_keeps_shapes_fixed_by_the_block_tables():
+def test_the_graph_capturable_backend_keeps_shapes_fixed_by_the_block_tables():
     """Captured CUDA graphs need one call whose shapes follow ``block_tables`` alone."""
     meta = torch.device("meta")
     kv_cache = (torch.empty(9, 16, 2, 64, device=meta), torch.empty(9, 16, 2, 64, device=meta))
     q = torch.empty(3, 4, 64, device=meta)
     tables = torch.empty(3, 5, dtype=torch.long, device=meta)
     lengths = torch.empty(3, dtype=torch.long, device=meta)
-    assert paged_decode_attention(q, kv_cache, tables, lengths, 0.125).shape == (3, 4, 64)
+    backend = PaddedTorchSDPABackend()
+    assert backend.supports_cuda_graphs and not TorchSDPABackend.supports_cuda_graphs
+    out = backend.decode_attention(q, kv_cache, tables, lengths, 0.125)
+    assert out.shape == (3, 4, 64)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 5, 16, 56])

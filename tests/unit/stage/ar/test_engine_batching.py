@@ -62,7 +62,7 @@ def test_hidden_states_cover_every_processed_token(micro):
     prompt = list(range(10, 30))
     request = ARRequest("h", prompt, greedy(12), return_hidden_states=True)
     result = generate(engine, [request])["h"]
-    hidden = result.final.payload["hidden_states"]
+    hidden = result.final.handoff["hidden_states"]
     tokens = prompt + result.token_ids[:-1]
     with torch.no_grad():
         expected = engine.worker.runner.model(torch.tensor(tokens), torch.arange(len(tokens)))

@@ -13,7 +13,8 @@ from omnistage.stage.ar import sampler as sampler_module
 from omnistage.stage.ar.sampler import Sampler, apply_penalties, filter_logits
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest, Sequence
-from omnistage.stage.messages import AddRequest, ARStageRequest, decode_to_stage, encode
+from omnistage.stage.ar.wire import ARStageRequest
+from omnistage.stage.messages import AddRequest, decode_to_stage, encode
 from tests.unit.stage.ar.helpers import build_micro, generate, greedy, make_engine
 
 VOCAB = 64

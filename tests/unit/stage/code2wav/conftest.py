@@ -19,7 +19,7 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def omni_folder(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-Omni checkpoint (thinker, talker, token2wav, two voices), sharded."""
-    from omnistage.models.tiny_qwen_omni import build_tiny_qwen_omni
+    from omnistage.models.qwen2_5_omni.tiny import build_tiny_qwen_omni
 
     return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni"))
 
@@ -96,4 +96,4 @@ def step_until_output(engine, max_steps: int = 1000) -> list:
 
 def samples_of(output) -> torch.Tensor:
     assert output.finish_reason == "stop", output.error
-    return output.payload["audio"][0].samples
+    return output.media[0].samples

@@ -12,8 +12,9 @@ from omnistage.errors import InvalidRequestError, StageAsleepError, WeightsInval
 from omnistage.stage.code2wav.engine import Code2WavStageEngine
 from omnistage.stage.code2wav.params import Code2WavParams
 from omnistage.stage.code2wav.request import Code2WavRequest
+from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
 from omnistage.stage.core import to_output_message
-from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest, DiffusionStageRequest
+from omnistage.stage.diffusion.wire import DiffusionStageRequest
 from tests.unit.stage.code2wav.conftest import (
     code2wav_config,
     codes_of,
@@ -45,17 +46,17 @@ def reference(engine):
 
 def test_output_is_audio_with_its_seed_and_voice(engine, reference):
     out = run_all(engine, [Code2WavRequest("a", CODES, PARAMS)])["a"]
-    audio = out.payload["audio"][0]
+    audio = out.media[0]
     assert out.finished and out.finish_reason == "stop" and out.queue_time_s is not None
     assert (audio.voice, audio.seed, audio.sample_rate) == ("Chelsie", 7, 24000)
     assert torch.equal(audio.samples, reference)
     message = to_output_message(out)  # what the stage sends
-    assert message.audio[0].samples is audio.samples and message.images == []
+    assert message.media[0].samples is audio.samples and len(message.media) == 1
 
 
 def test_a_request_without_seed_reports_the_one_it_drew(engine):
     out = run_all(engine, [Code2WavRequest("s", CODES, Code2WavParams(num_steps=3))])["s"]
-    seed = out.payload["audio"][0].seed
+    seed = out.media[0].seed
     assert isinstance(seed, int)
     again = one(engine, "s2", params=Code2WavParams(num_steps=3, seed=seed))
     assert torch.equal(again, samples_of(out))
@@ -213,10 +214,10 @@ def test_status_and_info(engine):
     assert status["voices"] == ["Chelsie", "Ethan"] and status["default_voice"] == "Chelsie"
     assert status["sample_rate"] == 24000 and status["num_waiting"] == 0
     assert status["memory"]["reserved_bytes"] >= status["weight_bytes"] > 0
-    assert status["num_requests_started"] >= 1 and status["num_ode_steps"] >= 1
+    assert status["num_requests_started"] >= 1 and status["num_synthesis_steps"] >= 1
     info = engine.info()
     assert isinstance(info, Code2WavStageInfo) and info.limits == engine.limits
-    assert info.limits.codebook_size == engine.pipeline.dit.config.num_embeds
+    assert info.limits.codebook_size == engine.vocoder.dit.config.num_embeds
 
 
 def test_the_stage_process_imports_no_diffusers(omni_folder):

@@ -1,4 +1,5 @@
-"""token2wav as transformers runs it: the same waveform, read from the checkpoint's own part."""
+"""The code2wav stage's synthesis on the Qwen2.5-Omni family's vocoder (token2wav) as
+transformers runs it: the same waveform, read from the checkpoint's own part."""
 
 import json
 import shutil
@@ -9,9 +10,10 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
 from omnistage.models.loader import CheckpointError, SafetensorsFile, checkpoint_files
-from omnistage.stage.code2wav.flow import synthesize, time_points
+from omnistage.models.qwen2_5_omni.code2wav import time_points
+from omnistage.models.qwen2_5_omni.token2wav import Token2WavPipeline
+from omnistage.stage.code2wav.job import synthesize
 from omnistage.stage.code2wav.params import Code2WavParams
-from omnistage.stage.code2wav.pipeline import Token2WavPipeline
 from omnistage.stage.code2wav.request import Code2WavRequest
 from omnistage.stage.code2wav.worker import Code2WavWorker
 from tests.unit.stage.code2wav.conftest import codes_of, reference_waveform
@@ -130,11 +132,10 @@ def test_derived_buffers_equal_a_regular_build(pipeline):
 
 
 def test_limits_and_voices(pipeline):
-    limits = pipeline.limits
-    assert limits.voices == ["Chelsie", "Ethan"] and limits.default_voice == "Chelsie"
-    assert limits.codebook_size == pipeline.dit.config.num_embeds
-    assert limits.max_codes == pipeline.dit.config.max_position_embeddings // 2
-    assert limits.sample_rate == 24000
+    assert list(pipeline.voices) == ["Chelsie", "Ethan"] and pipeline.default_voice == "Chelsie"
+    assert pipeline.codebook_size == pipeline.dit.config.num_embeds
+    assert pipeline.max_codes == pipeline.dit.config.max_position_embeddings // 2
+    assert pipeline.sample_rate == 24000
     voice = pipeline.voices["Ethan"]
     assert voice.cond.shape == (1, pipeline.dit.config.enc_emb_dim)
     assert voice.ref_mel.shape[0] == 1 and voice.ref_mel.shape[2] == pipeline.mel_dim
@@ -148,7 +149,7 @@ def test_default_voice_without_chelsie_and_bad_voice_files(omni_folder, tmp_path
     arena = Arena("cpu")
     try:
         pipeline = Token2WavPipeline(folder, arena, load=False)
-        assert pipeline.limits.voices == ["Ethan"] and pipeline.default_voice == "Ethan"
+        assert list(pipeline.voices) == ["Ethan"] and pipeline.default_voice == "Ethan"
     finally:
         arena.close()
     bad = dict(speakers["Ethan"], cond=torch.zeros(1, 3))

@@ -7,11 +7,12 @@ import pytest
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
+from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.params import Code2WavLimits, Code2WavParams
 from omnistage.stage.code2wav.prepare import Code2WavRequestPreparer
+from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
 from omnistage.stage.kinds import stage_kind
-from omnistage.stage.messages import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions, Wants
+from omnistage.stage.prepare import RequestOptions
 
 LIMITS = Code2WavLimits(
     voices=["Chelsie", "Ethan"],
@@ -31,7 +32,7 @@ def preparer():
 
 
 def options(**audio_params) -> RequestOptions:
-    return RequestOptions(audio_params=audio_params)
+    return RequestOptions.of(audio_params=audio_params)
 
 
 def test_prepare_builds_the_wire_request(preparer):
@@ -41,7 +42,7 @@ def test_prepare_builds_the_wire_request(preparer):
     assert request == Code2WavStageRequest(
         codes=[0, 5, 8192], params=Code2WavParams(voice="Ethan", seed=3, num_steps=4)
     )
-    assert preparer.prepare({"codes": (1, 2)}, RequestOptions(), Wants()).codes == [1, 2]
+    assert preparer.prepare({"codes": (1, 2)}, RequestOptions.of(), Wants()).codes == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -75,7 +76,7 @@ def test_an_unknown_voice_lists_the_voices(preparer):
 
 def test_audio_params_must_be_an_object(preparer):
     with pytest.raises(InvalidRequestError) as info:
-        preparer.check_options(RequestOptions(audio_params=[1, 2]))  # type: ignore[arg-type]
+        preparer.check_options(RequestOptions.of(audio_params=[1, 2]))  # type: ignore[arg-type]
     assert info.value.field == "audio_params"
 
 
@@ -95,7 +96,7 @@ def test_audio_params_must_be_an_object(preparer):
 )
 def test_bad_codes_name_codes(preparer, prompt, match):
     with pytest.raises(InvalidRequestError, match=match) as info:
-        preparer.prepare(prompt, RequestOptions(), Wants())
+        preparer.prepare(prompt, RequestOptions.of(), Wants())
     assert info.value.field == "codes"
 
 

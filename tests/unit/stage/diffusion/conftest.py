@@ -58,4 +58,4 @@ def step_until_output(engine, max_steps: int = 1000) -> list:
 
 def png_of(output) -> bytes:
     assert output.finish_reason == "stop", output.error
-    return output.payload["images"][0].png
+    return output.media[0].png

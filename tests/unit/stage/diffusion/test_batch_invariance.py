@@ -118,7 +118,7 @@ def pixels_of(engine, requests) -> tuple[dict[str, torch.Tensor], int]:
     while engine.has_unfinished_requests():
         for output in engine.step():
             assert output.finish_reason == "stop", output.error
-            pixels[output.request_id] = output.payload["images"][0].pixels
+            pixels[output.request_id] = output.media[0].pixels
         largest = max(largest, engine.last_batch_size)
     return pixels, largest
 

@@ -5,12 +5,12 @@ import threading
 import pytest
 from torch import nn
 
-from omnistage.models.loader import CheckpointError
-from omnistage.stage.diffusion.components import (
+from omnistage.models.diffusion.components import (
     component_weight_files,
     parameters_on_meta,
     read_model_index,
 )
+from omnistage.models.loader import CheckpointError
 
 
 @pytest.mark.parametrize("text", ["[1, 2]", '"transformer"', "not json"])

@@ -85,7 +85,7 @@ def diffusers_pixels(pipe, seed: int, **kwargs) -> np.ndarray:
 def our_pixels(engine, request: DiffusionRequest) -> np.ndarray:
     output = run_all(engine, [request])[request.request_id]
     assert output.finish_reason == "stop", output.error
-    return output.payload["images"][0].pixels.numpy()
+    return output.media[0].pixels.numpy()
 
 
 def test_text_with_guidance_matches_diffusers(saved):

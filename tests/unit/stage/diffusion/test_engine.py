@@ -45,7 +45,7 @@ def one_png(engine, request_id: str, prompt: str = "a red cat", params=PARAMS) -
 
 def test_output_is_a_png_of_the_native_size(engine, reference_png):
     out = run_all(engine, [DiffusionRequest("size", prompt="a red cat", params=PARAMS)])["size"]
-    image = out.payload["images"][0]
+    image = out.media[0]
     assert out.finished and out.finish_reason == "stop"
     assert reference_png.startswith(b"\x89PNG") and (image.width, image.height, image.seed) == (
         64,
@@ -103,7 +103,7 @@ def test_incompatible_requests_run_in_separate_batches(engine):
     before = engine.num_batches
     outputs = run_all(engine, requests)
     assert engine.num_batches == before + 2
-    assert outputs["s32"].payload["images"][0].height == 32
+    assert outputs["s32"].media[0].height == 32
 
 
 def test_ddim_is_selectable(engine, reference_png):
@@ -289,7 +289,7 @@ def test_transformer_config_without_out_channels_runs(image_cond_folder, tmp_pat
 def test_a_failed_build_frees_its_arena(image_cond_folder, tmp_path, monkeypatch):
     from omnistage.memory import Arena
     from omnistage.models.loader import CheckpointError
-    from omnistage.stage.diffusion import worker as worker_module
+    from omnistage.stage import worker as worker_module
 
     folder = tmp_path / "dynamic-shift"
     shutil.copytree(image_cond_folder, folder)

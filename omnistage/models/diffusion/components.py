@@ -26,6 +26,8 @@ MODEL_INDEX = "model_index.json"
 # Weight file stems, in the order diffusers and transformers name them.
 WEIGHT_STEMS = ("diffusion_pytorch_model", "model")
 TORCH_LIBRARIES = ("diffusers", "transformers")
+# Components that hold no weights even when a torch library provides their class.
+NOT_MODULES = ("scheduler", "tokenizer", "feature_extractor", "image_processor", "processor")
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,15 @@ class ComponentSpec:
     class_name: str
 
     @property
+    def kind(self) -> str:
+        """The name without a numeric suffix: pipelines with several text encoders call them
+        ``text_encoder``, ``text_encoder_2``, ... and their tokenizers likewise."""
+        stem, _, suffix = self.name.rpartition("_")
+        return stem if stem and suffix.isdigit() else self.name
+
+    @property
     def is_torch_module(self) -> bool:
-        return self.name not in ("scheduler", "tokenizer") and self.library in TORCH_LIBRARIES
+        return self.kind not in NOT_MODULES and self.library in TORCH_LIBRARIES
 
 
 def read_model_index(folder: str | Path) -> dict[str, ComponentSpec]:

@@ -1,14 +1,16 @@
-"""The qwen2-family model against transformers on random tiny checkpoints it saved itself."""
+"""The decoder, as each registered decoder family builds it, against transformers on random
+tiny checkpoints transformers saved itself — through each attention backend."""
 
 import pytest
 import torch
 
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
-from omnistage.models.ar_attention import AttentionContext
+from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.attention import ATTENTION_BACKENDS
+from omnistage.models.decoder import CausalLM
 from omnistage.models.loader import load_module
-from omnistage.models.qwen2 import Qwen2ForCausalLM, checkpoint_rename
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
@@ -20,10 +22,12 @@ def checkpoint(request, tmp_path_factory):
     return build_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
 
 
-def load_ours(folder) -> Qwen2ForCausalLM:
-    model = Qwen2ForCausalLM.on_meta(ARModelConfig.from_pretrained(folder), torch.float32)
+def load_ours(folder) -> CausalLM:
+    config = ARModelConfig.from_pretrained(folder)
+    family = registry.family(config.family)
+    model = family.build_decoder(config, torch.float32)
     Arena("cpu").adopt(model)
-    load_module(model, folder, rename=checkpoint_rename)
+    load_module(model, folder, rename=family.rename(None))
     return model
 
 
@@ -45,10 +49,12 @@ def test_logits_match_transformers(checkpoint):
     assert (logits - expected).abs().max().item() <= 1e-4
 
 
-def test_paged_decode_logits_match_transformers(checkpoint):
+@pytest.mark.parametrize("backend_name", sorted(ATTENTION_BACKENDS))
+def test_paged_decode_logits_match_transformers(checkpoint, backend_name):
     """Two sequences prefilled into scattered cache blocks, then decoded together."""
     hf, folder = checkpoint
     ours = load_ours(folder)
+    backend = ATTENTION_BACKENDS[backend_name]()
     config = ours.config
     block_size, num_prefill, length = 4, 10, 24
     shape = (16, block_size, config.num_key_value_heads, config.head_dim)
@@ -61,18 +67,18 @@ def test_paged_decode_logits_match_transformers(checkpoint):
 
     with torch.no_grad():
         expected = hf(seqs).logits
-        prefill = AttentionContext(
-            is_prefill=True,
-            slot_mapping=torch.tensor(slots(0, range(num_prefill)) + slots(1, range(num_prefill))),
-            cu_seqlens=[0, num_prefill, 2 * num_prefill],
+        prefill = backend.prefill(
+            torch.tensor(slots(0, range(num_prefill)) + slots(1, range(num_prefill))),
+            [0, num_prefill, 2 * num_prefill],
+            [0, 0],
+            None,
         )
         ours(seqs[:, :num_prefill].flatten(), torch.arange(num_prefill).repeat(2), prefill, caches)
         for pos in range(num_prefill, length):
-            decode = AttentionContext(
-                is_prefill=False,
-                slot_mapping=torch.tensor(slots(0, [pos]) + slots(1, [pos])),
-                block_tables=torch.tensor(tables),
-                context_lens=torch.tensor([pos + 1, pos + 1]),
+            decode = backend.decode(
+                torch.tensor(slots(0, [pos]) + slots(1, [pos])),
+                torch.tensor(tables),
+                torch.tensor([pos + 1, pos + 1]),
             )
             hidden = ours(seqs[:, pos], torch.tensor([pos, pos]), decode, caches)
             diff = (ours.compute_logits(hidden) - expected[:, pos]).abs().max().item()

@@ -1,10 +1,11 @@
 """The token2wav loop, one ODE step at a time, written to match transformers' Qwen2.5-Omni.
 
-A ``Code2WavJob`` is one request (utterances are never batched together: their lengths
-differ, and transformers decodes each sample alone too). ``advance()`` is one step of
+A ``Token2WavSynthesis`` is one utterance (utterances are never batched together: their
+lengths differ, and transformers decodes each sample alone too). ``advance()`` is one step of
 ``RungeKutta4ODESolver`` — four DiT calls, each with classifier-free guidance run as
-``Qwen2_5OmniToken2WavDiTModel.sample`` runs it — so the engine can interleave the steps of
-several jobs and check for aborts between them. ``finish()`` runs the BigVGAN on the final mel.
+``Qwen2_5OmniToken2WavDiTModel.sample`` runs it — so the code2wav stage can interleave the
+steps of several utterances and check for aborts between them. ``waveform()`` runs the
+BigVGAN on the final mel.
 
 Per request, as ``Qwen2_5OmniToken2WavModel.forward`` after ``torch.manual_seed(seed)``:
 noise ``[1, len(codes) * repeats, mel_dim]`` from a CPU generator seeded with the seed (the
@@ -19,10 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from omnistage.stage.code2wav.params import AudioOutput
-from omnistage.stage.code2wav.pipeline import Token2WavPipeline
-from omnistage.stage.code2wav.request import Code2WavRequest
 
 # RungeKutta4ODESolver's constants (Python floats, as there)
 ONE_THIRD = 1 / 3
@@ -49,21 +46,20 @@ def _interpolate(
     return y0 + weight * (y1 - y0)
 
 
-class Code2WavJob:
-    """One request's ODE solve, one RK4 step per ``advance``, then its waveform."""
+class Token2WavSynthesis:
+    """One utterance's ODE solve, one RK4 step per ``advance``, then its waveform.
+    ``pipeline`` is the loaded ``token2wav.Token2WavPipeline``; ``params`` carries ``voice`` (None: the default), ``num_steps``, ``guidance_scale`` and
+    ``sway_coefficient``."""
 
     @torch.inference_mode()
-    def __init__(self, pipeline: Token2WavPipeline, request: Code2WavRequest, seed: int) -> None:
+    def __init__(self, pipeline: Any, codes: list[int], params: Any, seed: int) -> None:
         self.pipeline = pipeline
-        self.request = request
-        self.seed = seed
-        self._dropped = False
-        params = request.params
+        self.guidance_scale = float(params.guidance_scale)
         device = pipeline.device
         self.voice = params.voice or pipeline.default_voice
         voice = pipeline.voices[self.voice]
-        frames = len(request.codes) * pipeline.repeats
-        self.codes = torch.tensor([request.codes], dtype=torch.long, device=device)
+        frames = len(codes) * pipeline.repeats
+        self.codes = torch.tensor([codes], dtype=torch.long, device=device)
         # sample(): ``conditioning_vector.unsqueeze(1).repeat(1, maximum_duration, 1)``
         self.speaker = voice.cond.unsqueeze(1).repeat(1, frames, 1)
         self.ref_mel = voice.ref_mel
@@ -80,22 +76,12 @@ class Code2WavJob:
         self._result: torch.Tensor | None = None
 
     @property
-    def request_ids(self) -> list[str]:
-        return [] if self._dropped else [self.request.request_id]
-
-    @property
     def is_done(self) -> bool:
         return self.step_index >= len(self.times) - 1
 
-    def drop(self, request_id: str) -> Code2WavRequest | None:
-        if self._dropped or request_id != self.request.request_id:
-            return None
-        self._dropped = True
-        return self.request
-
     def _velocity(self, t: torch.Tensor, y: torch.Tensor) -> Any:
         """``sample()``'s ``ode_function``."""
-        dit, guidance = self.pipeline.dit, self.request.params.guidance_scale
+        dit, guidance = self.pipeline.dit, self.guidance_scale
         if guidance < NO_GUIDANCE_BELOW:
             return dit(
                 hidden_states=y,
@@ -140,29 +126,20 @@ class Code2WavJob:
         self.step_index += 1
 
     @torch.inference_mode()
-    def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
-        """The waveform: the BigVGAN on the final mel (it clamps to [-1, 1] and returns the
-        samples on the CPU), flattened to 1-D float32.
+    def waveform(self) -> torch.Tensor:
+        """The BigVGAN on the final mel (it clamps to [-1, 1] and returns the samples on the
+        CPU), flattened to 1-D float32.
 
         The final mel is the solver's last solution entry; where a time grid that is not
         increasing (a large ``sway_coefficient``) leaves that entry unset — transformers then
         returns uninitialised memory — it is the last step's value."""
         final = self._result if self._result is not None else self.value
-        waveform = self.pipeline.vocoder(final.permute(0, 2, 1))
-        samples = waveform.reshape(-1).float()
-        output = AudioOutput(
-            samples=samples,
-            sample_rate=self.pipeline.sample_rate,
-            voice=self.voice,
-            seed=self.seed,
-            codes=list(self.request.codes),
-        )
-        return [(self.request, output)]
+        return self.pipeline.vocoder(final.permute(0, 2, 1)).reshape(-1).float()
 
 
-def synthesize(pipeline: Token2WavPipeline, request: Code2WavRequest, seed: int) -> AudioOutput:
-    """One request's waveform, all steps at once."""
-    job = Code2WavJob(pipeline, request, seed)
-    while not job.is_done:
-        job.advance()
-    return job.finish()[0][1]
+def synthesize(pipeline: Any, codes: list[int], params: Any, seed: int) -> torch.Tensor:
+    """One utterance's waveform, all steps at once."""
+    synthesis = Token2WavSynthesis(pipeline, codes, params, seed)
+    while not synthesis.is_done:
+        synthesis.advance()
+    return synthesis.waveform()

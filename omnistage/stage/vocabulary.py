@@ -1,6 +1,7 @@
-"""The control vocabulary, defined once: sleep levels, modes for requests in flight, and
-memory tags, with the checks every layer uses (the engine client before it touches any
-stage, each engine again at its own door). See ``docs/control-plane.md``.
+"""The control vocabulary, defined once: sleep levels, modes for requests in flight, memory
+tags and stage ids, with the one check (and the one error message) for each. The typed
+control operations (``omnistage.stage.control``), the HTTP bodies, the engine client and
+``omnistage ctl`` all use these; see ``docs/control-plane.md``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ SLEEP_LEVELS = (0, 1, 2)
 SLEEP_MODES = ("abort", "wait", "keep")
 DEFAULT_SLEEP_LEVEL = 2
 DEFAULT_SLEEP_MODE = "abort"
+ACK_STATUSES = ("SUCCESS", "ERROR", "SKIPPED")
+NOT_SLEEPING = "Target stages are not sleeping."
+ALREADY_SLEEPING = "Target stages are already sleeping."
 
 
 def check_level(level: object) -> int:
@@ -31,7 +35,8 @@ def check_mode(mode: object) -> str:
 
 
 def check_tags(tags: Iterable[str] | None, known: Sequence[str] = MEMORY_TAGS) -> list[str] | None:
-    """``None`` (every tag) or the distinct tags asked for; empty or unknown tags are refused."""
+    """``None`` (every tag) or the distinct tags asked for; empty or unknown tags are refused
+    (``known``: the tags a stage has, or every tag there is)."""
     if tags is None:
         return None
     if isinstance(tags, str):
@@ -43,3 +48,21 @@ def check_tags(tags: Iterable[str] | None, known: Sequence[str] = MEMORY_TAGS) -
     if unknown:
         raise InvalidRequestError("tags", f"unknown tags {unknown}; known tags are {list(known)}")
     return chosen
+
+
+def check_stage_ids(
+    stage_ids: Iterable[object], num_stages: int, field: str = "stage_ids"
+) -> list[int]:
+    """The distinct stage ids asked for, or ``InvalidRequestError`` naming ``field`` and the
+    valid range."""
+    ids = list(dict.fromkeys(stage_ids))
+    bad = [
+        sid
+        for sid in ids
+        if not isinstance(sid, int) or isinstance(sid, bool) or not 0 <= sid < num_stages
+    ]
+    if bad:
+        raise InvalidRequestError(
+            field, f"unknown stage ids {bad}; valid stage ids are 0..{num_stages - 1}"
+        )
+    return ids  # type: ignore[return-value]

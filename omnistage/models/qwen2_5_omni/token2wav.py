@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from omnistage.memory import Arena
-from omnistage.models import qwen_omni
 from omnistage.models.loader import (
     CheckpointError,
     checkpoint_files,
@@ -38,8 +37,8 @@ from omnistage.models.loader import (
     shown,
 )
 from omnistage.models.meta import parameters_on_meta
-from omnistage.stage.code2wav.params import Code2WavLimits
-from omnistage.stage.sleep_control import WEIGHTS
+from omnistage.models.qwen2_5_omni import config as qwen_omni
+from omnistage.models.qwen2_5_omni.voices import SPEAKERS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +151,12 @@ class Token2WavPipeline:
         self.weight_bytes = 0
         self._derived: set[str] = set()  # non-persistent buffers: never read from a source
         for name, module in self.modules.items():
-            self.weight_bytes += arena.adopt(module, WEIGHTS)
+            self.weight_bytes += arena.adopt(module)
             self._derived |= {f"{name}.{key}" for key in _move_derived_buffers(module, self.device)}
         self.mel_dim = int(dit_config.mel_dim)
         self.repeats = int(dit_config.repeats)
         self.voices = load_voices(
-            self.folder / qwen_omni.SPEAKERS_FILE,
+            self.folder / SPEAKERS_FILE,
             int(dit_config.enc_emb_dim),
             self.mel_dim,
             self.device,
@@ -171,15 +170,20 @@ class Token2WavPipeline:
             self.load_weights(self.folder, strict=True)
 
     @property
-    def limits(self) -> Code2WavLimits:
-        config = self.dit.config
-        return Code2WavLimits(
-            voices=list(self.voices),
-            default_voice=self.default_voice,
-            codebook_size=int(config.num_embeds),
-            max_codes=int(config.max_position_embeddings) // self.repeats,
-            sample_rate=self.sample_rate,
-        )
+    def codebook_size(self) -> int:
+        """Codes are in ``[0, codebook_size)``."""
+        return int(self.dit.config.num_embeds)
+
+    @property
+    def max_codes(self) -> int:
+        """The most codes one utterance may have (the DiT's positions over its repeats)."""
+        return int(self.dit.config.max_position_embeddings) // self.repeats
+
+    def synthesis(self, codes: list[int], params: Any, seed: int) -> Any:
+        """One utterance's step-wise synthesis (``code2wav.Token2WavSynthesis``)."""
+        from omnistage.models.qwen2_5_omni.code2wav import Token2WavSynthesis
+
+        return Token2WavSynthesis(self, codes, params, seed)
 
     # -- weights --------------------------------------------------------------------------
 

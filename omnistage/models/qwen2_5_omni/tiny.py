@@ -37,13 +37,13 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from omnistage.models.tiny_ar import _corpus
-from omnistage.models.tiny_qwen_omni_specs import (  # noqa: F401  (re-exported)
+from omnistage.models.qwen2_5_omni.tiny_specs import (  # noqa: F401  (re-exported)
     ALT,
     DEFAULT,
     TINY_QWEN_OMNI_SPECS,
     TinyQwenOmniSpec,
 )
+from omnistage.models.tiny_ar import _corpus
 
 # The Qwen2.5-Omni tokenizer's special tokens that the configs point to, in id order (ids
 # 0, 1, 2, ...), then the two voices' text-side start tokens.

@@ -1,0 +1,131 @@
+"""``DiffusionFamily``: what the generic diffusion stage asks of a model family.
+
+A diffusion family serves the pipeline folders whose ``model_index.json`` names one of its
+``_class_name``s (the registry's ``pipeline_classes``) and exposes a ``FAMILY`` object with
+this interface. The stage owns batching, per-request schedulers, the step interleaving and
+the PNG; the family owns everything model-specific: which components it needs, how text
+becomes conditioning, the shape of the latents and how they are drawn, how a scheduler's
+timesteps are set (dynamic-shift ``mu``), the denoiser's call with classifier-free guidance,
+and the VAE decode.
+
+The family is stateless: every method takes the ``LoadedPipeline`` its ``build`` returned.
+Requests and their params come from the stage; the family reads them through
+``DiffusionRequestLike`` / ``DiffusionParamsLike`` (attributes only, no stage import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from omnistage.memory import Arena
+from omnistage.models.diffusion.pipeline import LoadedPipeline
+
+
+@dataclass(frozen=True)
+class DiffusionLimits:
+    """What a loaded pipeline accepts (the stage adds its own caps on top)."""
+
+    size_multiple: int  # height and width must be multiples of it
+    embedding_dim: int  # the width of prompt embeddings ``[seq, dim]`` it takes
+    has_text_encoder: bool  # whether text prompts work, or only embeddings
+    native_size: int  # height and width when a request gives none
+    max_inference_steps: int  # the scheduler's training timesteps
+
+
+class DiffusionParamsLike(Protocol):
+    """The per-request settings a family reads (the stage's ``DiffusionParams``)."""
+
+    @property
+    def num_inference_steps(self) -> int: ...
+    @property
+    def height(self) -> int | None: ...
+    @property
+    def width(self) -> int | None: ...
+    @property
+    def guidance_scale(self) -> float: ...
+    @property
+    def negative_prompt(self) -> str: ...
+    @property
+    def max_sequence_length(self) -> int | None: ...
+    @property
+    def uses_guidance(self) -> bool: ...
+
+
+class DiffusionRequestLike(Protocol):
+    """One request as a family reads it (the stage's ``DiffusionRequest``): a text prompt or
+    embeddings ``[seq, dim]``, optional negative embeddings, and its params."""
+
+    @property
+    def prompt(self) -> str | None: ...
+    @property
+    def prompt_embeds(self) -> torch.Tensor | None: ...
+    @property
+    def negative_prompt_embeds(self) -> torch.Tensor | None: ...
+    @property
+    def params(self) -> DiffusionParamsLike: ...
+
+
+class DiffusionFamily(Protocol):
+    """A diffusion model family. ``Conditioning`` (what ``encode`` returns) is the family's
+    own type: the stage keeps it per request and hands it back to ``predict_noise``."""
+
+    name: str
+
+    def build(
+        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
+    ) -> LoadedPipeline:
+        """The folder's pipeline in ``arena`` (``CheckpointError`` for a folder the family
+        cannot serve); its weights read unless ``load`` is False."""
+        ...
+
+    def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits: ...
+
+    def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
+        """Requests with equal keys can share one denoising loop: same latent shape, same
+        timesteps (besides the scheduler class, which the stage adds), same guidance rows."""
+        ...
+
+    def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
+        """The request's conditioning as diffusers' pipeline builds it: its text or given
+        embeddings and, when guidance runs, the unconditional input (negative prompt or
+        negative embeddings). One request at a time, so it never depends on batch-mates."""
+        ...
+
+    def set_timesteps(
+        self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
+    ) -> None:
+        """Set a fresh scheduler's timesteps for the request (where a family computes a
+        dynamic-shift ``mu`` from the request's size)."""
+        ...
+
+    def prepare_latents(
+        self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
+    ) -> torch.Tensor:
+        """The request's initial latents, batch dimension 1, on the pipeline's device: drawn
+        by a CPU ``torch.Generator`` seeded with ``seed`` (diffusers' draw with a list of
+        generators), scaled as the family's pipeline does for ``scheduler``."""
+        ...
+
+    def predict_noise(
+        self,
+        pipeline: LoadedPipeline,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Sequence[Any],
+        guidance_scales: Sequence[float],
+    ) -> torch.Tensor:
+        """The denoiser's prediction for a batch: ``latents`` one row per request (already
+        through the scheduler's ``scale_model_input``), ``timestep`` a scalar tensor,
+        ``conditioning`` and ``guidance_scales`` one per row. Classifier-free guidance runs
+        batched, each row with its own scale. Returns a tensor shaped like ``latents``."""
+        ...
+
+    def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
+        """One request's final latents (batch dimension 1) to float pixels ``[H, W, 3]`` in
+        [0, 1], on the CPU."""
+        ...

@@ -1,0 +1,45 @@
+"""What an AR stage resolves when it starts (see ``omnistage.stage.resolve``):
+``max_model_len`` defaults to the checkpoint's ``max_position_embeddings`` and may not exceed
+it — positions past it were never trained."""
+
+from __future__ import annotations
+
+from omnistage.config import ConfigError, StageConfig
+from omnistage.errors import CheckpointError
+from omnistage.models.ar_config import ARModelConfig
+from omnistage.stage.resolve import resolve_dtype
+
+
+def resolve_max_model_len(stage: StageConfig, model: ARModelConfig) -> int:
+    limit = model.max_position_embeddings
+    if stage.max_model_len is None:
+        return limit
+    if stage.max_model_len > limit:
+        raise ConfigError(
+            f"stage {stage.stage_id}: max_model_len ({stage.max_model_len}) is larger than "
+            f"the checkpoint's max_position_embeddings ({limit}) in {stage.model}; "
+            f"use at most {limit}"
+        )
+    return stage.max_model_len
+
+
+def resolve_ar_stage(stage: StageConfig, model: ARModelConfig) -> StageConfig:
+    """The AR stage as it runs: dtype and max_model_len resolved."""
+    return stage.model_copy(
+        update={
+            "dtype": resolve_dtype(stage, model.torch_dtype),
+            "max_model_len": resolve_max_model_len(stage, model),
+        }
+    )
+
+
+def check_limits(stage: StageConfig) -> None:
+    """Fail early (``ConfigError``, before any stage starts) on a ``max_model_len`` the
+    checkpoint cannot serve; an unreadable checkpoint is left for the stage to report."""
+    if stage.max_model_len is None:
+        return
+    try:
+        model = ARModelConfig.from_pretrained(stage.model, stage.model_stage)
+    except (CheckpointError, OSError, ValueError):
+        return
+    resolve_max_model_len(stage, model)
