@@ -200,13 +200,27 @@ def run(args: argparse.Namespace) -> int:
         data = response.json()
     except json.JSONDecodeError:
         data = {"status": "ERROR", "reason": response.text}
+    if args.json:
+        print(json.dumps(data, indent=2))
+    elif response.status_code >= 400:
+        print(error_line(response.status_code, data), file=sys.stderr)
+    else:
+        print(format_response(args.op, data))
     # 200 with status ERROR: some stage failed the operation (its ACK says why); scripts
     # chaining ``ctl sleep 0 && train`` must not go on.
     failed = response.status_code >= 400 or (
         isinstance(data, dict) and data.get("status") == "ERROR"
     )
-    if args.json or response.status_code >= 400:
-        print(json.dumps(data, indent=2))
-    else:
-        print(format_response(args.op, data))
     return 1 if failed else 0
+
+
+def error_line(status: int, data: Any) -> str:
+    """A refused call as one line: ``error: HTTP 409 stage_busy: stage 0 is busy ...``."""
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, dict):
+        code, message = error.get("code"), error.get("message")
+    else:
+        code = None
+        message = data.get("detail") or data.get("reason") if isinstance(data, dict) else data
+    label = f"HTTP {status}" + (f" {code}" if code else "")
+    return f"error: {label}: {' '.join(str(message or '').split())}"

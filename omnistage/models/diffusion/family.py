@@ -85,6 +85,10 @@ class DiffusionFamily(Protocol):
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits: ...
 
+    def pipeline(self) -> list[dict[str, Any]]:
+        """The stages a folder of this family is served as (``omnistage serve DIR``)."""
+        ...
+
     def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
         """Requests with equal keys can share one denoising loop: same latent shape, same
         timesteps (besides the scheduler class, which the stage adds), same guidance rows."""

@@ -28,6 +28,7 @@ from omnistage.models.diffusion.family import (
     DiffusionRequestLike,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
+from omnistage.models.family import load_template
 
 # diffusers' own max_sequence_length defaults per pipeline class (PixArt-alpha: 120).
 _MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120}
@@ -138,6 +139,9 @@ class PixArtFamily:
         if load:
             pipeline.load_weights(pipeline.folder, strict=True)
         return pipeline
+
+    def pipeline(self) -> list[dict[str, Any]]:
+        return load_template("omnistage.models.diffusion", "image.yaml")
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config

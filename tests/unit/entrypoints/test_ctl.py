@@ -48,3 +48,27 @@ def test_the_ack_table_shows_the_achieved_throughput(monkeypatch, capsys):
     assert ctl.run(parse("wakeup", "0")) == 0
     out = capsys.readouterr().out
     assert "GB/s" in out and "85.90" in out and "12.5" in out
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "line"),
+    [
+        (401, {"error": {"message": "missing or invalid API key", "code": "unauthorized"},
+               "detail": "missing or invalid API key"},
+         "error: HTTP 401 unauthorized: missing or invalid API key"),
+        (501, {"error": {"message": "Engine does not support sleep", "code": "not_implemented"}},
+         "error: HTTP 501 not_implemented: Engine does not support sleep"),
+        (409, {"error": {"message": "stage 0 is busy (waking);\nretry", "code": "stage_busy"}},
+         "error: HTTP 409 stage_busy: stage 0 is busy (waking); retry"),
+        (502, {"detail": "bad gateway"}, "error: HTTP 502: bad gateway"),
+    ],
+)  # fmt: skip
+def test_a_refused_call_is_one_readable_line_not_a_json_dump(
+    monkeypatch, capsys, status, body, line
+):
+    monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(status, json=body))
+    assert ctl.run(parse("sleep", "0")) == 1
+    out = capsys.readouterr()
+    assert out.err.strip() == line and out.out == ""
+    assert ctl.run(parse("--json", "sleep", "0")) == 1  # --json still prints the body
+    assert '"error"' in capsys.readouterr().out or status == 502
