@@ -22,12 +22,12 @@ Sapphire/Emerald Rapids (AVX-512), torch 2.13 (MKL 2024.2, oneDNN 3.12), fp32:
   faster). Decoding the tiny demo model, 32 sequences at once ran 1-7% slower, one sequence
   alone 22% slower. ``OMNISTAGE_BATCH_INVARIANT=0`` (or any ``MKL_CBWR`` of the user's own,
   which is left alone) keeps MKL's default mode and that speed, and gives up bit-identity.
-- **AR decode attention** (``omnistage/models/ar_attention.py``). The CPU SDPA kernel splits
+- **AR decode attention** (the ``torch_sdpa`` backend, ``omnistage/models/attention.py``). The CPU SDPA kernel splits
   keys into 512-slot chunks and its sums change with the length of the last chunk, masked
   slots included; a batch padded to its widest block table changed a 1000-token sequence's
   result. On the CPU each sequence attends over exactly its own blocks (sequences with as
   many blocks share a call); prefill already attends per sequence.
-- **silu** (``omnistage/models/qwen2.py``). ATen splits elementwise ops into one chunk per
+- **silu** (``omnistage/models/decoder.py``). ATen splits elementwise ops into one chunk per
   thread whose last partial SIMD step takes the scalar function; silu's scalar ``std::exp``
   rounds differently from the SIMD one, and where chunks end depends on the number of
   tokens. The MLP pads its silu rows so that every chunk is whole SIMD steps (``rowwise``).

@@ -1,4 +1,4 @@
-"""One client per stage: submit requests, receive outputs, make utility calls.
+"""One client per stage: submit requests, receive outputs, make control calls.
 
 ``StageClient`` is transport-agnostic: a ``StageLauncher`` starts the stage and gives back a
 ``StageHandle`` (a local process over ZMQ, or a thread of this process). Outputs go to

@@ -1,12 +1,12 @@
 """The stage busy loop, independent of transport: take inputs, step the engine, emit outputs.
 
 ``StageCore`` turns incoming messages into engine calls and engine results into outgoing
-messages. Control operations are utility calls whose reply may be deferred: a sleep with
-mode ``wait`` pauses admission, keeps stepping until the in-flight requests finish, and only
+messages. Control operations are typed calls (``ControlCall``), dispatched by type, whose
+reply may be deferred: a sleep with mode ``wait`` pauses admission, keeps stepping until the in-flight requests finish, and only
 then sleeps and replies (or gives up after ``drain_timeout_s`` and resumes).
 
 Nothing a message carries can end the loop: a request the engine refuses fails that request,
-a utility call that raises is answered with the error. Only an exception escaping
+a control call that raises is answered with the error. Only an exception escaping
 ``engine.step()`` — which engines raise for faults of the process itself — ends it.
 """
 

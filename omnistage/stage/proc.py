@@ -1,7 +1,7 @@
 """The stage process: one OS process per stage, owning its device, arena and engine.
 
 Started with multiprocessing ``spawn`` by a launcher in the engine client. It connects two
-ZMQ sockets (requests and utility calls in, outputs and replies out), builds its engine —
+ZMQ sockets (requests and control calls in, outputs and replies out), builds its engine —
 importing only what its kind needs — brings it to the state its ``StartupOptions`` ask for (a
 restarted stage comes back asleep, paused, with its weight updates), announces itself with
 ``Ready`` (or ``StartupFailed``), and runs the ``StageCore`` loop until told to shut down or

@@ -262,3 +262,23 @@ async def test_a_mixed_set_of_stages_sleeps_and_wakes_concurrently():
         stage.release("wake_up")
     await wake
     assert omni.sleeping_stage_ids() == set()
+
+
+@pytest.mark.parametrize("auto_wake", [False, True])
+def test_a_refusal_names_every_sleeping_stage_and_offers_a_retry_only_with_auto_wake(
+    auto_wake: bool,
+):
+    from omnistage.engine.admission import ASLEEP
+    from omnistage.errors import StageRestartingError
+
+    gate = AdmissionGate(3, auto_wake=auto_wake)
+    gate.stages[0].state = ASLEEP
+    gate.stages[2].state = ASLEEP
+    with pytest.raises(StageAsleepError) as refused:
+        gate.check_available([0, 1, 2])
+    assert refused.value.stage_ids == [0, 2]
+    assert refused.value.retry_after is auto_wake
+    gate.mark_dead(1, "killed by SIGKILL", restarting=True)
+    with pytest.raises(StageRestartingError) as restarting:
+        gate.check_available([0, 1, 2])
+    assert restarting.value.retry_after  # a restart comes back by itself
