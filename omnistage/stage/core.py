@@ -3,7 +3,8 @@
 ``StageCore`` turns incoming messages into engine calls and engine results into outgoing
 messages. Control operations are typed calls (``ControlCall``), dispatched by type, whose
 reply may be deferred: a sleep with mode ``wait`` pauses admission, keeps stepping until the
-in-flight requests finish, and only then sleeps and replies (or gives up after ``drain_timeout_s`` and resumes).
+in-flight requests finish, and only then sleeps and replies (or gives up after
+``drain_timeout_s`` and resumes).
 
 Nothing a message carries can end the loop: a request the engine refuses fails that request,
 a control call that raises is answered with the error. Only an exception escaping
