@@ -14,5 +14,7 @@ def test_an_ar_stage_imports_only_what_it_needs_and_the_figures_are_written(tmp_
     assert "torch" in row["top_packages"]
     assert row["import_ms"] > row["torch_ms"] > 0 and row["build_ms"] > 0
     assert row["serve_first_token_ms"] >= row["serve_ready_ms"] > 0
-    assert row["first_token_ms"] > row["import_ms"]
+    # Measured in other processes than the breakdown (which runs under -X importtime): the
+    # first token includes torch's import and the engine build, whatever else varies.
+    assert row["first_token_ms"] > row["torch_ms"] + row["build_ms"]
     assert "| tiny-chat |" in table
