@@ -46,7 +46,7 @@ import torch
 
 from omnistage.bench.report import write_results
 from omnistage.memory import Arena, HostBackend, device_used_bytes, process_resident_bytes
-from omnistage.memory.backend import page_mover
+from omnistage.memory.host import page_mover
 
 MiB = 1024 * 1024
 _COMMON_COLUMNS = [

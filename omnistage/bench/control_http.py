@@ -3,13 +3,20 @@
 ``omnistage serve --pipeline tiny-omni --enable-sleep-mode`` in a process of its own; stage 0,
 ``cycles`` times per level: ``POST /v1/omni/sleep`` → ``POST /v1/omni/wakeup`` (which resumes
 the stage), then a streamed 4-token chat whose first content chunk is the *first token after
-wake*, then the same chat again, the *warm first token* of that cycle (nothing slept in
-between). Per level, p50 and p90 of:
+wake*, then, after the stage idled as long as that sleep and wake took, the same chat again:
+the *warm first token* of that cycle (nothing slept in between). The idle wait matters: a
+request right behind another finds the CPU's caches and the stage's compute threads busy and
+answers 5-15 % faster than one after a few milliseconds of idleness, wake or no wake (measured
+in-process: after 5-20 ms idle, a warm first token took as long as one after a wake). Per level, p50 and p90 of:
 
 - ``sleep_ms``, ``wake_ms``: each call's round trip as the client sees it;
 - ``round_trip_ms``: sleep + wake;
 - ``first_token_after_wake_ms`` and ``warm_first_token_ms``, and their ratio
   ``after_wake_vs_warm`` (p50 over p50; 1.0 means a wake leaves nothing to fault in).
+
+The server runs without prefix caching: a sleep discards the KV cache and, by contract, the
+prefixes cached in it, so with caching on the warm chat (its prompt cached by the chat before)
+would be timed against an uncached one, measuring the prefix cache instead of the wake.
 
 One keep-alive HTTP connection, as a control loop would hold. The whole run is a benchmark,
 never a test: it writes ``control-http.json`` and a Markdown table.
@@ -59,7 +66,7 @@ class ServedPipeline:
         cmd = [
             sys.executable, "-m", "omnistage.cli", "serve", "--pipeline", pipeline,
             "--enable-sleep-mode", "--device", device, "--port", str(port),
-            "--disable-log-requests",
+            "--disable-log-requests", "--no-enable-prefix-caching",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
@@ -125,6 +132,7 @@ def cycle_rows(client: httpx.Client, pipeline: str, level: int, cycles: int) -> 
         sleep_ms = _post_ms(client, "/v1/omni/sleep", {"stage_ids": [0], "level": level})
         wake_ms = _post_ms(client, "/v1/omni/wakeup", {"stage_ids": [0]})
         after.append(first_token_ms(client))
+        time.sleep((sleep_ms + wake_ms) / 1e3)  # as idle as the stage was before that chat
         warm.append(first_token_ms(client))
         sleeps.append(sleep_ms)
         wakes.append(wake_ms)

@@ -83,6 +83,12 @@ class StageControl:
         async def one(sid: int) -> Any:
             return await self.clients[sid].call(op)
 
+        if len(stage_ids) == 1:  # no task to schedule for the common case: one event-loop turn
+            (sid,) = stage_ids
+            try:
+                return {sid: await one(sid)}
+            except Exception as exc:
+                return {sid: exc}
         results = await asyncio.gather(*(one(sid) for sid in stage_ids), return_exceptions=True)
         return dict(zip(stage_ids, results, strict=True))
 
@@ -157,15 +163,16 @@ class StageControl:
         trigger: str = TRIGGER_API,
     ) -> list[Ack]:
         ids = self.check_stage_ids(stage_ids)
-        op = ops.WakeUp(tags=None if tags is None else list(tags), reload=reload)
+        should_resume = self.resume_after_wake if resume is None else resume
+        # The stage resumes itself once wholly awake: no second round trip.
+        op = ops.WakeUp(
+            tags=None if tags is None else list(tags), reload=reload, resume=should_resume
+        )
         self._check_sleep_mode(ids)
         if not ids:
             return []
         previous = self.gate.begin_transition(ids, adm.WAKING)
-        should_resume = self.resume_after_wake if resume is None else resume
-        return await asyncio.shield(
-            self._wake_up(ids, previous, op, resume=should_resume, trigger=trigger)
-        )
+        return await asyncio.shield(self._wake_up(ids, previous, op, trigger=trigger))
 
     async def _wake_up(
         self,
@@ -173,7 +180,6 @@ class StageControl:
         previous: dict[int, str],
         op: ops.WakeUp,
         *,
-        resume: bool,
         trigger: str,
     ) -> list[Ack]:
         start = time.perf_counter()
@@ -193,8 +199,9 @@ class StageControl:
         flat = [ack for sid in ids for ack in acks[sid]]
         self.notify("wake_up", flat)
         # Every stage is settled before resuming: a resume that fails must not leave the
-        # other stages marked as waking.
-        if resume and to_resume:
+        # other stages marked as waking. (A stage asked to resume did so itself; one that
+        # still waits here is a kind that ignores the request.)
+        if op.resume and to_resume:
             await self.resume(to_resume)
         raise_if_gone(results)
         return flat

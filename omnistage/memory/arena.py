@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from omnistage.memory.backend import ArenaError, Backend, HostBackend, Region, round_up
+from omnistage.memory.backend import ArenaError, Backend, Region, round_up
+from omnistage.memory.host import HostBackend
 
 ALIGNMENT = 256  # bytes; enough for any dtype and for vectorised kernels
 
@@ -100,25 +101,34 @@ class Arena:
 
     # -- allocation ---------------------------------------------------------------------
 
-    def _allocate(self, nbytes: int, tag: str) -> tuple[Region, torch.Tensor]:
+    def _allocate(
+        self, nbytes: int, tag: str, *, on_touch: bool = False
+    ) -> tuple[Region, torch.Tensor]:
         if self._closed:
             raise ArenaError("arena is closed")
         state = self._tags.setdefault(tag, _Tag())
         if state.is_asleep:
             raise ArenaError(f"cannot allocate under tag {tag!r}: it is asleep")
-        region = self.backend.allocate(nbytes)
+        region = self.backend.allocate(nbytes, on_touch=on_touch)
         state.regions.append(region)
         return region, self.backend.as_tensor(region)
 
-    def empty(self, shape: Iterable[int] | int, dtype: torch.dtype, tag: str) -> torch.Tensor:
-        """An uninitialised tensor living in the arena under ``tag``."""
+    def empty(
+        self, shape: Iterable[int] | int, dtype: torch.dtype, tag: str, *, on_touch: bool = False
+    ) -> torch.Tensor:
+        """An uninitialised tensor living in the arena under ``tag``.
+
+        ``on_touch``: after its memory was discarded, a wake maps it back without faulting
+        its pages in; they come in as they are first touched (on the host, in 4 KiB pages).
+        For a cache used from its first blocks on (the KV cache): a wake then costs nothing
+        for it, and a request pays only for the few pages it touches."""
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         numel = 1
         for dim in shape:
             numel *= dim
         itemsize = torch.empty((), dtype=dtype).element_size()
         with self._lock:
-            _, flat = self._allocate(numel * itemsize, tag)
+            _, flat = self._allocate(numel * itemsize, tag, on_touch=on_touch)
         return flat[: numel * itemsize].view(dtype).view(shape)
 
     def adopt(self, module: nn.Module, tag: str = "weights") -> int:
@@ -343,12 +353,25 @@ class Arena:
                 raise ArenaError(f"tag {tag!r} is asleep; wake it before refilling it")
             state.is_valid = True
 
+    def reserved_bytes(self, tag: str) -> int:
+        """Bytes the tag's regions span, asleep or awake."""
+        with self._lock:
+            self._check_tags([tag])
+            return sum(r.nbytes for r in self._tags[tag].regions)
+
+    def backup_bytes(self) -> int:
+        """Bytes held in host backups of offloaded tags."""
+        with self._lock:
+            return sum(r.nbytes for s in self._tags.values() if s.is_offloaded for r in s.regions)
+
     def stats(self) -> dict[str, TagStats]:
+        """Per tag: reserved bytes, bytes backed by memory now (on the host, only the pages an
+        on-touch tensor has used since its last wake), backups, state."""
         with self._lock:
             return {
                 tag: TagStats(
                     reserved_bytes=sum(r.nbytes for r in s.regions),
-                    resident_bytes=sum(r.nbytes for r in s.regions if r.is_mapped),
+                    resident_bytes=sum(self.backend.resident_bytes(r) for r in s.regions),
                     backup_bytes=sum(r.nbytes for r in s.regions if s.is_offloaded),
                     is_asleep=s.is_asleep,
                     is_valid=s.is_valid,

@@ -118,7 +118,9 @@ class CudaVmmBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    def allocate(self, nbytes: int) -> Region:
+    def allocate(self, nbytes: int, *, on_touch: bool = False) -> Region:
+        """``on_touch`` changes nothing here: mapping device memory back costs no page
+        faults later."""
         self._make_current()
         size = round_up(max(nbytes, 1), self._granularity)
         base = int(

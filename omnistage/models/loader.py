@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -101,6 +103,34 @@ def checkpoint_files(path: str | Path) -> list[Path]:
     return files
 
 
+_HEADERS: OrderedDict[tuple[int, ...], tuple[dict[str, TensorEntry], dict[str, str]]] = (
+    OrderedDict()
+)
+_MAX_HEADERS = 64
+_headers_lock = threading.Lock()
+
+
+def _checked_header(
+    fd: int, size: int, path: Path
+) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """``parse_header``, remembered per file as it is on disk (device, inode, size and
+    modification time): a level-2 reload opens the same unchanged files on every wake, and
+    a header of thousands of tensors takes milliseconds to check again."""
+    info = os.fstat(fd)
+    key = (info.st_dev, info.st_ino, size, info.st_mtime_ns)
+    with _headers_lock:
+        found = _HEADERS.get(key)
+        if found is not None:
+            _HEADERS.move_to_end(key)
+            return found
+    found = parse_header(fd, size, path)
+    with _headers_lock:
+        _HEADERS[key] = found
+        if len(_HEADERS) > _MAX_HEADERS:
+            _HEADERS.popitem(last=False)
+    return found
+
+
 class SafetensorsFile:
     """A memory-mapped safetensors file whose tensors are zero-copy views of the mapping.
 
@@ -113,7 +143,7 @@ class SafetensorsFile:
         self.path = Path(path)
         fd, size = open_regular(self.path)
         try:
-            self.entries, self.metadata = parse_header(fd, size, self.path)
+            self.entries, self.metadata = _checked_header(fd, size, self.path)
             # ACCESS_COPY: writable for torch.frombuffer, never written back to the file.
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         except OSError as exc:  # EIO, ENOMEM

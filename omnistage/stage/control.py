@@ -138,10 +138,13 @@ class Sleep(_Op):
 
 
 class WakeUp(_Op):
-    """Map memory back; discarded weights are reloaded unless ``reload`` is False."""
+    """Map memory back; discarded weights are reloaded unless ``reload`` is False. With
+    ``resume`` a stage that is wholly awake again schedules at once (one call instead of a
+    wake and a resume)."""
 
     tags: list[str] | None = None
     reload: bool = True
+    resume: bool = False
 
     def __post_init__(self) -> None:
         check_tags(self.tags)

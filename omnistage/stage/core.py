@@ -78,7 +78,7 @@ def control_handlers(engine: Any) -> dict[type, Callable[[Any], Any]]:
 
     return {
         ops.Sleep: lambda op: engine.sleep(op.level, op.mode, op.tags),
-        ops.WakeUp: lambda op: engine.wake_up(op.tags, op.reload),
+        ops.WakeUp: lambda op: engine.wake_up(op.tags, op.reload, op.resume),
         ops.Pause: lambda op: engine.pause(op.mode),
         ops.Resume: lambda op: engine.resume(),
         ops.UpdateWeights: lambda op: engine.update_weights(op.path, op.check_finite),

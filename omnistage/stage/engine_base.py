@@ -173,10 +173,13 @@ class StageEngineBase(Generic[W]):
         ack.metadata.paused = True
         return ack
 
-    def wake_up(self, tags: Sequence[str] | None = None, reload: bool = True) -> Ack:
+    def wake_up(
+        self, tags: Sequence[str] | None = None, reload: bool = True, resume: bool = False
+    ) -> Ack:
         """Map memory back (reloading discarded weights unless ``reload`` is False); a stage
-        kind that ``resumes_after_wake`` schedules again once nothing is asleep."""
-        op = WakeUp(tags=None if tags is None else list(tags), reload=reload)
+        kind that ``resumes_after_wake``, or a wake asked to ``resume``, schedules again once
+        nothing is asleep."""
+        op = WakeUp(tags=None if tags is None else list(tags), reload=reload, resume=resume)
         self._require_sleep_mode()
         chosen = check_tags(op.tags, self.arena.tags)
         if self._asleep_at_level0 and not self.sleep_control.is_sleeping:
@@ -185,7 +188,7 @@ class StageEngineBase(Generic[W]):
             ack = self.worker.wake_up(chosen, op.reload)
         if ack.status == "SUCCESS" and not self.sleep_control.is_sleeping:
             self._asleep_at_level0 = False
-            if self.resumes_after_wake:
+            if self.resumes_after_wake or op.resume:
                 self.resume()
         if ack.status != "ERROR":
             self._after_wake(ack)

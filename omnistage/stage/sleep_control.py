@@ -223,7 +223,7 @@ class SleepController:
             error_msg="already asleep" if status == "SKIPPED" else None,
             level=level,
             tags=[*report.offloaded_tags, *report.discarded_tags] if level else [],
-            host_backup_bytes=sum(s.backup_bytes for s in self.arena.stats().values()),
+            host_backup_bytes=self.arena.backup_bytes(),
             **metadata,
         )
         ack.freed_bytes = max(0, before - ack.metadata.resident_bytes_after)
@@ -275,7 +275,7 @@ class SleepController:
                 self.arena.mark_valid(tag)  # caches are reset by their engine, contents unused
         restored = report.restored_bytes
         if needs_reload:
-            restored += self.arena.stats()[WEIGHTS].reserved_bytes
+            restored += self.arena.reserved_bytes(WEIGHTS)
         if not self.is_sleeping:
             self.level = 0
         is_noop = report.is_noop and not needs_reload
@@ -339,7 +339,7 @@ class SleepController:
             self._apply(source, check_finite=check_finite)
         except CheckpointError as exc:
             raise InvalidRequestError("path", str(exc)) from exc
-        nbytes = self.arena.stats()[WEIGHTS].reserved_bytes
+        nbytes = self.arena.reserved_bytes(WEIGHTS)
         return self._ack(
             "SUCCESS", start, 0, restored_bytes=nbytes, tags=[WEIGHTS],
             weight_sources=self.weight_sources,

@@ -100,7 +100,9 @@ class KVCache:
         self.plan = plan
         block = backend.block_shape(plan.block_size, model.num_key_value_heads, model.head_dim)
         shape = (2, model.num_hidden_layers, plan.num_blocks + 1, *block)
-        self.tensor = arena.empty(shape, dtype, KV_CACHE)
+        # Blocks are handed out from the first on, so a woken cache needs only the pages its
+        # first requests touch: the rest comes in as later ones grow into it.
+        self.tensor = arena.empty(shape, dtype, KV_CACHE, on_touch=True)
         self.clear()  # also faults the pages in: resident figures then match reserved ones
         self.layers: list[KVCacheLayer] = [
             (self.tensor[0, i], self.tensor[1, i]) for i in range(model.num_hidden_layers)

@@ -8,6 +8,7 @@ addresses across sleep and wake, which is what lets captured decode graphs be re
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,8 @@ from omnistage.memory import Arena
 from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.attention import select_backend
-from omnistage.models.loader import LoadReport, load_module
-from omnistage.models.tensor_parallel import SINGLE, TPGroup, rank_heads
+from omnistage.models.loader import LoadReport, load_into, module_targets
+from omnistage.models.tensor_parallel import SINGLE, Shard, TPGroup, rank_heads, shards_of
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
 from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
 from omnistage.stage.ar.multi_modal import encode_item
@@ -105,11 +106,18 @@ class ModelRunner:
         """Copy one block's k/v of every layer (a forked sample's own copy of a shared block)."""
         self.kv_cache.copy_block(src, dst)
 
+    @functools.cached_property
+    def _load_targets(self) -> tuple[dict[str, torch.Tensor], dict[str, Shard] | None]:
+        """The weights by checkpoint name and this rank's slices of them: fixed for the
+        model's life (the arena keeps every address), so a reload does not walk it again."""
+        return module_targets(self.model), shards_of(self.model) or None
+
     def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
         rename: Callable[[str], str | None] = self.family.rename(self.model_config.part)
-        return load_module(
-            self.model, path, rename=rename, strict=strict, check_finite=check_finite
+        targets, shards = self._load_targets
+        return load_into(
+            targets, path, rename=rename, strict=strict, check_finite=check_finite, shards=shards
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

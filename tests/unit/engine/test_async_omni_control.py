@@ -66,6 +66,7 @@ class FakeStage:
         self.hold: set[str] = set()
         self.held: list[tuple[ControlCall, asyncio.Future[Any]]] = []
         self.fail: set[str] = set()
+        self.resumes_on_wake = True  # a wake asked to resume does (False: a kind that ignores it)
         self.queues: dict[str, asyncio.Queue[OutputMessage]] = {}
         self._call_ids = iter(range(1, 10**9))
 
@@ -117,8 +118,10 @@ class FakeStage:
         if method(call) in self.fail:
             fut.set_exception(RuntimeError("boom"))
         elif isinstance(call.op, ops.Sleep | ops.WakeUp):
-            # An AR stage waits for a resume after a wake; the others schedule by themselves.
-            fut.set_result([make_ack(self.stage_id, paused=self.kind == "ar")])
+            # An AR stage waits for a resume after a wake unless the wake asked it to resume;
+            # the others schedule by themselves.
+            resumed = isinstance(call.op, ops.WakeUp) and call.op.resume and self.resumes_on_wake
+            fut.set_result([make_ack(self.stage_id, paused=self.kind == "ar" and not resumed)])
         else:
             fut.set_result(None)
 
@@ -168,9 +171,24 @@ async def test_resume_racing_a_sleep_does_not_reopen_the_sleeping_stage():
     assert omni.sleeping_stage_ids() == {0}
 
 
+async def test_a_wake_that_resumes_is_one_call_per_stage():
+    omni, stages = make_omni(resume_after_wake=True)
+    await omni.sleep([0, 1], level=1)
+    await omni.wake_up([0, 1])
+    for stage in stages:
+        (wake,) = stage.calls("wake_up")
+        assert wake.op.resume and not stage.calls("resume")
+    assert not omni.is_paused()
+    omni_paused, paused_stages = make_omni()  # the Python API's default: woken, still paused
+    await omni_paused.sleep([0], level=1)
+    await omni_paused.wake_up([0])
+    assert not paused_stages[0].calls("wake_up")[0].op.resume and omni_paused.is_paused(0)
+
+
 async def test_a_failed_resume_after_wake_leaves_no_stage_waking():
     omni, stages = make_omni(resume_after_wake=True)
     await omni.sleep([0, 1], level=1)
+    stages[0].resumes_on_wake = False  # so the engine client resumes it with a call of its own
     stages[0].fail = {"resume"}
     with pytest.raises(RuntimeError, match="boom"):
         await omni.wake_up([0, 1])

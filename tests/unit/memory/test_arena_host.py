@@ -4,6 +4,7 @@ from torch import nn
 
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, HostBackend, process_resident_bytes
 from omnistage.models.loader import load_module
+from tests.unit.memory.residency import resident_bytes
 
 MiB = 1024 * 1024
 
@@ -127,3 +128,25 @@ def test_unknown_tag_and_asleep_allocation_are_errors():
         raise AssertionError("expected ArenaError")
     except ArenaError as exc:
         assert "asleep" in str(exc)
+
+
+def test_an_on_touch_tensor_comes_back_empty_and_fills_page_by_page():
+    arena = Arena("cpu")
+    cache = arena.empty((16 * MiB,), torch.uint8, "kv_cache", on_touch=True)
+    weights = arena.empty((4 * MiB,), torch.uint8, "weights")
+    cache.fill_(1)
+    weights.fill_(2)
+    assert resident_bytes(cache) == 16 * MiB
+    arena.sleep(discard=["kv_cache", "weights"])
+    assert resident_bytes(cache) == 0 and resident_bytes(weights) == 0
+    report = arena.wake()
+    assert sorted(report.invalid_tags) == ["kv_cache", "weights"]
+    assert resident_bytes(weights) == 4 * MiB  # populated up front, as before
+    assert resident_bytes(cache) == 0  # nothing faulted in by the wake
+    cache[: 10 * 4096].fill_(3)  # a first use touches small pages, not 2 MiB ones
+    assert resident_bytes(cache) == 10 * 4096
+    stats = arena.stats()  # the figures operators see say the same
+    assert stats["kv_cache"].resident_bytes == 10 * 4096
+    assert stats["weights"].resident_bytes == stats["weights"].reserved_bytes
+    assert int(cache[:4096].sum()) == 3 * 4096 and int(cache[10 * 4096 :].sum()) == 0
+    arena.close()

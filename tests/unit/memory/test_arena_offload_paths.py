@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, HostBackend
-from omnistage.memory.backend import page_mover
+from omnistage.memory.host import page_mover
 
 MiB = 1024 * 1024
 MODES = ["move", "copy"]

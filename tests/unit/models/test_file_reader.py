@@ -2,6 +2,7 @@
 destination windows), staged through host buffers for a device, and checked reads."""
 
 import os
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ def test_direct_reads_fill_arena_tensors_bit_exact(checkpoint, threads, monkeypa
     path, tensors = checkpoint
     monkeypatch.setattr(file_reader, "reader_threads", lambda: threads)
     monkeypatch.setattr(file_reader, "WINDOW_BYTES", 2 * 1024 * 1024)  # many windows
+    monkeypatch.setattr(file_reader, "MIN_BYTES_PER_THREAD", 1)  # every reader takes part
     arena, targets = arena_targets(tensors)
     ptrs = {name: t.data_ptr() for name, t in targets.items()}
     report = load_into(targets, path)
@@ -85,8 +87,10 @@ def test_converting_loads_still_copy_from_the_mapping(checkpoint):
     assert torch.equal(targets["half"], tensors["half"].float())
 
 
-def test_a_file_that_shrank_after_its_check_is_an_error_not_a_crash(checkpoint):
+def test_a_file_that_shrank_after_its_check_is_an_error_not_a_crash(checkpoint, monkeypatch):
     path, tensors = checkpoint
+    monkeypatch.setattr(file_reader, "MIN_BYTES_PER_THREAD", 1)  # the error comes from a helper
+    monkeypatch.setattr(file_reader, "WINDOW_BYTES", 2 * 1024 * 1024)
     targets = {name: torch.zeros_like(t) for name, t in tensors.items()}
     with SafetensorsFile(path) as st:
         spans = [st.span(name, targets[name], name) for name in tensors]
@@ -102,3 +106,33 @@ def test_the_file_stays_open_until_closed(checkpoint):
     st.close()
     assert st.fd == -1
     st.close()  # twice is fine
+
+
+def _reader_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("omnistage-read")}
+
+
+def test_reader_helpers_are_kept_between_reads(checkpoint, monkeypatch):
+    path, tensors = checkpoint
+    monkeypatch.setattr(file_reader, "MIN_BYTES_PER_THREAD", 1)
+    monkeypatch.setattr(file_reader, "WINDOW_BYTES", 2 * 1024 * 1024)
+    targets = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    with SafetensorsFile(path) as st:
+        spans = [s for s in (st.span(n, targets[n], n) for n in tensors) if s is not None]
+        read_spans(spans, threads=3)
+        helpers = _reader_threads()
+        read_spans(spans, threads=3)
+        assert helpers and _reader_threads() == helpers  # no thread started for the second
+    assert all(torch.equal(t, tensors[name]) for name, t in targets.items())
+
+
+def test_a_small_read_stays_on_the_calling_thread(checkpoint, monkeypatch):
+    path, tensors = checkpoint
+
+    def no_helpers():
+        raise AssertionError("a read under MIN_BYTES_PER_THREAD per reader used helpers")
+
+    monkeypatch.setattr(file_reader, "_helper_pool", no_helpers)
+    targets = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    load_into(targets, path)  # ~21 MiB: under two readers' worth
+    assert all(torch.equal(t, tensors[name]) for name, t in targets.items())

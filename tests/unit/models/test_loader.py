@@ -195,3 +195,21 @@ def test_finite_weights_pass_the_check_and_report_what_they_copied(tmp_path):
         v.numel() * v.element_size() for v in model.state_dict().values()
     )
     assert report.files == [str(tmp_path / "m.safetensors")] and report.missing == []
+
+
+def test_an_unchanged_file_is_checked_once_and_a_changed_one_again(tmp_path, monkeypatch):
+    from omnistage.models import loader
+
+    parsed = []
+    real = loader.parse_header
+    monkeypatch.setattr(loader, "parse_header", lambda *a: parsed.append(a[2]) or real(*a))
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.ones(8)}, str(path))
+    targets = {"w": torch.zeros(8)}
+    load_into(targets, path)
+    load_into(targets, path)
+    assert len(parsed) == 1  # a reload of the same file reads its header once
+    save_file({"w": torch.full((8,), 3.0), "extra": torch.zeros(1)}, str(path))
+    with pytest.raises(CheckpointError, match="extra"):
+        load_into(targets, path)
+    assert len(parsed) == 2

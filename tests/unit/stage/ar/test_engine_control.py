@@ -7,6 +7,7 @@ from omnistage.errors import (
     WeightsInvalidError,
 )
 from omnistage.stage.ar.sequence import ARRequest
+from tests.unit.memory.residency import resident_bytes
 from tests.unit.stage.ar.helpers import (
     build_micro,
     collect,
@@ -94,6 +95,29 @@ def test_sleep_keep_continues_after_wake_and_resume_with_same_tokens(engine, ref
     engine.resume()
     run_to_completion(engine, results)
     assert [results[f"keep{i}"].token_ids for i in range(NUM_REQUESTS)] == reference
+
+
+def test_a_wake_asked_to_resume_schedules_at_once_with_the_same_tokens(engine, reference):
+    results = start_decoding(engine, "resumed")
+    engine.sleep(level=1, mode="keep")
+    partial = engine.wake_up(tags=["weights"], resume=True)
+    assert partial.status == "SUCCESS" and partial.metadata.paused  # the KV cache still sleeps
+    ack = engine.wake_up(resume=True)
+    assert ack.status == "SUCCESS" and not ack.metadata.paused and not engine.is_paused
+    run_to_completion(engine, results)  # no resume() call
+    assert [results[f"resumed{i}"].token_ids for i in range(NUM_REQUESTS)] == reference
+
+
+def test_the_kv_cache_comes_back_without_its_pages_and_refills_them_as_used(engine, reference):
+    kv = engine.worker.runner.kv_cache.tensor
+    engine.sleep(level=1)
+    assert resident_bytes(kv) == 0
+    engine.wake_up()
+    assert resident_bytes(kv) == 0  # mapped back, nothing faulted in
+    engine.resume()
+    results = generate(engine, batch("paged"))
+    assert [results[f"paged{i}"].token_ids for i in range(NUM_REQUESTS)] == reference
+    assert 0 < resident_bytes(kv) < kv.numel() * kv.element_size() // 2  # what they used
 
 
 def test_pause_wait_holds_new_requests_until_resume(engine):
