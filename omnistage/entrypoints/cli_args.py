@@ -5,7 +5,6 @@ omnistage.entrypoints.openai.api_server``, vLLM-Omni's launch shape), built from
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import types
 import typing
@@ -153,8 +152,14 @@ def serve_values(args: argparse.Namespace) -> dict[str, object]:
                 f"error: the positional MODEL ({tag}) and --model ({values['model']}) differ"
             )
         values["model"] = tag
-    if "api_key" not in values and os.environ.get("OMNISTAGE_API_KEY"):
-        values["api_key"] = os.environ["OMNISTAGE_API_KEY"]
+    # A key variable set but blank is refused as the flags are (ConfigError), not taken as
+    # "no key".
+    from omnistage.entrypoints.serve.auth import API_KEY_ENV, CONTROL_API_KEY_ENV, key_from_env
+
+    for field, env in (("api_key", API_KEY_ENV), ("control_api_key", CONTROL_API_KEY_ENV)):
+        from_env = key_from_env(env)
+        if field not in values and from_env is not None:
+            values[field] = from_env
     return values
 
 
@@ -162,8 +167,13 @@ def server_config(args: argparse.Namespace) -> ServerConfig | None:
     """The validated config, or None after printing one line per bad flag."""
     from pydantic import ValidationError
 
+    from omnistage.config import ConfigError
+
     try:
         return ServerConfig.model_validate(serve_values(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
     except ValidationError as exc:
         for err in exc.errors():
             name = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")

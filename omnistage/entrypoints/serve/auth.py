@@ -21,14 +21,33 @@ from collections.abc import Mapping
 
 from fastapi import HTTPException, Request
 
+from omnistage.config import ConfigError
+
+API_KEY_ENV = "OMNISTAGE_API_KEY"
 CONTROL_API_KEY_ENV = "OMNISTAGE_CONTROL_API_KEY"
+
+
+def key_from_env(name: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """``$name``, or None when it is not set. Set but empty or blank (or with whitespace around
+    the key) is refused as the flags are: an operator who exported the variable meant a key,
+    and an empty one must not quietly serve without any."""
+    value = environ.get(name)
+    if value is None:
+        return None
+    if not value.strip() or value.strip() != value:
+        raise ConfigError(
+            f"${name} is set but {'empty' if not value.strip() else 'has surrounding whitespace'}"
+            f": give it a key, or unset it to serve without one"
+        )
+    return value
 
 
 def resolve_control_api_key(
     cli_value: str | None, environ: Mapping[str, str] = os.environ
 ) -> str | None:
-    """The control key: the command-line value, else ``$OMNISTAGE_CONTROL_API_KEY``, else None."""
-    return cli_value or environ.get(CONTROL_API_KEY_ENV) or None
+    """The control key: the command-line value, else ``$OMNISTAGE_CONTROL_API_KEY``, else None
+    (``ConfigError`` for a variable that is set but blank)."""
+    return cli_value or key_from_env(CONTROL_API_KEY_ENV, environ)
 
 
 def bearer_token(request: Request) -> str | None:

@@ -59,6 +59,17 @@ def test_blank_keys_are_refused_instead_of_disabling_auth(field, key):
         ServerConfig(pipeline="tiny-chat", **{field: key})
 
 
+@pytest.mark.parametrize("env", ["OMNISTAGE_API_KEY", "OMNISTAGE_CONTROL_API_KEY"])
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_key_variable_fails_as_the_flag_does(capsys, monkeypatch, env, value):
+    from omnistage.cli import main
+
+    monkeypatch.setenv(env, value)
+    assert main(["serve", "--pipeline", "tiny-chat"]) == 2
+    err = capsys.readouterr().err
+    assert f"${env}" in err and len(err.strip().splitlines()) == 1
+
+
 def test_an_empty_api_key_flag_fails_with_one_line(capsys):
     from omnistage.cli import main
 

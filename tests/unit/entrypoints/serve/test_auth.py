@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from omnistage.config import ConfigError
 from omnistage.entrypoints.serve.auth import CONTROL_API_KEY_ENV, resolve_control_api_key
 from tests.unit.entrypoints.serve.conftest import ClientFactory, FakeEngine
 
@@ -89,4 +90,7 @@ def test_control_key_comes_from_the_flag_then_the_environment() -> None:
     environ = {CONTROL_API_KEY_ENV: "from-env"}
     assert resolve_control_api_key("from-flag", environ) == "from-flag"
     assert resolve_control_api_key(None, environ) == "from-env"
-    assert resolve_control_api_key(None, {CONTROL_API_KEY_ENV: ""}) is None
+    assert resolve_control_api_key(None, {}) is None
+    for blank in ("", "  ", " key"):  # set but blank: refused, never "no key"
+        with pytest.raises(ConfigError, match=CONTROL_API_KEY_ENV):
+            resolve_control_api_key(None, {CONTROL_API_KEY_ENV: blank})
