@@ -56,7 +56,7 @@ class EngineStageClient(Protocol):
     @property
     def pid(self) -> int | None: ...
 
-    def on_death(self, callback: Callable[[int], None]) -> None: ...
+    def on_death(self, callback: Callable[[int], bool]) -> None: ...
     def attach(self) -> None: ...
     def add_request(
         self,
@@ -88,7 +88,7 @@ class StageClient:
         self._unfinished: dict[str, int] = {}  # request id -> samples not finished yet
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
-        self._death_callbacks: list[Callable[[int], None]] = []
+        self._death_callbacks: list[Callable[[int], bool]] = []
 
     # -- life ----------------------------------------------------------------------------
 
@@ -198,10 +198,13 @@ class StageClient:
     def _mark_dead(self, handle: StageHandle, reason: str) -> None:
         if handle is not self._handle or self.is_dead:
             return
-        # The death listeners (the supervisor) log it for operators, with what happens next.
+        # The death listeners (the supervisor) log it for operators, with what happens next,
+        # and say whether the stage comes back: its requests are failed saying so.
         logger.debug("stage %d died: %s", self.stage_id, reason)
         self.is_dead, self.death_reason = True, reason
-        error = WireError.from_exception(errors.StageDeadError(self.stage_id, reason))
+        comes_back = any([callback(self.stage_id) for callback in self._death_callbacks])
+        gone = errors.StageRestartingError if comes_back else errors.StageDeadError
+        error = WireError.from_exception(gone(self.stage_id, reason))
         for request_id, q in list(self._queues.items()):
             q.put_nowait(
                 OutputMessage(
@@ -212,12 +215,13 @@ class StageClient:
         self._unfinished.clear()
         for fut in self._calls.values():
             if not fut.done():
-                fut.set_exception(errors.StageDeadError(self.stage_id, reason))
+                fut.set_exception(gone(self.stage_id, reason))
         self._calls.clear()
-        for callback in self._death_callbacks:
-            callback(self.stage_id)
 
-    def on_death(self, callback: Callable[[int], None]) -> None:
+    def on_death(self, callback: Callable[[int], bool]) -> None:
+        """``callback(stage_id)`` when the stage dies, before its open requests are failed;
+        it answers whether the stage will come back (a restart), which the failed requests
+        then say (``stage_restarting``, with ``Retry-After``)."""
         self._death_callbacks.append(callback)
 
     # -- requests and calls (event loop) --------------------------------------------------

@@ -109,8 +109,9 @@ class Supervisor:
         )
         log_event(logger, logging.ERROR, "stage_died", f"{name} died ({reason}); {then}", **fields)
 
-    def _on_death(self, stage_id: int) -> None:
-        """On the event loop, right after the client failed the stage's requests."""
+    def _on_death(self, stage_id: int) -> bool:
+        """On the event loop, before the client fails the stage's requests; whether the stage
+        will be restarted."""
         reason = self.clients[stage_id].death_reason
         self._died_at[stage_id] = time.monotonic()
         level = self.gate.restart_level(stage_id)
@@ -123,10 +124,11 @@ class Supervisor:
         self._log_death(stage_id, reason, level, restart)
         self.gate.mark_dead(stage_id, reason, restarting=restart)
         if not restart:
-            return
+            return False
         task = asyncio.get_running_loop().create_task(self._restart(stage_id, level, paused))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
 
     async def _restart(self, stage_id: int, level: int | None, paused: bool) -> None:
         client = self.clients[stage_id]

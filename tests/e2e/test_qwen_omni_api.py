@@ -149,6 +149,8 @@ def test_text_works_while_the_talker_sleeps_and_audio_is_503(server):
         ({"audio": {"format": "mp3"}}, "audio.format"),
         ({"modalities": ["text"], "audio": {"voice": "Chelsie"}}, "audio"),
         ({"talker_params": {"temperature": -1}}, "talker_params.temperature"),
+        ({"talker_params": {"n": 4}}, "talker_params.n"),  # refused before any stage runs
+        ({"audio_params": {"num_steps": 4, "voice": "Ethan"}}, "audio_params.voice"),
         ({"audio_params": {"num_steps": 0}}, "audio_params.num_steps"),
         (
             {

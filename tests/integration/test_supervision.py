@@ -18,7 +18,7 @@ import torch
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.engine.supervisor import RestartPolicy
-from omnistage.errors import StageDeadError
+from omnistage.errors import StageDeadError, StageRestartingError
 from tests.integration.helpers import GREEDY, collect
 
 FAST = RestartPolicy(max_restarts=20, window_s=600, backoff_s=0.05, max_backoff_s=0.2)
@@ -81,6 +81,8 @@ async def test_killed_under_load_fails_in_flight_fast_and_serves_the_same_again(
     failed = [o for o in outcomes if isinstance(o, StageDeadError)]
     assert failed and time.monotonic() - start < 2.0
     assert "killed by SIGKILL" in str(failed[0])
+    # The stage comes back: its requests say so (HTTP 503 stage_restarting, Retry-After).
+    assert all(isinstance(o, StageRestartingError) and o.retry_after for o in failed)
     await until(lambda: omni.gate.stages[stage_id].state == "awake", 60, "stage back")
     after = await collect(omni, "same answer", modalities)
     assert after.token_ids == before.token_ids and after.pngs == before.pngs
@@ -163,9 +165,18 @@ async def test_out_of_restarts_a_stage_stays_dead_and_leaves_no_process():
     pids: list[int] = []
     try:
         assert (await collect(engine, "hi", ["text"])).token_ids
-        for _ in range(2):
+        for attempt in range(2):
+            started = asyncio.Event()
+            running = asyncio.ensure_future(
+                collect(engine, "cut short", ["text"], LONG, started=started)
+            )
+            await asyncio.wait_for(started.wait(), 30)
             pids.append(engine.clients[0].pid)
             os.kill(pids[-1], signal.SIGKILL)
+            cut = (await asyncio.gather(running, return_exceptions=True))[0]
+            # The first death is restarted (retry later); the second is final.
+            assert isinstance(cut, StageDeadError)
+            assert isinstance(cut, StageRestartingError) == (attempt == 0), cut
             await until(lambda: 0 in engine.dead_stage_ids(), 2, "death noticed")
             await until(lambda: engine.gate.stages[0].state != "restarting", 60, "settled")
         assert engine.gate.stages[0].state == "dead" and engine.gate.stages[0].restarts == 1

@@ -196,6 +196,14 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
     def _audio_needs_the_modality(self) -> ChatCompletionRequest:
         if self.audio is not None and "audio" not in (self.modalities or []):
             raise ValueError('audio is given but modalities does not include "audio"')
+        voice = (self.audio_params or {}).get("voice")
+        given = self.audio.voice if self.audio is not None else None
+        if given is not None and voice is not None and voice != given:
+            # One voice per request: never pick one of two silently.
+            raise ValueError(
+                f"audio_params.voice ({voice!r}) and audio.voice ({given!r}) differ; give the "
+                "voice once"
+            )
         return self
 
     def code2wav_params(self) -> dict[str, Any]:

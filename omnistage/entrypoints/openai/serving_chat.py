@@ -38,6 +38,7 @@ from omnistage.entrypoints.openai.protocol import (
 )
 from omnistage.entrypoints.openai.request_log import RequestLog
 from omnistage.entrypoints.serve.deps import EngineClientDep
+from omnistage.entrypoints.serve.errors import error_body
 from omnistage.errors import InvalidRequestError
 
 router = APIRouter(tags=["openai"])
@@ -110,7 +111,9 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def _error_event(exc: Exception) -> str:
-    return _sse({"error": {"message": str(exc), "type": type(exc).__name__}})
+    """A failure after the stream began, in-band, in the shape of the HTTP error reply (its
+    ``code`` says whether to retry: ``stage_restarting``)."""
+    return _sse(error_body(exc))
 
 
 def _model_name(request: Request, asked: str | None) -> str:

@@ -93,6 +93,21 @@ def error_response(
     return JSONResponse(status_code=status_code, content=body, headers=headers)
 
 
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """``{"error": {...}}`` of an exception, as its HTTP reply would carry it: what a stream
+    sends in-band when a request fails after its first event."""
+    kind = _kind_of(exc) or ErrorKind(500, "server_error", "internal_error")
+    param = getattr(exc, "field", None)
+    return {
+        "error": {
+            "message": _message_of(exc),
+            "type": kind.type,
+            "code": kind.code,
+            "param": param if isinstance(param, str) else None,
+        }
+    }
+
+
 def _kind_of(exc: BaseException) -> ErrorKind | None:
     for cls in type(exc).__mro__:
         if cls in ERROR_KINDS:

@@ -106,3 +106,23 @@ def test_bad_diffusion_requests_name_the_field(diffusion, prompt, image_params, 
     with pytest.raises(InvalidRequestError) as info:
         prepare(diffusion, prompt, image_params=image_params)
     assert info.value.field == field
+
+
+def test_a_fed_stage_keeps_every_parameter_and_refuses_n():
+    """A stage fed by another (a talker): its own defaults under the user's values, its stop
+    ids added to the user's (none dropped), and ``n`` refused before any stage runs."""
+    folder = ensure_preset("demo", cache_dir() / "demo")
+    info = ARStageInfo(
+        vocab_size=512,
+        max_model_len=64,
+        params_field="talker_params",
+        param_defaults={"temperature": 0.9, "top_k": 40},
+        stop_token_ids=[7],
+    )
+    talker = ARRequestPreparer(StageConfig(stage_id=1, kind="ar", model=str(folder)), info)
+    options = RequestOptions.of(talker_params={"temperature": 0.0, "stop_token_ids": [3, 7]})
+    params = talker.template(options, NOTHING).sampling_params
+    assert params.temperature == 0.0 and params.top_k == 40
+    assert params.stop_token_ids == [3, 7]
+    with pytest.raises(InvalidRequestError, match="talker_params.n"):
+        talker.check_options(RequestOptions.of(talker_params={"n": 4}), downstream=True)
