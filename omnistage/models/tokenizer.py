@@ -122,6 +122,13 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self.backend.get_vocab_size(with_added_tokens=True))
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (its longest vocabulary entry,
+        added tokens included): a text of ``n`` characters has at least ``n /
+        max_token_chars`` tokens, known without tokenizing it."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
 

@@ -193,6 +193,29 @@ def test_case4_a_prompt_longer_than_the_model_is_refused_naming_it(omni_server):
     assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
 
 
+def test_a_big_prompt_never_stalls_the_event_loop(omni_server):
+    """A chat of ~4 MB (under the body limit) is refused by its length before any tokenizing
+    (a tokenizer held the event loop 7 s for one), while /health keeps answering."""
+    import threading
+
+    body = {"messages": [{"role": "user", "content": "word " * 780_000}], "max_tokens": 2}
+    result: dict[str, httpx.Response] = {}
+    sender = threading.Thread(
+        target=lambda: result.update(r=httpx.post(omni_server.url + CHAT, json=body, timeout=120))
+    )
+    health_ms: list[float] = []
+    sender.start()
+    while sender.is_alive():
+        start = time.perf_counter()
+        assert httpx.get(omni_server.url + "/health", timeout=30).status_code == 200
+        health_ms.append((time.perf_counter() - start) * 1e3)
+        time.sleep(0.01)
+    sender.join()
+    assert result["r"].status_code == 413 and result["r"].json()["error"]["param"] == "messages"
+    assert "max_model_len" in result["r"].json()["error"]["message"]
+    assert max(health_ms, default=0.0) < 1000, health_ms  # generous: a few ms when idle
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -82,6 +82,22 @@ class ARRequestPreparer:
             embed_token_ids=list(wants.embed_token_ids) or None,
         )
 
+    def _refuse_surely_too_long(self, prompt: Mapping[str, Any], source: str) -> None:
+        """Refuse, before tokenizing it, a text too long for ``max_model_len`` tokens however it
+        tokenizes: no token stands for more than ``max_token_chars`` characters (twice that,
+        for normalizers that shrink text). Tokenizing megabytes takes seconds of a core and,
+        in parts, the GIL: the event loop would stall for a request that is refused anyway."""
+        if source == "prompt_token_ids":
+            return
+        chars = _text_chars(prompt[source])
+        limit = 2 * self.tokenizer.max_token_chars * self.info.max_model_len
+        if chars > limit:
+            raise RequestTooLargeError(
+                source,
+                f"{chars} characters are more than max_model_len={self.info.max_model_len} "
+                f"tokens can hold (at most {limit} characters with this tokenizer)",
+            )
+
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> ARStageRequest:
@@ -91,6 +107,7 @@ class ARRequestPreparer:
                 "prompt", "give exactly one of prompt, prompt_token_ids, messages"
             )
         text = prompt.get("prompt")
+        self._refuse_surely_too_long(prompt, sources[0])
         if sources[0] == "messages":
             token_ids = self.tokenizer.encode_chat(_messages(prompt["messages"]))
         elif sources[0] == "prompt":
@@ -154,6 +171,22 @@ class ARRequestPreparer:
                 "prompt", f"token id {bad} is outside the vocabulary [0, {vocab})"
             )
         return list(value)
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of text in a prompt, or in a message list's contents (a string, or parts of
+    type ``text``; other parts are not text and are bounded elsewhere)."""
+    if isinstance(value, str):
+        return len(value)
+    chars = 0
+    for message in value if isinstance(value, list | tuple) else ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            chars += len(content)
+        for part in content if isinstance(content, list | tuple) else ():
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+                chars += len(part["text"])
+    return chars
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -126,3 +126,27 @@ def test_a_fed_stage_keeps_every_parameter_and_refuses_n():
     assert params.stop_token_ids == [3, 7]
     with pytest.raises(InvalidRequestError, match="talker_params.n"):
         talker.check_options(RequestOptions.of(talker_params={"n": 4}), downstream=True)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "word " * 400_000,
+        {"messages": [{"role": "user", "content": "word " * 400_000}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "w" * 2_000_000}]}]},
+    ],
+)
+def test_a_text_surely_too_long_is_refused_without_tokenizing_it(ar, prompt, monkeypatch):
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized a text that no max_model_len could hold")
+
+    monkeypatch.setattr(ar.tokenizer, "encode", no_tokenizing)
+    monkeypatch.setattr(ar.tokenizer, "encode_chat", no_tokenizing)
+    with pytest.raises(RequestTooLargeError, match="max_model_len=64"):
+        prepare(ar, prompt)
+
+
+def test_a_text_near_the_bound_is_tokenized_and_judged_by_its_tokens(ar):
+    # Under the character bound but over max_model_len tokens: refused by its token count.
+    with pytest.raises(RequestTooLargeError, match="tokens leave no room"):
+        prepare(ar, "a " * 100)
