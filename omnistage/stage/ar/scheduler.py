@@ -3,12 +3,19 @@ token for every running sequence; when the KV cache runs out, the newest running
 are preempted (their blocks freed, their tokens kept) and later recomputed.
 
 A sequence whose request asked for ``n`` samples is scheduled with room for the ``n - 1``
-samples that fork from it after its prefill (a sequence slot and a copied block each)."""
+samples that fork from it after its prefill (a sequence slot and a copied block each).
+
+Fair share: when a request with nothing running waits for room that another request holds
+beyond its share (``max_num_seqs`` over the requests running, plus the waiting one), that
+request's newest sequences are preempted — behind the newcomer — until the newcomer fits. A
+request of ``n = max_num_seqs`` long samples thus cannot make a 2-token request wait for all
+of them; its preempted samples resume (recomputing their KV, same tokens) once there is room.
+"""
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 
 from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.sequence import Sequence, SequenceStatus
@@ -39,11 +46,15 @@ class Scheduler:
         while self.waiting:
             seq = self.waiting[0]
             forks = len(seq.pending_samples)
-            if num_slots + 1 + forks > self.max_num_seqs:
-                break
+            fits = num_slots + 1 + forks <= self.max_num_seqs
+            if not (fits and self.block_manager.can_allocate(seq, forks)):
+                if scheduled or not self._preempt_for(seq, 1 + forks):
+                    break
+                num_slots = len(self.running)
+                continue
             # The first sequence always goes, so prompts longer than the budget still run.
             too_many = num_batched_tokens + seq.num_tokens > self.max_num_batched_tokens
-            if (scheduled and too_many) or not self.block_manager.can_allocate(seq, forks):
+            if scheduled and too_many:
                 break
             num_slots += 1 + forks
             self.block_manager.allocate(seq)
@@ -68,6 +79,36 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         return scheduled, False
+
+    def _fits(self, seq: Sequence, slots: int) -> bool:
+        return len(self.running) + slots <= self.max_num_seqs and self.block_manager.can_allocate(
+            seq, slots - 1
+        )
+
+    def _preempt_for(self, newcomer: Sequence, slots: int) -> bool:
+        """Make room for ``newcomer`` (``slots`` sequences) from the request holding the most
+        running sequences beyond its fair share; True if any was preempted."""
+        counts = Counter(s.request_id for s in self.running)
+        if not counts or newcomer.request_id in counts:
+            return False  # it has its share running already
+        fair = max(1, self.max_num_seqs // (len(counts) + 1))
+        victim, held = counts.most_common(1)[0]
+        if len(self.running) - max(0, held - fair) + slots > self.max_num_seqs:
+            return False  # even its whole excess would not make room: preempt nothing
+        preempted = False
+        for seq in reversed(list(self.running)):
+            if held <= fair or self._fits(newcomer, slots):
+                break
+            if seq.request_id != victim:
+                continue
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.block_manager.free(seq)
+            self.waiting.append(seq)  # behind the newcomer: it is the one waiting its turn
+            self.num_preemptions += 1
+            held -= 1
+            preempted = True
+        return preempted
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it first in line; its next prefill recomputes them."""
