@@ -165,6 +165,13 @@ class StageConfig(_Frozen):
         description="AR: logprobs of the model's raw distribution, or of the processed one "
         "tokens are drawn from (temperature, top-k, top-p, bans applied).",
     )
+    max_answer_logprobs: int = Field(
+        default=1_000_000,
+        gt=0,
+        description="AR: most logprob entries one request's answer may carry, n x (prompt "
+        "tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is refused up "
+        "front (400) instead of filling the server's memory with one reply.",
+    )
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
     max_model_len: int | None = Field(
         default=None,

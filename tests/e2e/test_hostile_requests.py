@@ -193,6 +193,19 @@ def test_case4_a_prompt_longer_than_the_model_is_refused_naming_it(omni_server):
     assert r.status_code == 413 and r.json()["error"]["param"] == "prompt"
 
 
+def test_an_answer_of_hundreds_of_mb_is_refused_up_front(omni_server):
+    """n=128 samples of ~450 prompt tokens with the top-20 prompt logprobs each: 1.2 M entries,
+    a reply of ~80 MB (the 2.7 M of one such request made 175 MiB and took the API process
+    from 251 to 716 MiB). A 400 naming the limit, before any stage works."""
+    body = {"prompt": "word " * 150, "n": 128, "prompt_logprobs": 20, "max_tokens": 2}
+    r = httpx.post(omni_server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt_logprobs" and "max_answer_logprobs" in error["message"]
+    ok = {"prompt": "word " * 150, "n": 2, "prompt_logprobs": 2, "max_tokens": 2}
+    assert httpx.post(omni_server.url + "/v1/completions", json=ok, timeout=60).status_code == 200
+
+
 def test_a_big_prompt_never_stalls_the_event_loop(omni_server):
     """A chat of ~4 MB (under the body limit) is refused by its length before any tokenizing
     (a tokenizer held the event loop 7 s for one), while /health keeps answering."""

@@ -81,6 +81,13 @@ class ServerConfig(BaseModel):
         description="AR stages: KV cache size in bytes, on every device (units such as "
         "'512MiB' or '2GB' accepted).",
     )
+    max_answer_logprobs: int | None = Field(
+        default=None,
+        gt=0,
+        description="AR stages: most logprob entries one request's answer may carry, n x "
+        "(prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is "
+        "refused up front with a 400 (default: 1000000).",
+    )
     enable_prefix_caching: bool | None = Field(
         default=None,
         description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
@@ -182,6 +189,7 @@ class ServerConfig(BaseModel):
             "gpu_memory_utilization": self.gpu_memory_utilization,
             "kv_cache_bytes": self.kv_cache_memory,
             "enable_prefix_caching": self.enable_prefix_caching,
+            "max_answer_logprobs": self.max_answer_logprobs,
             "attention_backend": self.attention_backend,
         }
         if self.enable_sleep_mode:

@@ -98,6 +98,33 @@ class ARRequestPreparer:
                 f"tokens can hold (at most {limit} characters with this tokenizer)",
             )
 
+    def _refuse_oversized_answer(self, params: SamplingParams, prompt_tokens: int) -> None:
+        """Refuse a request whose logprobs alone would make an answer of hundreds of MB (one
+        reply could take the API process's memory): ``n`` copies of a logprob entry per
+        prompt token (``prompt_logprobs``) and per generated token (``logprobs``), each with
+        its top-k."""
+        max_tokens = params.max_tokens or self.info.max_model_len - prompt_tokens
+        parts = {
+            "prompt_logprobs": (prompt_tokens, params.prompt_logprobs, "prompt tokens"),
+            "logprobs": (max_tokens, params.logprobs, "tokens"),
+        }
+        counts = {name: tokens * (k + 1) for name, (tokens, k, _) in parts.items() if k is not None}
+        entries = params.n * sum(counts.values())
+        limit = self.config.max_answer_logprobs
+        if entries <= limit:
+            return
+        field = max(counts, key=lambda name: counts[name])
+        terms = " + ".join(
+            f"{parts[name][0]} {parts[name][2]} x {parts[name][1] + 1}"  # type: ignore[operator]
+            for name in counts
+        )
+        raise InvalidRequestError(
+            field if self.params_field == "sampling_params" else f"{self.params_field}.{field}",
+            f"the answer would carry {entries} logprob entries (n={params.n} x ({terms})), over "
+            f"max_answer_logprobs={limit} (--max-answer-logprobs): ask for fewer samples, "
+            "tokens or logprobs",
+        )
+
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> ARStageRequest:
@@ -132,9 +159,11 @@ class ARRequestPreparer:
                 raise InvalidRequestError(
                     name, f"rows must have {self.info.embedding_size} values, got {value.shape[1]}"
                 )
+        params = self.sampling_params(options)
+        self._refuse_oversized_answer(params, len(token_ids))
         return ARStageRequest(
             prompt_token_ids=token_ids,
-            sampling_params=self.sampling_params(options),
+            sampling_params=params,
             return_hidden_states=wants.hidden_states,
             prompt=text if isinstance(text, str) else None,
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,

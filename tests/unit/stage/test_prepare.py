@@ -150,3 +150,19 @@ def test_a_text_near_the_bound_is_tokenized_and_judged_by_its_tokens(ar):
     # Under the character bound but over max_model_len tokens: refused by its token count.
     with pytest.raises(RequestTooLargeError, match="tokens leave no room"):
         prepare(ar, "a " * 100)
+
+
+def test_an_answer_too_big_for_max_answer_logprobs_is_refused_up_front():
+    folder = ensure_preset("demo", cache_dir() / "demo")
+    config = StageConfig(stage_id=0, kind="ar", model=str(folder), max_answer_logprobs=10_000)
+    ar = ARRequestPreparer(config, ARStageInfo(vocab_size=512, max_model_len=4096))
+    prompt = "word " * 500  # ~500 tokens
+    with pytest.raises(InvalidRequestError, match="max_answer_logprobs=10000") as refused:
+        prepare(ar, prompt, sampling_params={"n": 32, "prompt_logprobs": 20, "max_tokens": 4})
+    assert refused.value.field == "prompt_logprobs"
+    with pytest.raises(InvalidRequestError, match="max_answer_logprobs") as refused:
+        prepare(ar, "hi", sampling_params={"n": 8, "logprobs": 20, "max_tokens": 100})
+    assert refused.value.field == "logprobs"
+    # Within the bound (and without logprobs at all) requests pass.
+    prepare(ar, prompt, sampling_params={"n": 2, "prompt_logprobs": 1, "max_tokens": 4})
+    prepare(ar, prompt, sampling_params={"n": 64, "max_tokens": 4000})
