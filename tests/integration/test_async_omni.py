@@ -234,3 +234,28 @@ async def test_a_text_and_image_request_gives_the_same_png_under_any_load(tiny_o
     loaded, *_ = await asyncio.gather(target, *texts, *others)
     assert loaded.token_ids == alone.token_ids
     assert loaded.pngs == alone.pngs
+
+
+async def test_a_text_and_image_request_cut_by_keep_sleeps_gives_the_same_png(tiny_omni):
+    """A sleep with mode keep preempts the thinker's request, which recomputes after the
+    wake. It recomputes step by step (``Sequence.rewind``), so the hidden states it hands the
+    image stage are the same bit for bit, and so is the PNG (in one prefill they were not)."""
+    image = {"seed": 5, "num_inference_steps": 4}
+    sampling = {"temperature": 0.0, "max_tokens": 80, "ignore_eos": True}
+    prompt = "a long walk by the sea"
+    alone = await collect(tiny_omni, prompt, ["text", "image"], sampling, image=image)
+    preempted = 0
+    for _ in range(3):
+        started = asyncio.Event()
+        task = asyncio.ensure_future(
+            collect(tiny_omni, prompt, ["text", "image"], sampling, image=image, started=started)
+        )
+        await asyncio.wait_for(started.wait(), 30)
+        (ack,) = await tiny_omni.sleep([0], level=1, mode="keep")
+        preempted += ack["metadata"]["preempted"]
+        await tiny_omni.wake_up([0])
+        await tiny_omni.resume_generation([0])
+        cut = await task
+        assert cut.token_ids == alone.token_ids
+        assert cut.pngs == alone.pngs
+    assert preempted >= 1  # the request really was cut and recomputed

@@ -171,6 +171,13 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.has_unfinished() or self._held or self._queued_outputs)
 
+    def has_runnable_work(self) -> bool:
+        """Whether a step would make progress even if it answered nothing: sequences that
+        replay their tokens after a recompute (``Sequence.rewind``) step with no output."""
+        return self._can_run() and (
+            bool(self.scheduler.running) or any(seq.replay for seq in self.scheduler.waiting)
+        )
+
     # -- the loop -----------------------------------------------------------------------
 
     def _can_run(self) -> bool:
@@ -194,7 +201,10 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
             result = self.worker.execute(seqs, is_prefill)
             batch, rows = self._with_forks(seqs) if is_prefill else (seqs, None)
             logits = result.logits if rows is None else result.logits[rows]
-            sampled = self.sampler(logits, batch)
+            # Sequences replaying their tokens after a recompute draw nothing (their
+            # generators stay where the first run left them).
+            drawing = [b for b, seq in enumerate(batch) if not seq.replay]
+            sampled = self.sampler(logits[drawing], [batch[b] for b in drawing])
         except Exception as exc:
             if is_process_fault(exc):
                 raise
@@ -204,9 +214,16 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                 for seq in self.requests.samples(request_id):
                     self._fail(seq, error)
             return
+        drawn = {b: i for i, b in enumerate(drawing)}
         for b, seq in enumerate(batch):
             row = b if rows is None else rows[b]
-            token_id = sampled.token_ids[b]
+            if seq.replay:  # the token it generated the first time; nothing to emit again
+                if row in result.hidden_states:
+                    seq.record_hidden_states(result.hidden_states[row], is_prefill)
+                seq.token_ids.append(seq.replay.pop(0))
+                self.block_manager.cache_computed_blocks(seq)
+                continue
+            token_id = sampled.token_ids[drawn[b]]
             if token_id is None:
                 self._fail(seq, NonFiniteOutputError("the model produced NaN or infinite logits"))
                 continue
@@ -220,9 +237,12 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                     self.decode_token,
                 )
             entry = None
-            if b in sampled.logprobs:
+            if drawn[b] in sampled.logprobs:
                 entry = position_logprobs(
-                    sampled.logprobs[b], token_id, seq.params.logprobs or 0, self.decode_token
+                    sampled.logprobs[drawn[b]],
+                    token_id,
+                    seq.params.logprobs or 0,
+                    self.decode_token,
                 )
             self._queued_outputs.append(
                 append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)

@@ -102,20 +102,23 @@ class Scheduler:
             if seq.request_id != victim:
                 continue
             self.running.remove(seq)
-            seq.status = SequenceStatus.WAITING
-            self.block_manager.free(seq)
+            self._release(seq)
             self.waiting.append(seq)  # behind the newcomer: it is the one waiting its turn
-            self.num_preemptions += 1
             held -= 1
             preempted = True
         return preempted
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free ``seq``'s blocks and put it first in line; its next prefill recomputes them."""
+    def _release(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
-        self.waiting.appendleft(seq)
+        seq.rewind()
         self.num_preemptions += 1
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it first in line; its next prefill recomputes them
+        (``Sequence.rewind``: step by step where the numbers, not only the tokens, matter)."""
+        self._release(seq)
+        self.waiting.appendleft(seq)
 
     def preempt_all(self) -> int:
         """Preempt every running sequence, keeping their order; returns how many."""

@@ -72,6 +72,8 @@ class Sequence:
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.pending_samples: list[Sequence] = []  # forked from this one after its prefill
+        # Generated tokens fed back one decode step each after a recompute (``rewind``).
+        self.replay: list[int] = []
         self.detokenizer = detokenizer
         self.generator = generator  # None: the engine's shared generator
         self.hidden_states: list[torch.Tensor] = []
@@ -134,6 +136,23 @@ class Sequence:
     @property
     def key(self) -> tuple[str, int]:
         return self.request_id, self.index
+
+    @property
+    def recomputes_step_by_step(self) -> bool:
+        """Whether a recompute after a preemption must repeat the steps that computed it
+        rather than prefill every token at once: what it hands over (hidden states) depends
+        on how each position was computed, not only on the tokens (a prefill of 60 tokens
+        and 40 decode steps after a 20-token prefill agree to ~1e-6, not bit for bit — and
+        an image conditioned on them then differs)."""
+        return self.return_hidden_states
+
+    def rewind(self) -> None:
+        """Before a recompute (its blocks were freed): a step-by-step sequence keeps only its
+        prompt; its generated tokens are fed back one decode step each (``replay``), making
+        the same numbers as the first time. Other sequences recompute in one prefill."""
+        if self.recomputes_step_by_step and self.num_output_tokens:
+            self.replay = self.output_token_ids + self.replay
+            del self.token_ids[self.num_prompt_tokens :]
 
     def record_hidden_states(self, rows: torch.Tensor, is_prefill: bool) -> None:
         # A prefill covers every token so far (recomputed after a preemption): it replaces.

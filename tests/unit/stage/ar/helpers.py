@@ -61,7 +61,7 @@ def run_to_completion(
     results = {} if results is None else results
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        if not outputs and engine.has_unfinished_requests():
+        if not outputs and engine.has_unfinished_requests() and not engine.has_runnable_work():
             raise AssertionError(f"engine made no progress: {engine.status()}")
         collect(outputs, results)
     return results

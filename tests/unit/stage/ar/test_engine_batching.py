@@ -75,3 +75,36 @@ def test_text_deltas_add_up_to_the_decoded_tokens(micro, requests):
     results = generate(engine, requests[:8])
     for res in results.values():
         assert res.text == engine.tokenizer.decode(res.token_ids)
+
+
+def test_a_preempted_sequence_hands_over_the_same_hidden_states_bit_for_bit(micro, requests):
+    """Recomputed in one prefill, the hidden states of generated positions differ from the
+    decode steps' in the last bits; a sequence that hands them over recomputes step by step
+    instead (``Sequence.rewind``): bit-equal, and its seeded draws continue as they would."""
+    from omnistage.stage.ar.sampling import SamplingParams
+    from tests.unit.stage.ar.helpers import collect, run_to_completion
+
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)
+    request = ARRequest("h", list(range(10, 30)), sampled, return_hidden_states=True)
+    alone = generate(make_engine(micro), [request])["h"]
+
+    engine = make_engine(micro)  # cut by a sleep that keeps it, then recomputed
+    engine.add_request(ARRequest("h", list(range(10, 30)), sampled, return_hidden_states=True))
+    results: dict = {}
+    for _ in range(12):
+        collect(engine.step(), results)
+    assert engine.sleep(level=1, mode="keep").metadata.preempted == 1
+    engine.wake_up(resume=True)
+    run_to_completion(engine, results)
+    cut = results["h"]
+    assert cut.token_ids == alone.token_ids
+    assert torch.equal(cut.final.handoff["hidden_states"], alone.final.handoff["hidden_states"])
+
+    # Preempted again and again by a KV cache too small for the load around it.
+    small = {"block_size": 4, "max_model_len": 96, "kv_cache_bytes": 49 * 2048}
+    alone = generate(make_engine(micro, **small), [request])["h"]
+    engine = make_engine(micro, **small)
+    crowded = generate(engine, [*requests[:16], request])["h"]
+    assert engine.status()["num_preemptions"] > 0
+    assert crowded.token_ids == alone.token_ids
+    assert torch.equal(crowded.final.handoff["hidden_states"], alone.final.handoff["hidden_states"])
