@@ -2,7 +2,10 @@
 
 - Fairness: the latency of a 4-token chat alone, beside 64 concurrent chat clients, and
   beside those clients plus hostile requests (a 4096x4096 image, a 50 MB body — both refused
-  up front). The baseline is the same chat on an idle server, in the same run.
+  up front); beside one completion whose n = 32 long samples hold every sequence slot (fair
+  share); and of ``GET /health`` while a ~4 MB chat is sent (refused by its length before
+  any tokenizing: the event loop never stalls). The baseline is the same chat on an idle
+  server, in the same run.
 - Restart: a stage killed with SIGKILL, until the server has it back and until it answers
   again, against a cold start of the whole server to its first answer.
 """
@@ -111,6 +114,35 @@ async def _probe(url: str, background: bool, hostile: bool) -> tuple[list[float]
     return latencies, statuses
 
 
+async def _beside_big(url: str) -> tuple[list[float], list[int]]:
+    """A 4-token chat, 5 times, while one completion of n = 32 x 400 tokens runs."""
+    async with httpx.AsyncClient(timeout=300) as client:
+        body = {"prompt": "a long story", "n": 32, "max_tokens": 400, "ignore_eos": True}
+        big = asyncio.ensure_future(client.post(url + "/v1/completions", json=body))
+        await asyncio.sleep(1.0)  # its samples hold every sequence slot
+        latencies = []
+        for i in range(5):
+            start = time.perf_counter()
+            chat = {"messages": [{"role": "user", "content": f"probe {i}"}], **CHAT}
+            (await client.post(url + "/v1/chat/completions", json=chat)).raise_for_status()
+            latencies.append((time.perf_counter() - start) * 1e3)
+        return latencies, [(await big).status_code]
+
+
+async def _health_during_big_prompt(url: str) -> tuple[list[float], list[int]]:
+    """``GET /health`` round trips while a ~4 MB chat (under the body limit) is sent."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        body = {"messages": [{"role": "user", "content": "word " * 780_000}], "max_tokens": 2}
+        big = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=body))
+        latencies = []
+        while not big.done() or not latencies:
+            start = time.perf_counter()
+            (await client.get(url + "/health")).raise_for_status()
+            latencies.append((time.perf_counter() - start) * 1e3)
+            await asyncio.sleep(0.005)
+        return latencies, [(await big).status_code]
+
+
 def _row(case: str, latencies: list[float], idle_p50: float, statuses: list[int]) -> dict:
     ordered = sorted(latencies)
     p50 = statistics.median(ordered)
@@ -129,11 +161,15 @@ def bench_fairness(server: Server) -> list[dict[str, Any]]:
     idle_p50 = statistics.median(idle)
     busy, _ = asyncio.run(_probe(server.url, background=True, hostile=False))
     hostile, statuses = asyncio.run(_probe(server.url, background=True, hostile=True))
+    beside_big, big_status = asyncio.run(_beside_big(server.url))
+    health, prompt_status = asyncio.run(_health_during_big_prompt(server.url))
     return [
         _row("idle server", idle, idle_p50, []),
         _row(f"beside {NUM_CLIENTS} clients", busy, idle_p50, []),
         _row(f"beside {NUM_CLIENTS} clients + 4096x4096 image + 50 MB body", hostile, idle_p50,
              statuses),
+        _row("beside one completion of n=32 x 400 tokens", beside_big, idle_p50, big_status),
+        _row("GET /health while a 4 MB chat is sent", health, idle_p50, prompt_status),
     ]  # fmt: skip
 
 
