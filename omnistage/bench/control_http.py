@@ -25,18 +25,14 @@ never a test: it writes ``control-http.json`` and a Markdown table.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import httpx
 
 from omnistage.bench.report import write_results
+from omnistage.bench.served import Served
 
 COLUMNS = [
     "pipeline",
@@ -55,42 +51,12 @@ COLUMNS = [
 CHAT = {"max_tokens": 4, "temperature": 0.0, "stream": True}
 
 
-class ServedPipeline:
-    """``omnistage serve --pipeline NAME --enable-sleep-mode`` on a free port."""
-
-    def __init__(self, pipeline: str, device: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [
-            sys.executable, "-m", "omnistage.cli", "serve", "--pipeline", pipeline,
-            "--enable-sleep-mode", "--device", device, "--port", str(port),
-            "--disable-log-requests", "--no-enable-prefix-caching",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-
-    def __enter__(self) -> ServedPipeline:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}")
-            time.sleep(0.05)
-        raise RuntimeError("server not ready after 300 s")
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+def served_pipeline(pipeline: str, device: str) -> Served:
+    """``omnistage serve --pipeline NAME --enable-sleep-mode``, prefix caching off (see above)."""
+    return Served(
+        "--pipeline", pipeline, "--enable-sleep-mode", "--device", device,
+        "--disable-log-requests", "--no-enable-prefix-caching",
+    )  # fmt: skip
 
 
 def _post_ms(client: httpx.Client, path: str, body: dict[str, Any]) -> float:
@@ -163,7 +129,7 @@ def run(
     rows = []
     for pipeline in pipelines:
         with (
-            ServedPipeline(pipeline, device) as served,
+            served_pipeline(pipeline, device) as served,
             httpx.Client(base_url=served.url, timeout=120) as client,
         ):
             for _ in range(3):  # warm-up: first requests, first sleeps of each level

@@ -16,16 +16,14 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
 import httpx
 
 from omnistage.bench.report import write_results
+from omnistage.bench.served import Served
 
 COLUMNS = ["case", "p50_ms", "p90_ms", "max_ms", "vs_idle", "statuses"]
 RESTART_COLUMNS = ["stage", "back_ms", "first_answer_ms", "cold_start_ms", "vs_cold_start"]
@@ -34,38 +32,8 @@ PROBES = 20
 CHAT = {"max_tokens": 4, "temperature": 0.0}
 
 
-class Server:
+class Server(Served):
     """``omnistage serve`` on a free port, stopped on exit."""
-
-    def __init__(self, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--port", str(port), *args]
-        self.process = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
-
-    def __enter__(self) -> Server:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}")
-            time.sleep(0.05)
-        raise RuntimeError("server not ready after 300 s")
-
-    def __exit__(self, *exc: object) -> None:
-        self.process.send_signal(signal.SIGINT)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
 
     def stages(self) -> list[dict[str, Any]]:
         return list(httpx.get(self.url + "/v1/omni/stages", timeout=30).json()["stages"])
@@ -120,7 +88,7 @@ async def _beside_big(url: str) -> tuple[list[float], list[int]]:
         body = {"prompt": "a long story", "n": 32, "max_tokens": 400, "ignore_eos": True}
         big = asyncio.ensure_future(client.post(url + "/v1/completions", json=body))
         await asyncio.sleep(1.0)  # its samples hold every sequence slot
-        latencies = []
+        latencies: list[float] = []
         for i in range(5):
             start = time.perf_counter()
             chat = {"messages": [{"role": "user", "content": f"probe {i}"}], **CHAT}
@@ -134,7 +102,7 @@ async def _health_during_big_prompt(url: str) -> tuple[list[float], list[int]]:
     async with httpx.AsyncClient(timeout=120) as client:
         body = {"messages": [{"role": "user", "content": "word " * 780_000}], "max_tokens": 2}
         big = asyncio.ensure_future(client.post(url + "/v1/chat/completions", json=body))
-        latencies = []
+        latencies: list[float] = []
         while not big.done() or not latencies:
             start = time.perf_counter()
             (await client.get(url + "/health")).raise_for_status()

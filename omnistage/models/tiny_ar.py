@@ -75,19 +75,28 @@ def _corpus(num_words: int, seed: int) -> list[str]:
     return lines * 2
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer with at most ``vocab_size`` tokens (specials first)."""
+def build_tokenizer(
+    vocab_size: int,
+    seed: int = 0,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    extra_lines: tuple[str, ...] = (),
+) -> Tokenizer:
+    """A byte-level BPE tokenizer with at most ``vocab_size`` tokens (``special_tokens``
+    first), trained on the built-in corpus and ``extra_lines``."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(min(vocab_size * 8, 200_000), seed), trainer)
+    lines = _corpus(min(vocab_size * 8, 200_000), seed) + list(extra_lines)
+    tokenizer.train_from_iterator(lines, trainer)
+    if tokenizer.get_vocab_size() > vocab_size:
+        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > {vocab_size}")
     return tokenizer
 
 

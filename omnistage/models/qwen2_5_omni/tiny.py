@@ -35,15 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
+from omnistage.models import tiny_ar
 from omnistage.models.qwen2_5_omni.tiny_specs import (  # noqa: F401  (re-exported)
     ALT,
     DEFAULT,
     TINY_QWEN_OMNI_SPECS,
     TinyQwenOmniSpec,
 )
-from omnistage.models.tiny_ar import _corpus
 
 # The Qwen2.5-Omni tokenizer's special tokens that the configs point to, in id order (ids
 # 0, 1, 2, ...), then the two voices' text-side start tokens.
@@ -89,21 +89,9 @@ _BIGVGAN_OUT = "token2wav.code2wav_bigvgan_model.conv_post.weight"
 
 def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     """A byte-level BPE tokenizer of at most ``vocab_size`` tokens, ``SPECIAL_TOKENS`` first."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    return tiny_ar.build_tokenizer(
+        vocab_size, seed, SPECIAL_TOKENS, extra_lines=(DEFAULT_SYSTEM_PROMPT,) * 8
     )
-    lines = _corpus(min(vocab_size * 8, 200_000), seed) + [DEFAULT_SYSTEM_PROMPT] * 8
-    tokenizer.train_from_iterator(lines, trainer)
-    if tokenizer.get_vocab_size() > vocab_size:
-        raise ValueError(f"tokenizer has {tokenizer.get_vocab_size()} tokens > {vocab_size}")
-    return tokenizer
 
 
 def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
