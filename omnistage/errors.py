@@ -31,6 +31,17 @@ class RequestTooLargeError(InvalidRequestError):
     """A request body or prompt exceeds a configured bound (HTTP 413)."""
 
 
+class ConflictError(OmnistageError):
+    """The request collides with state another caller holds (HTTP 409): a weight update
+    session someone else opened, a transfer still in flight. Not a bad value — the same
+    request may succeed once that state is gone — so not an ``InvalidRequestError``;
+    ``field`` names what the caller must send (or wait for) to get through."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class CheckpointError(OmnistageError, ValueError):
     """A checkpoint is missing, malformed, or does not fit the model (HTTP 400)."""
 
@@ -160,6 +171,7 @@ ERROR_CLASSES: dict[str, type[Exception]] = {
         OmnistageError,
         InvalidRequestError,
         RequestTooLargeError,
+        ConflictError,
         CheckpointError,
         StageError,
         StageAsleepError,

@@ -255,29 +255,52 @@ class AsyncOmni:
     # -- RL: weight sync without disk, prefix cache, abort (see weights.py) ----------------
 
     async def init_weight_transfer(
-        self, stage_id: int, backend: str = "nccl", init_info: dict[str, Any] | None = None
+        self,
+        stage_id: int,
+        backend: str = "nccl",
+        init_info: dict[str, Any] | None = None,
+        *,
+        abort_open: bool = False,
     ) -> dict[str, Any]:
-        """Join a trainer for weight syncs (``nccl``: blocks until the trainer is there)."""
+        """Join a trainer for weight syncs (``nccl``: answers once the trainer is there; the
+        stage serves meanwhile)."""
         self._attach()
-        return await self.weights.init(stage_id, backend, init_info)
+        return await self.weights.init(stage_id, backend, init_info, abort_open=abort_open)
 
     async def start_weight_update(
-        self, stage_id: int, update_info: dict[str, Any] | None = None
+        self,
+        stage_id: int,
+        update_info: dict[str, Any] | None = None,
+        *,
+        require_session: bool = False,
+        abort_open: bool = False,
     ) -> dict[str, Any]:
+        """Open an update session (one at a time per stage); the reply names it."""
         self._attach()
-        return await self.weights.start(stage_id, update_info)
+        return await self.weights.start(
+            stage_id, update_info, require_session=require_session, abort_open=abort_open
+        )
 
-    async def receive_weights(self, stage_id: int, update_info: dict[str, Any]) -> dict[str, Any]:
+    async def receive_weights(
+        self, stage_id: int, update_info: dict[str, Any], *, session: str | None = None
+    ) -> dict[str, Any]:
         """One chunk of an update (the trainer broadcasts or shares it meanwhile)."""
         self._attach()
-        return await self.weights.update(stage_id, update_info)
+        return await self.weights.update(stage_id, update_info, session=session)
 
     async def finish_weight_update(
-        self, stage_id: int, weight_version: str | int | None = None
+        self, stage_id: int, weight_version: str | int | None = None, *, session: str | None = None
     ) -> list[dict[str, Any]]:
         """Apply the update in place, all or nothing; the ACKs carry ``weight_version``."""
         self._attach()
-        return _dicts(await self.weights.finish(stage_id, weight_version))
+        return _dicts(await self.weights.finish(stage_id, weight_version, session=session))
+
+    async def abort_weight_update(
+        self, stage_id: int, *, session: str | None = None
+    ) -> dict[str, Any]:
+        """End an update session without applying it (its owner giving up)."""
+        self._attach()
+        return await self.weights.abort(stage_id, session=session)
 
     async def weights_checksum(self, stage_id: int) -> str:
         self._attach()

@@ -70,20 +70,34 @@ class EngineClient(Protocol):
     ) -> None: ...
 
     async def init_weight_transfer(
-        self, stage_id: int, backend: str = "nccl", init_info: dict[str, Any] | None = None
+        self,
+        stage_id: int,
+        backend: str = "nccl",
+        init_info: dict[str, Any] | None = None,
+        *,
+        abort_open: bool = False,
     ) -> dict[str, Any]: ...
 
     async def start_weight_update(
-        self, stage_id: int, update_info: dict[str, Any] | None = None
+        self,
+        stage_id: int,
+        update_info: dict[str, Any] | None = None,
+        *,
+        require_session: bool = False,
+        abort_open: bool = False,
     ) -> dict[str, Any]: ...
 
     async def receive_weights(
-        self, stage_id: int, update_info: dict[str, Any]
+        self, stage_id: int, update_info: dict[str, Any], *, session: str | None = None
     ) -> dict[str, Any]: ...
 
     async def finish_weight_update(
-        self, stage_id: int, weight_version: str | int | None = None
+        self, stage_id: int, weight_version: str | int | None = None, *, session: str | None = None
     ) -> list[dict[str, Any]]: ...
+
+    async def abort_weight_update(
+        self, stage_id: int, *, session: str | None = None
+    ) -> dict[str, Any]: ...
 
     async def weights_checksum(self, stage_id: int) -> str: ...
 

@@ -1,18 +1,24 @@
 """What a trainer and a stage agree on to move weights without disk: dtype names, the
 update description (vLLM's ``update_info``: names, dtype names, shapes, and for the ``ipc``
-backend where each tensor sits in shared memory), and a weights checksum.
+backend where each tensor sits in shared memory), the ``nccl`` backend's ``init_info``, the
+bounds every value keeps (timeouts, versions), and a weights checksum.
 
-Imports torch only: both sides use it, the trainer without any server code.
+Imports torch (and omnistage's error classes) only: both sides use it, the trainer without
+any server code. A bad value raises ``InvalidRequestError`` naming its field — a
+``ValueError``, which a trainer may catch as such.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from omnistage.errors import InvalidRequestError
+from omnistage.rl.bounds import DEFAULT_TIMEOUT_S, check_timeout
 
 BACKENDS = ("nccl", "ipc")
 DTYPES: dict[str, torch.dtype] = {
@@ -41,16 +47,65 @@ def parse_dtype(name: object) -> torch.dtype:
     return DTYPES[name]
 
 
+# What gloo (the nccl backend on CPU) cannot broadcast: "Invalid scalar type" mid-transfer.
+GLOO_UNSUPPORTED = frozenset({torch.float8_e4m3fn, torch.float8_e5m2, torch.int16})
+# Dtypes an update may convert between when it asks to (``convert_dtypes``): only floats,
+# where a cast keeps the value's meaning; an int or bool is never a float weight.
+CONVERTIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+MAX_WORLD_SIZE = 4096
+
+
+def _int(data: dict[str, Any], key: str, default: int | None, low: int, high: int) -> int:
+    value = data.get(key, default)
+    if isinstance(value, str) and value.isdigit():  # a port or rank sent as a string
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"init_info.{key}", f"must be an integer, got {value!r:.40}")
+    if not low <= value <= high:
+        raise InvalidRequestError(f"init_info.{key}", f"must be in [{low}, {high}], got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class InitInfo:
+    """The ``nccl`` backend's ``init_info``: where the trainer's store listens, the group's
+    size, the stage's rank in it (the trainer is rank 0) and the transfer's timeout."""
+
+    master_address: str
+    master_port: int
+    world_size: int = 2
+    rank_offset: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @classmethod
+    def from_json(cls, data: object) -> InitInfo:
+        """Parse and bound it (``InvalidRequestError`` naming the field)."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("init_info", "must be an object")
+        address = data.get("master_address")
+        if not isinstance(address, str) or not 0 < len(address) <= 255:
+            raise InvalidRequestError("init_info.master_address", "must be a host name or address")
+        world_size = _int(data, "world_size", 2, 2, MAX_WORLD_SIZE)
+        return cls(
+            master_address=address,
+            master_port=_int(data, "master_port", None, 1, 65535),
+            world_size=world_size,
+            rank_offset=_int(data, "rank_offset", 1, 1, world_size - 1),
+            timeout_s=check_timeout(data.get("timeout_s", DEFAULT_TIMEOUT_S)),
+        )
+
+
 @dataclass
 class UpdateInfo:
     """One chunk of a weight update: per tensor its name, dtype and shape, in the order the
-    trainer sends them. ``ipc_handles`` (backend ``ipc``) says where each one is."""
+    trainer sends them. ``ipc_handles`` (backend ``ipc``) says where each one is;
+    ``convert_dtypes`` lets a floating-point dtype differ from the weight's (cast on apply)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     ipc_handles: list[dict[str, Any]] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    convert_dtypes: bool = False
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -60,37 +115,44 @@ class UpdateInfo:
         }
         if self.ipc_handles is not None:
             data["ipc_handles"] = self.ipc_handles
+        if self.convert_dtypes:
+            data["convert_dtypes"] = True
         return data
 
     @classmethod
     def from_json(cls, data: object) -> UpdateInfo:
-        """Parse and check an update description (``ValueError`` naming the bad field)."""
+        """Parse and check an update description (``InvalidRequestError`` — a ``ValueError``
+        — naming the bad field)."""
         if not isinstance(data, dict):
-            raise ValueError("update_info: must be an object")
+            raise InvalidRequestError("update_info", "must be an object")
         names, dtypes, shapes = data.get("names"), data.get("dtype_names"), data.get("shapes")
         if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-            raise ValueError("update_info.names: must be a list of names")
+            raise InvalidRequestError("update_info.names", "must be a list of names")
         if not isinstance(dtypes, list) or len(dtypes) != len(names):
-            raise ValueError("update_info.dtype_names: must give one dtype per name")
-        for name in dtypes:
-            parse_dtype(name)
+            raise InvalidRequestError("update_info.dtype_names", "must give one dtype per name")
+        for name, dtype in zip(names, dtypes, strict=True):
+            try:
+                parse_dtype(dtype)
+            except ValueError as exc:
+                raise InvalidRequestError(f"update_info.dtype_names.{name}", str(exc)) from None
         if not isinstance(shapes, list) or len(shapes) != len(names):
-            raise ValueError("update_info.shapes: must give one shape per name")
-        for shape in shapes:
+            raise InvalidRequestError("update_info.shapes", "must give one shape per name")
+        for name, shape in zip(names, shapes, strict=True):
             if not isinstance(shape, list) or not all(
                 isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
             ):
-                raise ValueError(f"update_info.shapes: {shape!r} is not a list of sizes")
+                raise InvalidRequestError(
+                    f"update_info.shapes.{name}", f"{shape!r:.80} is not a list of sizes"
+                )
         if len(set(names)) != len(names):
-            raise ValueError("update_info.names: a name appears twice")
+            raise InvalidRequestError("update_info.names", "a name appears twice")
+        convert = data.get("convert_dtypes", False)
+        if not isinstance(convert, bool):
+            raise InvalidRequestError("update_info.convert_dtypes", "must be true or false")
         handles = data.get("ipc_handles")
-        if handles is not None and (
-            not isinstance(handles, list)
-            or len(handles) != len(names)
-            or not all(isinstance(h, dict) for h in handles)
-        ):
-            raise ValueError("update_info.ipc_handles: must give one handle object per name")
-        return cls(list(names), list(dtypes), [list(s) for s in shapes], handles)
+        if handles is not None:
+            _check_handles(handles, len(names))
+        return cls(list(names), list(dtypes), [list(s) for s in shapes], handles, convert)
 
     def nbytes(self) -> int:
         total = 0
@@ -100,6 +162,24 @@ class UpdateInfo:
                 numel *= d
             total += numel * parse_dtype(dtype).itemsize
         return total
+
+
+def _check_handles(handles: object, count: int) -> None:
+    """One handle per tensor: ``{"shm": name, "offset": n}`` or ``{"cuda": {...}}``."""
+    field = "update_info.ipc_handles"
+    if not isinstance(handles, list) or len(handles) != count:
+        raise InvalidRequestError(field, "must give one handle object per name")
+    for handle in handles:
+        if not isinstance(handle, dict) or ("shm" in handle) == ("cuda" in handle):
+            raise InvalidRequestError(field, "each handle needs exactly one of 'shm' or 'cuda'")
+        if "shm" in handle:
+            name, offset = handle["shm"], handle.get("offset", 0)
+            if not isinstance(name, str) or not 0 < len(name) <= 255:
+                raise InvalidRequestError(field, "'shm' must name a shared-memory segment")
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+                raise InvalidRequestError(field, "'offset' must be a byte offset (>= 0)")
+        elif not isinstance(handle["cuda"], dict):
+            raise InvalidRequestError(field, "'cuda' must be a CUDA IPC handle object")
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -11,12 +11,20 @@ Backends: ``nccl`` — a process group with the stage (NCCL on CUDA, gloo on CPU
 trainer is rank 0 and broadcasts each tensor; ``ipc`` — same host: tensors go into
 shared-memory segments (CPU) or are shared as CUDA IPC handles (GPU) and the stage reads
 them directly, nothing crosses a socket. Every update announces its tensors first
-(``start``), so a name or shape the stage does not have fails before anything moves.
+(``start``), so a name, shape or dtype the stage does not have fails before anything moves,
+and the stage applies nothing unless every announced tensor arrived.
+
+Each ``send`` is a session the stage holds for this sender alone (``require_session``): a
+second trainer's ``start`` is refused (409) while it is open, and nobody else's ``update`` or
+``finish`` can touch it. A ``send`` that fails on this side after ``start`` aborts its own
+session (best effort) so the next one can start. ``send(..., abort_open=True)`` discards a
+session someone else left open (a trainer that died between ``start`` and ``finish``).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import socket
 import threading
@@ -27,9 +35,11 @@ from typing import Any
 import httpx
 import torch
 
+from omnistage.rl.bounds import check_timeout, check_weight_version
 from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, weights_checksum
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+HTTP_MARGIN_S = 30.0  # an update answers at most the transfer's timeout after it was asked
 
 
 def _free_port() -> int:
@@ -57,6 +67,7 @@ class WeightSender:
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+        check_timeout(timeout_s, "timeout_s")  # the stage refuses more than it would wait
         self.base_url = base_url.rstrip("/")
         self.stage_id = stage_id
         self.backend = backend
@@ -65,7 +76,10 @@ class WeightSender:
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, timeout=timeout_s + HTTP_MARGIN_S
+        )
+        self._session: str | None = None  # the stage's id of the update in progress
         self._group: Any = None
         self._store: Any = None
         self._segment: shared_memory.SharedMemory | None = None  # ipc: reused, faulted in once
@@ -87,9 +101,10 @@ class WeightSender:
 
     # -- the protocol ----------------------------------------------------------------------
 
-    def init(self) -> None:
-        """Join the stage (``nccl``: rank 0 of a group of two, on CPU through gloo)."""
-        body: dict[str, Any] = {"backend": self.backend, "init_info": {}}
+    def init(self, *, abort_open: bool = False) -> None:
+        """Join the stage (``nccl``: rank 0 of a group of two, on CPU through gloo);
+        ``abort_open`` discards an update session left open on the stage."""
+        body: dict[str, Any] = {"backend": self.backend, "init_info": {}, "abort_open": abort_open}
         if self.backend == "ipc":
             self._post("/v1/omni/weights/init", body)
             return
@@ -119,20 +134,55 @@ class WeightSender:
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         weight_version: str | int | None = None,
+        *,
+        abort_open: bool = False,
     ) -> dict[str, Any]:
         """Push ``named_tensors`` (state-dict names) and apply them as ``weight_version``;
-        returns the stage's ACK. On any failure the stage keeps its previous weights."""
+        returns the stage's ACK. On any failure the stage keeps its previous weights (and
+        version). ``abort_open``: discard an update session another sender left open
+        instead of failing with its 409."""
+        if weight_version is not None:
+            check_weight_version(weight_version)  # before anything moves
         tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
-        self._post("/v1/omni/weights/start", {"update_info": _describe(tensors).to_json()})
-        for chunk in self._chunks(tensors):
-            if self.backend == "ipc":
-                self._send_shared(chunk)
-            else:
-                self._send_broadcast(chunk)
-        ack = self._post("/v1/omni/weights/finish", {"weight_version": weight_version})
+        start = {
+            "update_info": _describe(tensors).to_json(),
+            "require_session": True,
+            "abort_open": abort_open,
+        }
+        self._session = str(self._post("/v1/omni/weights/start", start)["session"])
+        try:
+            for chunk in self._chunks(tensors):
+                if self.backend == "ipc":
+                    self._send_shared(chunk)
+                else:
+                    self._send_broadcast(chunk)
+            finish = {"weight_version": weight_version, "session": self._session}
+            ack = self._post("/v1/omni/weights/finish", finish)
+        except BaseException:
+            self._abort_own()
+            raise
+        self._session = None
         if ack["status"] != "SUCCESS":
             raise WeightSyncError(f"finish: {ack}")
         return dict(ack["acks"][0])
+
+    def _update(self, info: UpdateInfo) -> dict[str, Any]:
+        """One chunk's update call, in this sender's session."""
+        return self._post(
+            "/v1/omni/weights/update", {"update_info": info.to_json(), "session": self._session}
+        )
+
+    def _abort_own(self) -> None:
+        """Best effort: end this sender's session if the stage still holds it open (a
+        failed update or finish has ended it there already)."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        # The stage gone or busy receiving: the session ends with it, or by abort_open.
+        with contextlib.suppress(httpx.HTTPError):
+            self._http.post(
+                "/v1/omni/weights/abort", json={"stage_id": self.stage_id, "session": session}
+            )
 
     def _chunks(
         self, tensors: list[tuple[str, torch.Tensor]]
@@ -153,11 +203,7 @@ class WeightSender:
 
         if self._group is None:
             raise WeightSyncError("call init() first")
-        reply = self._in_background(
-            lambda: self._post(
-                "/v1/omni/weights/update", {"update_info": _describe(chunk).to_json()}
-            )
-        )
+        reply = self._in_background(lambda: self._update(_describe(chunk)))
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -169,7 +215,7 @@ class WeightSender:
         info = _describe(chunk)
         if chunk and chunk[0][1].is_cuda:  # never run on a GPU yet
             info.ipc_handles = [_cuda_handle(t) for _, t in chunk]
-            self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
+            self._update(info)
             return
         segment = self._shared(sum(t.numel() * t.element_size() for _, t in chunk))
         if segment.buf is None:
@@ -185,7 +231,7 @@ class WeightSender:
             offset += nbytes
         info.ipc_handles = handles
         # The stage has copied the chunk out when it replies: the segment is free again.
-        self._post("/v1/omni/weights/update", {"update_info": info.to_json()})
+        self._update(info)
 
     def _shared(self, nbytes: int) -> shared_memory.SharedMemory:
         """The shared segment, grown to ``nbytes`` if needed (kept for the next chunks)."""

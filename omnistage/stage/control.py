@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from omnistage.errors import InvalidRequestError
+from omnistage.rl.bounds import check_weight_version
 from omnistage.stage.vocabulary import (
     DEFAULT_SLEEP_LEVEL,
     DEFAULT_SLEEP_MODE,
@@ -188,20 +189,44 @@ class ResetPrefixCache(_Op):
 
 
 class InitWeightTransfer(_Op):
+    """Join a trainer; ``abort_open`` discards an open update session (else a conflict)."""
+
     backend: str = "nccl"
     init_info: dict[str, Any] = {}
+    abort_open: bool = False
 
 
 class StartWeightUpdate(_Op):
+    """Open an update session (answers its id). ``require_session``: update and finish must
+    name it; ``abort_open``: discard another open session instead of a conflict."""
+
     update_info: dict[str, Any] | None = None
+    require_session: bool = False
+    abort_open: bool = False
 
 
 class ReceiveWeights(_Op):
+    """One chunk of the session ``session`` (None: the open one, if it allows that)."""
+
     update_info: dict[str, Any]
+    session: str | None = None
 
 
 class FinishWeightUpdate(_Op):
+    """Apply the session's update as ``weight_version`` (bounded: it shows in every reply)."""
+
     weight_version: str | None = None
+    session: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_version is not None:
+            check_weight_version(self.weight_version)
+
+
+class AbortWeightUpdate(_Op):
+    """End the session ``session`` without applying it (its owner giving up)."""
+
+    session: str | None = None
 
 
 class WeightsChecksum(_Op):
@@ -222,6 +247,7 @@ ControlOp = (
     | StartWeightUpdate
     | ReceiveWeights
     | FinishWeightUpdate
+    | AbortWeightUpdate
     | WeightsChecksum
 )
 # The operations answered with ACKs (the others answer a plain value).

@@ -4,7 +4,11 @@
 messages. Control operations are typed calls (``ControlCall``), dispatched by type, whose
 reply may be deferred: a sleep with mode ``wait`` pauses admission, keeps stepping until the
 in-flight requests finish, and only then sleeps and replies (or gives up after
-``drain_timeout_s`` and resumes).
+``drain_timeout_s`` and resumes). A handler that returns a ``Background`` (a weight
+transfer's receive or rendezvous, on a thread) is answered when its work is done, the loop
+serving meanwhile; until then the operations that change memory or weights (``ops.ACKED``:
+sleep, wake, update_weights, a sync's finish) wait their turn — answered in order once it is
+done, which the transfer's bounded timeout guarantees — while the others answer at once.
 
 Nothing a message carries can end the loop: a request the engine refuses fails that request,
 a control call that raises is answered with the error. Only an exception escaping
@@ -20,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from omnistage.stage import control as ops
+from omnistage.stage.background import Background
 from omnistage.stage.control import Ack
 from omnistage.stage.handoff import Handoffs, SharedMemoryTransport, Transport
 from omnistage.stage.messages import (
@@ -86,10 +91,17 @@ def control_handlers(engine: Any) -> dict[type, Callable[[Any], Any]]:
         ops.Status: lambda op: engine.status(),
         ops.IsSleeping: lambda op: engine.is_sleeping(),
         ops.ResetPrefixCache: lambda op: engine.reset_prefix_cache(),
-        ops.InitWeightTransfer: lambda op: sync().init_weight_transfer(op.backend, op.init_info),
-        ops.StartWeightUpdate: lambda op: sync().start_weight_update(op.update_info),
-        ops.ReceiveWeights: lambda op: sync().receive_weights(op.update_info),
-        ops.FinishWeightUpdate: lambda op: sync().finish_weight_update(op.weight_version),
+        ops.InitWeightTransfer: lambda op: sync().init_weight_transfer(
+            op.backend, op.init_info, op.abort_open
+        ),
+        ops.StartWeightUpdate: lambda op: sync().start_weight_update(
+            op.update_info, op.require_session, op.abort_open
+        ),
+        ops.ReceiveWeights: lambda op: sync().receive_weights(op.update_info, op.session),
+        ops.FinishWeightUpdate: lambda op: sync().finish_weight_update(
+            op.weight_version, op.session
+        ),
+        ops.AbortWeightUpdate: lambda op: sync().abort_weight_update(op.session),
         ops.WeightsChecksum: lambda op: sync().weights_checksum(),
     }
 
@@ -150,11 +162,17 @@ class StageCore:
         self.engine = engine
         self._drain_timeout_s = drain_timeout_s
         self._pending: _PendingDrain | None = None
+        self._running: list[tuple[int, Background[Any]]] = []  # call id, its work
+        self._waiting: list[tuple[int, Any]] = []  # ACKED calls held until that work ends
         self._handlers = control_handlers(engine)
         self.handoffs = Handoffs(transport or SharedMemoryTransport(), engine.config.model)
 
     def has_work(self) -> bool:
-        return self._pending is not None or bool(self.engine.has_unfinished_requests())
+        return (
+            self._pending is not None
+            or bool(self._running or self._waiting)
+            or bool(self.engine.has_unfinished_requests())
+        )
 
     def handle(self, msg: ToStage) -> list[FromStage]:
         if isinstance(msg, AddRequest):
@@ -184,6 +202,9 @@ class StageCore:
         return []
 
     def _control(self, call_id: int, op: Any) -> list[FromStage]:
+        if self._running and isinstance(op, ops.ACKED):
+            self._waiting.append((call_id, op))
+            return []
         # An engine already paused (or asleep) keeps its pause mode: nothing new to drain.
         is_drain = (
             isinstance(op, ops.Sleep)
@@ -203,8 +224,25 @@ class StageCore:
             result = self._handlers[type(op)](op)
         except Exception as exc:
             return [*self._flush(), error_result(call_id, exc)]
+        if isinstance(result, Background):
+            self._running.append((call_id, result))
+            return []
         # Outputs the call produced (aborted requests) go out before its reply.
         return [*self._flush(), value_result(call_id, result)]
+
+    def _check_background(self) -> list[FromStage]:
+        """Answer the calls whose work is done; then let the held ones through, in order."""
+        replies: list[FromStage] = []
+        for call_id, work in [item for item in self._running if item[1].ready()]:
+            self._running.remove((call_id, work))
+            try:
+                replies.append(value_result(call_id, work.answer()))
+            except Exception as exc:
+                replies.append(error_result(call_id, exc))
+        while self._waiting and not self._running:
+            call_id, op = self._waiting.pop(0)
+            replies.extend(self._control(call_id, op))
+        return replies
 
     def _check_drain(self) -> list[FromStage]:
         pending = self._pending
@@ -229,7 +267,7 @@ class StageCore:
 
     def step(self) -> list[FromStage]:
         msgs = self._flush() if self.engine.has_unfinished_requests() else []
-        return [*msgs, *self._check_drain()]
+        return [*msgs, *self._check_drain(), *self._check_background()]
 
     def _flush(self) -> list[FromStage]:
         outputs = self.engine.step()

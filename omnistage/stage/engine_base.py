@@ -200,13 +200,14 @@ class StageEngineBase(Generic[W]):
         state computed from the old weights (a prefix cache) is forgotten."""
         ack = self.worker.update_weights(path, check_finite=check_finite)
         self._after_weights_changed()
+        self.weight_version = None  # a checkpoint from disk is no trainer's version
         return ack
 
     def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
         """A trainer's checked weights into the live ones, in place."""
         ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
         self._after_weights_changed()
-        self.weight_version = version
+        self.weight_version = version or None  # finished without a version: none
         return ack
 
     def reset_prefix_cache(self) -> bool:

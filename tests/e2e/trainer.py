@@ -10,6 +10,7 @@ import sys
 import torch
 
 from omnistage.rl import WeightSender, weights_checksum
+from omnistage.rl.sender import _describe
 
 
 def perturbed_state(folder: str, step: int) -> dict[str, torch.Tensor]:
@@ -34,20 +35,12 @@ class DyingSender(WeightSender):
         if self.chunks_sent == 2:
             import torch.distributed as dist
 
-            self._in_background(
-                lambda: self._post("/v1/omni/weights/update", {"update_info": _info(chunk)})
-            )
+            self._in_background(lambda: self._update(_describe(chunk)))
             opts = dist.BroadcastOptions()
             opts.rootRank = 0
             self._group.broadcast([chunk[0][1]], opts).wait()  # one tensor of the chunk...
             os._exit(3)  # ...then the trainer is gone
         super()._send_broadcast(chunk)
-
-
-def _info(chunk) -> dict:  # type: ignore[no-untyped-def]
-    from omnistage.rl.sender import _describe
-
-    return _describe(chunk).to_json()
 
 
 def main(url: str, folder: str, backend: str, mode: str, steps: int = 3) -> None:

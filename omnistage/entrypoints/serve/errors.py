@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.errors import (
     CheckpointError,
+    ConflictError,
     InvalidRequestError,
     NonFiniteOutputError,
     RequestTooLargeError,
@@ -62,6 +63,7 @@ ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     ValueError: ErrorKind(400, "invalid_request_error", "invalid_value"),
     TypeError: ErrorKind(400, "invalid_request_error", "invalid_type"),
     StageBusyError: ErrorKind(409, "conflict_error", "stage_busy"),
+    ConflictError: ErrorKind(409, "conflict_error", "conflict"),
     StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep"),
     StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused"),
     StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting"),

@@ -3,18 +3,25 @@ reset, abort by id — and vLLM's top-level names for the same, acting on the fi
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, ``/get_weight_version``, ``/reset_prefix_cache``,
 ``/abort_requests``). Operator actions: they demand the control key. See ``docs/rl.md``.
+
+A weight update is a session: ``start`` answers ``{"started": true, "session": id}`` and
+``update``/``finish`` pass ``session`` back. A second ``start`` (or ``init``) while one is
+open, or an ``update``/``finish`` naming another session, is a 409 ``conflict`` naming
+``session`` — unless it says ``abort_open: true``. A session started without
+``require_session: true`` may be continued without its id (vLLM's clients send none).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from omnistage.entrypoints.serve.auth import require_control_key
 from omnistage.entrypoints.serve.deps import EngineClientDep
 from omnistage.entrypoints.serve.omni_control.operations import check_stage_ids
+from omnistage.errors import InvalidRequestError
 from omnistage.stage.kinds import stage_kind
 
 router = APIRouter(tags=["RL"], dependencies=[Depends(require_control_key)])
@@ -24,25 +31,38 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Session = Annotated[StrictStr, Field(min_length=1, max_length=128)]
+
+
 class InitBody(_Body):
     stage_id: StrictInt = Field(default=0, ge=0)
     backend: StrictStr = "nccl"
     init_info: dict[str, Any] = Field(default_factory=dict)
+    abort_open: StrictBool = False
 
 
 class StartBody(_Body):
     stage_id: StrictInt = Field(default=0, ge=0)
     update_info: dict[str, Any] | None = None
+    require_session: StrictBool = False
+    abort_open: StrictBool = False
 
 
 class UpdateBody(_Body):
     stage_id: StrictInt = Field(default=0, ge=0)
     update_info: dict[str, Any]
+    session: Session | None = None
 
 
 class FinishBody(_Body):
     stage_id: StrictInt = Field(default=0, ge=0)
     weight_version: StrictStr | StrictInt | None = None
+    session: Session | None = None
+
+
+class AbortUpdateBody(_Body):
+    stage_id: StrictInt = Field(default=0, ge=0)
+    session: Session | None = None
 
 
 class StageIdsBody(_Body):
@@ -62,30 +82,50 @@ def _finished(acks: list[dict[str, Any]]) -> dict[str, Any]:
 
 @router.post("/v1/omni/weights/init")
 async def init_weights(body: InitBody, engine: EngineClientDep) -> dict[str, Any]:
-    """Join a trainer (``nccl``: blocks until the trainer's rank 0 joins too)."""
+    """Join a trainer (``nccl``: answers once the trainer's rank 0 joins too; the stage
+    serves meanwhile)."""
     check_stage_ids(engine, [body.stage_id], field="stage_id")
-    return await engine.init_weight_transfer(body.stage_id, body.backend, body.init_info)
+    return await engine.init_weight_transfer(
+        body.stage_id, body.backend, body.init_info, abort_open=body.abort_open
+    )
 
 
 @router.post("/v1/omni/weights/start")
 async def start_weights(body: StartBody, engine: EngineClientDep) -> dict[str, Any]:
-    """Begin an update; ``update_info`` may announce every tensor, checked up front."""
+    """Open an update session; ``update_info`` may announce every tensor, checked up front
+    (and then all must arrive before ``finish`` applies anything)."""
     check_stage_ids(engine, [body.stage_id], field="stage_id")
-    return await engine.start_weight_update(body.stage_id, body.update_info)
+    return await engine.start_weight_update(
+        body.stage_id, body.update_info,
+        require_session=body.require_session, abort_open=body.abort_open,
+    )  # fmt: skip
 
 
 @router.post("/v1/omni/weights/update")
 async def update_weights(body: UpdateBody, engine: EngineClientDep) -> dict[str, Any]:
     """Receive one chunk (names, dtype names, shapes; ``ipc_handles`` for ``ipc``)."""
     check_stage_ids(engine, [body.stage_id], field="stage_id")
-    return await engine.receive_weights(body.stage_id, body.update_info)
+    return await engine.receive_weights(body.stage_id, body.update_info, session=body.session)
 
 
 @router.post("/v1/omni/weights/finish")
 async def finish_weights(body: FinishBody, engine: EngineClientDep) -> dict[str, Any]:
-    """Apply the update in place, all or nothing, as ``weight_version``."""
+    """Apply the session's update in place, all or nothing, as ``weight_version``."""
     check_stage_ids(engine, [body.stage_id], field="stage_id")
-    return _finished(await engine.finish_weight_update(body.stage_id, body.weight_version))
+    acks = await engine.finish_weight_update(
+        body.stage_id, body.weight_version, session=body.session
+    )
+    return _finished(acks)
+
+
+@router.post("/v1/omni/weights/abort")
+async def abort_weights(
+    engine: EngineClientDep, body: AbortUpdateBody | None = None
+) -> dict[str, Any]:
+    """End the caller's own update session without applying it (409 for another's)."""
+    body = body or AbortUpdateBody()
+    check_stage_ids(engine, [body.stage_id], field="stage_id")
+    return await engine.abort_weight_update(body.stage_id, session=body.session)
 
 
 @router.get("/v1/omni/weights/checksum")
@@ -125,39 +165,60 @@ def _text_stage(engine: Any) -> int:
     return next(s.stage_id for s in engine.config.stages if stage_kind(s.kind).modality == "text")
 
 
+# vLLM's bodies, lenient as vLLM's (unknown fields ignored), with omnistage's session fields.
 class VllmInitBody(BaseModel):
     init_info: dict[str, Any] = Field(default_factory=dict)
+    abort_open: StrictBool = False
+
+
+class VllmStartBody(BaseModel):
+    require_session: StrictBool = False
+    abort_open: StrictBool = False
 
 
 class VllmUpdateBody(BaseModel):
     update_info: dict[str, Any]
+    session: Session | None = None
 
 
 class VllmFinishBody(BaseModel):
     weight_version: StrictStr | StrictInt | None = None
+    session: Session | None = None
 
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: VllmInitBody, engine: EngineClientDep) -> dict:
     info = dict(body.init_info)
-    backend = str(info.pop("backend", "nccl"))
-    return await engine.init_weight_transfer(_text_stage(engine), backend, info)
+    backend = info.pop("backend", "nccl")
+    if not isinstance(backend, str):
+        raise InvalidRequestError("init_info.backend", "must be a string")
+    return await engine.init_weight_transfer(
+        _text_stage(engine), backend, info, abort_open=body.abort_open
+    )
 
 
 @router.post("/start_weight_update")
-async def start_weight_update(engine: EngineClientDep) -> dict[str, Any]:
-    return await engine.start_weight_update(_text_stage(engine), None)
+async def start_weight_update(
+    engine: EngineClientDep, body: VllmStartBody | None = None
+) -> dict[str, Any]:
+    body = body or VllmStartBody()
+    return await engine.start_weight_update(
+        _text_stage(engine), None, require_session=body.require_session, abort_open=body.abort_open
+    )
 
 
 @router.post("/update_weights")
 async def vllm_update_weights(body: VllmUpdateBody, engine: EngineClientDep) -> dict:
-    return await engine.receive_weights(_text_stage(engine), body.update_info)
+    return await engine.receive_weights(_text_stage(engine), body.update_info, session=body.session)
 
 
 @router.post("/finish_weight_update")
 async def finish_weight_update(engine: EngineClientDep, body: VllmFinishBody | None = None) -> dict:
-    version = body.weight_version if body else None
-    return _finished(await engine.finish_weight_update(_text_stage(engine), version))
+    body = body or VllmFinishBody()
+    acks = await engine.finish_weight_update(
+        _text_stage(engine), body.weight_version, session=body.session
+    )
+    return _finished(acks)
 
 
 @router.get("/get_weight_version")
