@@ -165,6 +165,12 @@ class StageConfig(_Frozen):
         description="AR: logprobs of the model's raw distribution, or of the processed one "
         "tokens are drawn from (temperature, top-k, top-p, bans applied).",
     )
+    encoder_cache_mb: int = Field(
+        default=256,
+        ge=0,
+        description="AR: MiB of encoder outputs (audio, images, video) kept by the media's "
+        "content, so the same medium sent again is not encoded again; 0 turns it off.",
+    )
     max_answer_logprobs: int = Field(
         default=1_000_000,
         gt=0,

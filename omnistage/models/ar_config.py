@@ -10,6 +10,7 @@ mixture-of-experts decoder, its experts. Both the transformers-4 keys (``rope_th
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # Multimodal RoPE (Qwen2-VL's mRoPE, Qwen2.5-Omni's TMRoPE): the rotary frequencies split
+    # into sections (in pairs of head dims) turned by the time, height and width positions.
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,9 @@ class ARModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     tp_plan: TPPlan = DENSE_PLAN
+    # What the family needs beyond the shared decoder (the Qwen2.5-Omni thinker's encoder
+    # configs): read by its ``build_decoder`` only; plain JSON values; not part of the hash.
+    extras: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @property
     def num_kv_groups(self) -> int:
@@ -166,14 +173,15 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
     params.update(raw.get("rope_parameters") or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "mrope":  # text-only positions make multimodal RoPE the plain one
+    if rope_type == "mrope":  # multimodal RoPE over the default frequencies
         rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise CheckpointError(
             f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
+    sections = tuple(int(s) for s in params.get("mrope_section") or ())
     if rope_type == "default":
-        return RopeConfig(theta=theta)
+        return RopeConfig(theta=theta, mrope_section=sections)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.attention import AttentionMetadata, KVCacheLayer, causal_attention
 from omnistage.models.meta import no_weight_init
@@ -130,12 +131,24 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope), persistent=False)
+        self.mrope_section = list(rope.mrope_section)
+        if self.mrope_section and sum(self.mrope_section) != head_dim // 2:
+            raise CheckpointError(
+                f"mrope_section {self.mrope_section} must add up to head_dim / 2 = {head_dim // 2}"
+            )
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for positions ``[T]``, or ``[3, T]`` (time, height, width) of multimodal
+        RoPE: frequency section ``i`` turns by position row ``i % 3``."""
         inv_freq: torch.Tensor = self.inv_freq  # type: ignore[assignment]
-        freqs = positions[:, None].float() * inv_freq[None, :]
+        freqs = positions[..., None].float() * inv_freq
+        if positions.dim() == 2:
+            if not self.mrope_section:
+                raise ValueError("this model has no multimodal rotary positions")
+            parts = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -29,6 +29,9 @@ class Wants:
     hidden_states: bool = False
     hidden_states_with_embeddings: bool = False
     embed_token_ids: tuple[int, ...] = ()
+    # With ``hidden_states_with_embeddings``: the embeddings added at multimodal placeholders
+    # are zero, not the encoders' output (only the text's embeddings are added).
+    text_embeddings_only: bool = False
 
 
 @dataclass
@@ -40,6 +43,8 @@ class UpstreamResult:
     hidden_states: torch.Tensor | None = None
     token_embeddings: torch.Tensor | None = None  # of the ``embed_token_ids`` it was asked for
     num_prompt_tokens: int = 0
+    positions: torch.Tensor | None = None  # its prompt's multimodal rotary positions [3, L]
+    position_delta: int = 0  # its generated token i sat at i + position_delta
 
 
 @dataclass(frozen=True)

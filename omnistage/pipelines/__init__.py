@@ -40,6 +40,7 @@ _STAGE_OVERRIDES = frozenset(
         "gpu_memory_utilization",
         "kv_cache_bytes",
         "enable_prefix_caching",
+        "encoder_cache_mb",
         "attention_backend",
         "idle_sleep_s",
         "idle_sleep_level",
@@ -134,7 +135,7 @@ def ensure_models(
     for stage in config.stages:
         if stage.preset is None and not Path(stage.model).exists():
             raise ConfigError(f"stages.{stage.stage_id}.model: no such checkpoint: {stage.model}")
-        if stage.preset is not None and not is_built(stage.model):
+        if stage.preset is not None and not is_built(stage.model, stage.preset):
             if on_build is not None:
                 on_build(stage.preset, Path(stage.model))
             ensure_preset(stage.preset, stage.model)

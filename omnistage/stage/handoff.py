@@ -220,6 +220,8 @@ class Handoffs:
             hidden_states=extra.get("hidden_states"),
             token_embeddings=extra.get("token_embeddings"),
             num_prompt_tokens=out.num_prompt_tokens,
+            positions=extra.get("positions"),
+            position_delta=int(extra.get("position_delta", 0)),
         )
         ref = self.transport.put(payload)
         self._left[out.request_id] = ref
@@ -248,6 +250,8 @@ class Handoffs:
                 hidden_states=payload.hidden_states,
                 token_embeddings=payload.token_embeddings,
                 num_prompt_tokens=payload.num_prompt_tokens,
+                positions=payload.positions,
+                position_delta=payload.position_delta,
             ),
             self.folder,
         )

@@ -68,6 +68,8 @@ class Handoff(msgspec.Struct):
     hidden_states: torch.Tensor | None = None
     token_embeddings: torch.Tensor | None = None
     num_prompt_tokens: int = 0
+    positions: torch.Tensor | None = None  # the prompt's multimodal rotary positions
+    position_delta: int = 0
 
 
 class Upstream(msgspec.Struct, frozen=True):

@@ -208,6 +208,13 @@ class StageStateCollector(Collector):
             "prefix_cache_queries", "Prompt tokens looked up in an AR stage's prefix cache."
         )
         hits = counter("prefix_cache_hits", "Prompt tokens found in an AR stage's prefix cache.")
+        encoder_queries = counter(
+            "encoder_cache_queries",
+            "Media items (audio, images, video) an AR stage looked up in its encoder cache.",
+        )
+        encoder_hits = counter(
+            "encoder_cache_hits", "Media items found in an AR stage's encoder cache (not encoded)."
+        )
         for row in self.rows:
             ids = [self.model_name, str(row["stage_id"])]
             for name in STATES:
@@ -231,5 +238,9 @@ class StageStateCollector(Collector):
             if isinstance(cache, dict):
                 queries.add_metric(ids, cache.get("queried_tokens", 0))
                 hits.add_metric(ids, cache.get("hit_tokens", 0))
+            encoders = row.get("encoder_cache")
+            if isinstance(encoders, dict):
+                encoder_queries.add_metric(ids, encoders.get("queries", 0))
+                encoder_hits.add_metric(ids, encoders.get("hits", 0))
         yield from (state, sleep, running, waiting, in_flight, kv_usage, resident, released)
-        yield from (restarts, queries, hits)
+        yield from (restarts, queries, hits, encoder_queries, encoder_hits)

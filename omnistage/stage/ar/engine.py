@@ -321,6 +321,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
 
     def _after_weights_changed(self) -> None:
         self.block_manager.clear_cache()  # cached k/v came from the old weights
+        self.worker.clear_encoder_cache()  # and so did cached encoder outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (blocks in use stay with their sequences)."""
@@ -337,6 +338,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
             "num_kv_blocks": self.worker.num_kv_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
             "prefix_cache": self.block_manager.cache_status(),
+            "encoder_cache": self.worker.encoder_cache_status(),
             "cuda_graphs": self.worker.has_cuda_graphs,
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "rank_pids": getattr(self.worker, "rank_pids", []),  # ranks 1..N-1

@@ -24,7 +24,7 @@ from omnistage.models.loader import LoadReport, load_into, module_targets
 from omnistage.models.tensor_parallel import SINGLE, Shard, TPGroup, rank_heads, shards_of
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
 from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
-from omnistage.stage.ar.multi_modal import encode_item
+from omnistage.stage.ar.multi_modal import EncoderCache
 from omnistage.stage.ar.sequence import Sequence
 from omnistage.stage.resolve import resolve_dtype
 
@@ -61,6 +61,7 @@ class ModelRunner:
         self.model = self.family.build_decoder(model_config, self.dtype, tp)
         self.attention = select_backend(self.device, config.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
+        self.encoder_cache = EncoderCache(config.encoder_cache_mb << 20)
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
         if load_weights:  # not for a restart asleep at level 2: released at once, unread
             self.load_weights(Path(config.model), strict=True)
@@ -114,6 +115,7 @@ class ModelRunner:
 
     def load_weights(self, path: Path, strict: bool, check_finite: bool = False) -> LoadReport:
         """Copy a checkpoint (folder or safetensors file) into the weights, in place."""
+        self.encoder_cache.clear()  # its outputs came from the old weights
         rename: Callable[[str], str | None] = self.family.rename(self.model_config.part)
         targets, shards = self._load_targets
         return load_into(
@@ -154,6 +156,17 @@ class ModelRunner:
             out[first - start :] += seq.decode_embeds[steps]
         return out
 
+    def _positions(self, seq: Sequence, start: int) -> torch.Tensor:
+        """Positions of ``seq``'s tokens from ``start`` on: ``[T]``, or ``[3, T]`` (time,
+        height, width) for a prompt with multimodal rotary positions; a generated token
+        (recomputed after a preemption) sits at its index plus ``position_delta``."""
+        if seq.positions is None:
+            return torch.arange(start, seq.num_tokens, device=self.device)
+        prompt = seq.positions[:, start:]
+        first = max(start, seq.num_prompt_tokens)
+        later = torch.arange(first, seq.num_tokens, device=self.device) + seq.position_delta
+        return torch.cat([prompt.to(self.device), later.expand(3, -1)], dim=1)
+
     def _encode_multi_modal(self, seq: Sequence, rows: torch.Tensor) -> None:
         """The encoder step: each multimodal item's embeddings replace those of its
         placeholder positions among ``rows`` (``seq``'s positions from ``num_cached_tokens``
@@ -163,7 +176,7 @@ class ModelRunner:
             lo, hi = max(item.offset, start), item.offset + item.length
             if lo >= hi:
                 continue
-            encoded = encode_item(self.model, item).to(rows.dtype)
+            encoded = self.encoder_cache.encode(self.model, item).to(rows.dtype)
             rows[lo - start : hi - start] = encoded[lo - item.offset : hi - item.offset]
 
     @staticmethod
@@ -171,9 +184,18 @@ class ModelRunner:
         seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
     ) -> torch.Tensor:
         rows = hidden[start:end]
-        if seq.hidden_states_with_embeddings and embeds is not None:
-            return rows + embeds[start:end]
-        return rows.clone()
+        if not seq.hidden_states_with_embeddings or embeds is None:
+            return rows.clone()
+        added = embeds[start:end]
+        if seq.text_embeddings_only and seq.multi_modal:  # no encoder output added
+            added = added.clone()
+            first = seq.num_cached_tokens  # the position of row ``start``
+            for item in seq.multi_modal:
+                lo = max(item.offset - first, 0)
+                hi = min(item.offset + item.length - first, end - start)
+                if lo < hi:
+                    added[lo:hi] = 0
+        return rows + added
 
     @torch.no_grad()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
@@ -183,13 +205,13 @@ class ModelRunner:
         """Compute each sequence's tokens from ``num_cached_tokens`` on (the ones before came
         from the prefix cache)."""
         input_ids: list[int] = []
-        positions: list[int] = []
+        positions: list[torch.Tensor] = []
         slots: list[int] = []
         cu_seqlens = [0]
         for seq in seqs:
             start = seq.num_cached_tokens
             input_ids += seq.token_ids[start:]
-            positions += range(start, seq.num_tokens)
+            positions.append(self._positions(seq, start))
             slots += self._slots(seq, start, seq.num_tokens)
             cu_seqlens.append(cu_seqlens[-1] + seq.num_tokens - start)
         prefix_lens = [seq.num_cached_tokens for seq in seqs]
@@ -211,7 +233,7 @@ class ModelRunner:
                     embeds[rows] = self._inputs_embeds(seq, seq.num_cached_tokens, embeds[rows])
                 if seq.multi_modal:
                     self._encode_multi_modal(seq, embeds[rows])
-        hidden = self.model(ids, self._tensor(positions), metadata, self.kv_cache.layers, embeds)
+        hidden = self.model(ids, _joined(positions), metadata, self.kv_cache.layers, embeds)
         last_rows = hidden[self._tensor([end - 1 for end in cu_seqlens[1:]])]
         wanted = {
             i: self._hidden_rows(seq, hidden, embeds, cu_seqlens[i], cu_seqlens[i + 1])
@@ -227,7 +249,7 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
         input_ids = self._tensor([seq.last_token_id for seq in seqs])
-        positions = self._tensor([seq.num_tokens - 1 for seq in seqs])
+        positions = self._tensor([seq.num_tokens - 1 + seq.position_delta for seq in seqs])
         slots = self._tensor(
             [self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]
         )
@@ -256,3 +278,11 @@ class ModelRunner:
             if seq.return_hidden_states
         }
         return StepResult(self.model.compute_logits(hidden), wanted)
+
+
+def _joined(positions: list[torch.Tensor]) -> torch.Tensor:
+    """One batch's positions: ``[T]``, or ``[3, T]`` when any sequence has multimodal ones
+    (a plain sequence's positions then fill all three rows, which is its ordinary RoPE)."""
+    if all(p.dim() == 1 for p in positions):
+        return torch.cat(positions)
+    return torch.cat([p.expand(3, -1) if p.dim() == 1 else p for p in positions], dim=1)

@@ -10,6 +10,7 @@ takes, it reports (``ARStageInfo.multi_modal``); requests are checked against th
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +26,61 @@ def modalities(model: nn.Module) -> list[str]:
     """The modalities ``model`` takes: precomputed embeddings and its encoders'."""
     encoders = getattr(model, "encoders", None)
     return [EMBEDS, *(sorted(encoders) if encoders is not None else [])]
+
+
+class EncoderCache:
+    """Encoder outputs by the content of the media they came from: the same picture or sound
+    sent again is not encoded again. Least recently used first out, bounded in bytes; emptied
+    when the weights change and when the stage sleeps (its memory is released with the rest).
+    An item without a content hash is never cached."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.nbytes = 0
+        self.hits = 0
+        self.queries = 0
+        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    @staticmethod
+    def key(item: MultiModalItem) -> str | None:
+        if not item.content_hash or item.modality == EMBEDS:
+            return None
+        # The processed input's shapes too: one medium processed two ways (other pixel
+        # bounds, audio in a video or not) gives other embeddings.
+        shapes = ",".join(f"{k}{list(v.shape)}" for k, v in sorted(item.data.items()))
+        return f"{item.modality}:{item.content_hash}:{item.length}:{shapes}"
+
+    def encode(self, model: nn.Module, item: MultiModalItem) -> torch.Tensor:
+        key = self.key(item) if self.capacity_bytes > 0 else None
+        if key is None:
+            return encode_item(model, item)
+        self.queries += 1
+        hit = self._entries.get(key)
+        if hit is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return hit
+        encoded = encode_item(model, item)
+        size = encoded.numel() * encoded.element_size()
+        if size <= self.capacity_bytes:
+            self._entries[key] = encoded
+            self.nbytes += size
+            while self.nbytes > self.capacity_bytes:
+                _, old = self._entries.popitem(last=False)
+                self.nbytes -= old.numel() * old.element_size()
+        return encoded
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def status(self) -> dict[str, int]:
+        return {
+            "queries": self.queries,
+            "hits": self.hits,
+            "entries": len(self._entries),
+            "bytes": self.nbytes,
+        }
 
 
 def encode_item(model: nn.Module, item: MultiModalItem) -> torch.Tensor:

@@ -7,6 +7,7 @@ generation ends, so text that a stop string later cuts away is never streamed.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import torch
 
@@ -77,10 +78,13 @@ def append_token(
     )
 
 
-def final_handoff(seq: Sequence) -> dict[str, torch.Tensor] | None:
-    payload = {}
+def final_handoff(seq: Sequence) -> dict[str, Any] | None:
+    payload: dict[str, Any] = {}
     if seq.return_hidden_states and seq.hidden_states:
         payload["hidden_states"] = torch.cat(seq.hidden_states).cpu()
+        if seq.positions is not None:  # the next stage continues the prompt's positions
+            payload["positions"] = seq.positions.cpu()
+            payload["position_delta"] = seq.position_delta
     if seq.token_embeddings is not None:
         payload["token_embeddings"] = seq.token_embeddings
     return payload or None

@@ -15,6 +15,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.models.media import MediaItem, PromptProcessor, media_items
 from omnistage.models.processors import Wants
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.stage.ar.sampling import SamplingParams
@@ -31,12 +32,15 @@ class ARRequestPreparer:
         "token_embeds_from",
         "decode_embeds",
         "multi_modal",
+        "multi_modal_data",
+        "mm_processor_kwargs",
     )
 
     def __init__(self, config: StageConfig, info: ARStageInfo) -> None:
         self.config = config
         self.info = info
         self.tokenizer = Tokenizer.from_pretrained(config.model)
+        self._prompt_processor: PromptProcessor | None = None
 
     @property
     def params_field(self) -> str:
@@ -79,6 +83,7 @@ class ARRequestPreparer:
             sampling_params=self.sampling_params(options, downstream=True),
             return_hidden_states=wants.hidden_states,
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
+            text_embeddings_only=wants.text_embeddings_only,
             embed_token_ids=list(wants.embed_token_ids) or None,
         )
 
@@ -135,6 +140,7 @@ class ARRequestPreparer:
             )
         text = prompt.get("prompt")
         self._refuse_surely_too_long(prompt, sources[0])
+        media = self._media(prompt)
         if sources[0] == "messages":
             token_ids = self.tokenizer.encode_chat(_messages(prompt["messages"]))
         elif sources[0] == "prompt":
@@ -145,6 +151,11 @@ class ARRequestPreparer:
             token_ids = self._token_ids(prompt["prompt_token_ids"])
         if not token_ids:
             raise InvalidRequestError("prompt", "is empty after tokenization")
+        processed = None
+        if media:  # placeholders expanded, encoder inputs and positions, as the model wants
+            kwargs = check_mapping(prompt.get("mm_processor_kwargs"), "mm_processor_kwargs")
+            processed = self.prompt_processor().process(token_ids, media, dict(kwargs))
+            token_ids = processed.token_ids
         if len(token_ids) >= self.info.max_model_len:
             raise RequestTooLargeError(
                 "prompt",
@@ -167,12 +178,62 @@ class ARRequestPreparer:
             return_hidden_states=wants.hidden_states,
             prompt=text if isinstance(text, str) else None,
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
+            text_embeddings_only=wants.text_embeddings_only,
             embed_token_ids=list(wants.embed_token_ids) or None,
             prompt_embeds=embeds.get("prompt_embeds"),
             token_embeds_from=prompt.get("token_embeds_from"),
             decode_embeds=embeds.get("decode_embeds"),
-            multi_modal=self._items(prompt.get("multi_modal"), len(token_ids)),
+            multi_modal=(
+                [
+                    MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
+                    for i in processed.items
+                ]
+                if processed is not None
+                else self._items(prompt.get("multi_modal"), len(token_ids))
+            ),
+            positions=processed.positions if processed is not None else None,
+            position_delta=processed.position_delta if processed is not None else 0,
         )
+
+    def prompt_processor(self) -> PromptProcessor:
+        """The model family's processor of multimodal prompts (built once, on first use)."""
+        if self._prompt_processor is None:
+            from omnistage.models import registry
+
+            family = registry.family_of_folder(self.config.model)
+            make = getattr(family, "prompt_processor", None)
+            if make is None:
+                raise InvalidRequestError(
+                    "multi_modal_data", "this model takes text only (no audio, image or video)"
+                )
+            self._prompt_processor = make(self.config.model)
+        return self._prompt_processor
+
+    def _media(self, prompt: Mapping[str, Any]) -> list[MediaItem]:
+        """The prompt's decoded media, each of a modality this stage has an encoder for."""
+        value = prompt.get("multi_modal_data")
+        if value is None or (isinstance(value, Mapping | list | tuple) and not value):
+            if prompt.get("mm_processor_kwargs"):
+                raise InvalidRequestError(
+                    "mm_processor_kwargs", "is for prompts with audio, images or video"
+                )
+            return []
+        if "multi_modal" in prompt:
+            raise InvalidRequestError(
+                "multi_modal_data", "give media or processed multi_modal items, not both"
+            )
+        items = media_items(value) if isinstance(value, Mapping) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(i, MediaItem) for i in items):
+            raise InvalidRequestError("multi_modal_data", "must map modalities to media")
+        for item in items:
+            if item.modality not in self.info.multi_modal:
+                taken = [m for m in self.info.multi_modal if m != "embeds"]
+                raise InvalidRequestError(
+                    f"multi_modal_data.{item.modality}",
+                    f"this model takes no {item.modality} input"
+                    + (f"; it takes {taken}" if taken else " (text only)"),
+                )
+        return list(items)
 
     def _items(self, value: Any, prompt_len: int) -> list[MultiModalItem]:
         """Multimodal items of the prompt, checked against what the stage takes."""

@@ -37,6 +37,9 @@ class SeqView(msgspec.Struct):
     decode_embeds: torch.Tensor | None = None
     multi_modal: list[MultiModalItem] = []
     wants_prompt_logits: bool = False
+    positions: torch.Tensor | None = None
+    position_delta: int = 0
+    text_embeddings_only: bool = False
 
     @property
     def params(self) -> Any:
@@ -68,6 +71,9 @@ class SeqView(msgspec.Struct):
             token_embeds_from=seq.token_embeds_from,
             decode_embeds=seq.decode_embeds,
             multi_modal=list(seq.multi_modal) if is_prefill else [],
+            positions=seq.positions if is_prefill else None,
+            position_delta=seq.position_delta,
+            text_embeddings_only=seq.text_embeddings_only,
             wants_prompt_logits=is_prefill
             and seq.params.prompt_logprobs is not None
             and seq.prompt_logprobs is None,

@@ -301,6 +301,14 @@ class TensorParallelWorker:
         self.ranks.send(RankCopyKV(src, dst))
         self.local.copy_kv_block(src, dst)
 
+    def clear_encoder_cache(self) -> None:
+        # Rank 0's only: weights change on every rank together only from a file (each
+        # rank's load clears its own), and synced weights reach rank 0 alone.
+        self.local.clear_encoder_cache()
+
+    def encoder_cache_status(self) -> dict[str, int]:
+        return self.local.encoder_cache_status()
+
     def sleep(self, level: int, tags: Seq[str] | None, **metadata: Any) -> Ack:
         self._check_alive()
         local = self.local.sleep(level, tags, **metadata)

@@ -38,6 +38,9 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.token_embeds_from,
         request.decode_embeds,
         list(request.multi_modal),
+        request.positions,
+        request.position_delta,
+        request.text_embeddings_only,
     )
 
 
@@ -81,6 +84,8 @@ class RequestTable:
             value = getattr(request, name)
             if value is not None:
                 setattr(request, name, value.to(self.device, self.dtype))
+        if request.positions is not None:
+            request.positions = request.positions.to(self.device)
         for item in request.multi_modal:  # the encoders' inputs, on the device
             item.data = {k: v.to(self.device) for k, v in item.data.items()}
         samples = [self._sample(request, i) for i in range(request.sampling_params.n)]
@@ -136,6 +141,7 @@ class RequestTable:
                 f"{len(ids)} tokens leave no room to generate within max_model_len={max_model_len}",
             )
         self._validate_embeddings(request)
+        _validate_positions(request)
         check_items(request.multi_modal, len(ids), self.embed_dim, self.multi_modal)
 
     def _validate_embeddings(self, request: ARRequest) -> None:
@@ -161,3 +167,20 @@ class RequestTable:
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids
         ):
             raise InvalidRequestError("embed_token_ids", f"must be ids in [0, {self.vocab_size})")
+
+
+def _validate_positions(request: ARRequest) -> None:
+    """Multimodal rotary positions: ``[3, prompt tokens]`` non-negative integers."""
+    value, prompt_len = request.positions, len(request.prompt_token_ids)
+    if not isinstance(request.position_delta, int) or isinstance(request.position_delta, bool):
+        raise InvalidRequestError("position_delta", "must be an integer")
+    if value is None:
+        return
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dtype != torch.long
+        or list(value.shape) != [3, prompt_len]
+    ):
+        raise InvalidRequestError("positions", f"must be an int64 tensor [3, {prompt_len}]")
+    if bool((value < 0).any()) or prompt_len + request.position_delta < 0:
+        raise InvalidRequestError("positions", "must not be negative")

@@ -36,6 +36,9 @@ class ARRequest:
     token_embeds_from: int | None = None
     decode_embeds: torch.Tensor | None = None
     multi_modal: list[MultiModalItem] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # [3, prompt tokens]: multimodal rotary positions
+    position_delta: int = 0  # generated token i sits at i + position_delta
+    text_embeddings_only: bool = False  # hidden states add no encoder output
 
 
 class SequenceStatus(Enum):
@@ -61,12 +64,15 @@ class Sequence:
         self.num_prompt_tokens = len(request.prompt_token_ids)
         self.return_hidden_states = request.return_hidden_states
         self.hidden_states_with_embeddings = request.hidden_states_with_embeddings
+        self.text_embeddings_only = request.text_embeddings_only
         self.embed_token_ids = request.embed_token_ids
         self.prompt_embeds = request.prompt_embeds
         self.token_embeds_from = request.token_embeds_from
         self.token_embeddings: torch.Tensor | None = None  # of embed_token_ids, on the CPU
         self.decode_embeds = request.decode_embeds
         self.multi_modal = list(request.multi_modal)  # placeholder ranges, in prompt order
+        self.positions = request.positions
+        self.position_delta = request.position_delta
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache

@@ -51,18 +51,23 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     feeding one: ``hidden_states_with_embeddings`` returns each position's final hidden state
     plus its input embedding, and ``embed_token_ids`` asks for those ids' embeddings
     (``token_embeddings`` in what it hands over). ``multi_modal`` items replace the
-    embeddings of their placeholder positions with their encoder's output."""
+    embeddings of their placeholder positions with their encoder's output. ``positions``
+    ``[3, L]`` are the prompt's multimodal rotary positions (time, height, width) for a model
+    that has them; generated token ``i`` then sits at ``i + position_delta`` in all three."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     return_hidden_states: bool = False
     prompt: str | None = None
     hidden_states_with_embeddings: bool = False
+    text_embeddings_only: bool = False  # ... but zeros at multimodal placeholders
     embed_token_ids: list[int] | None = None
     prompt_embeds: torch.Tensor | None = None
     token_embeds_from: int | None = None  # prompt positions from here add their tokens' too
     decode_embeds: torch.Tensor | None = None
     multi_modal: list[MultiModalItem] = []
+    positions: torch.Tensor | None = None
+    position_delta: int = 0
 
 
 class ARStageInfo(msgspec.Struct, tag=KIND):

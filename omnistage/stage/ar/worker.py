@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -70,6 +71,17 @@ class ARWorker(ArenaWorker):
 
     def copy_kv_block(self, src: int, dst: int) -> None:
         self.runner.copy_kv_block(src, dst)
+
+    def clear_encoder_cache(self) -> None:
+        self.runner.encoder_cache.clear()
+
+    def encoder_cache_status(self) -> dict[str, int]:
+        return self.runner.encoder_cache.status()
+
+    def sleep(self, level: int, tags: Seq[str] | None, **metadata: Any) -> Ack:
+        if level >= 1:  # cached encoder outputs are memory a sleep releases too
+            self.clear_encoder_cache()
+        return super().sleep(level, tags, **metadata)
 
     def wake_up(self, tags: Seq[str] | None, reload: bool) -> Ack:
         """Memory back (weights reloaded unless ``reload`` is False); a KV cache that comes
