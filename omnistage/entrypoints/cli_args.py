@@ -61,7 +61,6 @@ VLLM_ONLY_FLAGS = frozenset(
         "--allow-credentials",
         "--allowed-methods",
         "--allowed-headers",
-        "--limit-mm-per-prompt",
         "--mm-processor-kwargs",
         "--hf-overrides",
         "--compilation-config",
@@ -115,6 +114,13 @@ def _literal_choices(annotation: object) -> list[str]:
     )
 
 
+def _is_list(annotation: object) -> bool:
+    """A ``list[...]`` annotation (also inside ``Annotated``)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return typing.get_origin(annotation) is list
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model_tag",
@@ -131,6 +137,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
             p.add_argument(*flags, dest=name, action="store_true", help=help_text)
         elif field.annotation == bool | None:
             p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, help=help_text)
+        elif _is_list(field.annotation):  # vLLM's shape: --allowed-media-domains a.org b.org
+            p.add_argument(*flags, dest=name, default=None, nargs="+", help=help_text)
         else:
             choices = _literal_choices(field.annotation)
             metavar = "{" + ",".join(choices) + "}" if choices else None
