@@ -194,6 +194,21 @@ def _detach(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
+def _multimodal_kwargs(outputs: dict[str, Any] | None, input_ids: torch.Tensor) -> dict[str, Any]:
+    if not outputs:
+        return {}
+    kwargs = {k: v for k, v in outputs.items() if k not in ("input_ids", "attention_mask")}
+    kwargs["attention_mask"] = torch.ones_like(input_ids)
+    # generate hands every unprefixed keyword to the talker's generate too, which refuses
+    # pixels (a ValueError for any image or video prompt with speech out); its ``thinker_``
+    # prefix gives them to the thinker alone, where they belong (the grids stay shared: the
+    # talker's positions need them).
+    for name in ("pixel_values", "pixel_values_videos"):
+        if name in kwargs:
+            kwargs["thinker_" + name] = kwargs.pop(name)
+    return kwargs
+
+
 def reference_generate(
     folder: str | Path,
     prompt: str | Sequence[int] | Sequence[dict[str, Any]],
@@ -205,6 +220,7 @@ def reference_generate(
     num_steps: int = DEFAULT_NUM_STEPS,
     talker_repetition_penalty: float = 1.05,
     codec_prefill_embeds: bool = True,
+    processor_outputs: dict[str, Any] | None = None,
 ) -> Reference:
     """Run transformers' ``generate`` on ``prompt`` and capture its intermediates.
 
@@ -214,6 +230,13 @@ def reference_generate(
     the mask altogether if it's all 1s"), and the talker only adds them when it gets a mask;
     so True hands the talker's forward an explicit all-ones mask (nothing else changes:
     same positions, same causal attention), and False is transformers 5.x as it is.
+
+    ``processor_outputs``: what ``Qwen2_5OmniProcessor`` made besides ``input_ids`` for a
+    prompt with audio, images or video (``input_features``, ``feature_attention_mask``,
+    ``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``,
+    ``video_second_per_grid``, ``use_audio_in_video``), passed to ``generate`` with an
+    all-ones ``attention_mask``, as the model card's example passes the processor's output:
+    without a mask transformers computes no multimodal positions.
     """
     from transformers.utils import logging as hf_logging
 
@@ -301,6 +324,7 @@ def reference_generate(
                 talker_max_new_tokens=talker_max_new_tokens,
                 talker_repetition_penalty=talker_repetition_penalty,
                 token2wav_num_steps=num_steps,
+                **_multimodal_kwargs(processor_outputs, input_ids),
             )
     finally:
         for hook in hooks:

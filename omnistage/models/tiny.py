@@ -6,6 +6,7 @@ load them through the same loader as a real checkpoint. Same preset → same byt
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -22,6 +23,13 @@ PRESETS: dict[str, str] = {
 }
 
 _DONE_MARKER = ".omnistage-built"
+# Raised whenever a builder writes other files or other bytes: a build whose marker names an
+# older version is rebuilt (it is omnistage's own, so it is replaced, never edited).
+BUILD_VERSION = 2  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media
+
+
+def _marker(preset: str) -> str:
+    return f"{preset} v{BUILD_VERSION}\n"
 
 
 def build_preset(preset: str, out: str | Path) -> Path:
@@ -33,12 +41,20 @@ def build_preset(preset: str, out: str | Path) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     builder(out)
-    (out / _DONE_MARKER).write_text(preset + "\n")
+    (out / _DONE_MARKER).write_text(_marker(preset))
     return out
 
 
-def is_built(out: str | Path) -> bool:
-    return (Path(out) / _DONE_MARKER).exists()
+def is_built(out: str | Path, preset: str | None = None) -> bool:
+    """Whether ``out`` holds a finished build (of ``preset`` by this version's builders, when
+    ``preset`` is given)."""
+    marker = Path(out) / _DONE_MARKER
+    if preset is None:
+        return marker.exists()
+    try:
+        return marker.read_text() == _marker(preset)
+    except OSError:
+        return False
 
 
 def ensure_preset(preset: str, out: str | Path) -> Path:
@@ -48,9 +64,10 @@ def ensure_preset(preset: str, out: str | Path) -> Path:
     or a concurrent build never leaves a half-written model behind.
     """
     out = Path(out)
-    if is_built(out):
+    if is_built(out, preset):
         return out
-    if out.exists() and any(out.iterdir()):
+    stale = is_built(out)  # an older build of ours: replaced below
+    if out.exists() and any(out.iterdir()) and not stale:
         # Never delete what we did not build: builds land by rename, so a non-empty folder
         # without the marker is somebody else's.
         raise ValueError(
@@ -59,12 +76,17 @@ def ensure_preset(preset: str, out: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     build_preset(preset, tmp)
-    if out.exists():
+    if stale:  # moved aside, then removed: the folder is never half old, half new
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        with contextlib.suppress(OSError):  # another process replaced it first
+            out.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    elif out.exists():
         out.rmdir()  # empty (checked above)
     try:
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-        if not is_built(out):
+        if not is_built(out, preset):
             raise
     return out

@@ -19,6 +19,7 @@ logger = logging.getLogger("omnistage.server")
 
 def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None:
     """Everything the routes read from ``app.state``."""
+    from omnistage.entrypoints.media import MediaPolicy
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
     from omnistage.entrypoints.serve.stage_states import stage_states
@@ -29,6 +30,7 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.api_key = config.api_key
     state.control_api_key = resolve_control_api_key(config.control_api_key)
     state.log_requests = not config.disable_log_requests
+    state.media_policy = MediaPolicy.from_config(config)
     state.metrics = ServerMetrics(config.model_name)
     if hasattr(engine_client, "add_control_listener"):
         engine_client.add_control_listener(state.metrics.observe_control)

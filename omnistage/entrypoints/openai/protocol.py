@@ -48,21 +48,46 @@ class _RequestBody(_Strict):
 
 
 TEXT_PARTS = ("text", "input_text")
+# The media parts of OpenAI's chat API and vLLM's, by the modality they carry.
+MEDIA_PARTS = {
+    "input_audio": "audio",
+    "audio_url": "audio",
+    "image_url": "image",
+    "video_url": "video",
+}
 
 
 class ContentPart(_Strict):
+    """A part of a message: text, or audio, an image or a video (``input_audio`` with its
+    base64 ``data`` and ``format``; ``image_url``, ``audio_url``, ``video_url`` with a
+    ``url``)."""
+
     type: str
     text: str = ""
+    input_audio: dict[str, Any] | None = None
+    image_url: dict[str, Any] | str | None = None
+    audio_url: dict[str, Any] | str | None = None
+    video_url: dict[str, Any] | str | None = None
 
     @field_validator("type")
     @classmethod
-    def _text_only(cls, v: str) -> str:
-        if v not in TEXT_PARTS:
+    def _known(cls, v: str) -> str:
+        if v not in TEXT_PARTS and v not in MEDIA_PARTS:
             raise ValueError(
-                f"{v!r} input parts are not supported: omnistage's pipelines take text "
-                "input (parts of type 'text')"
+                f"{v!r} input parts are not supported; parts are of type "
+                f"{[*TEXT_PARTS, *MEDIA_PARTS]}"
             )
         return v
+
+    @model_validator(mode="after")
+    def _payload_of_its_type(self) -> ContentPart:
+        if self.type in MEDIA_PARTS and getattr(self, self.type) is None:
+            raise ValueError(f"a part of type {self.type!r} needs its {self.type!r} field")
+        return self
+
+    @property
+    def modality(self) -> str | None:
+        return MEDIA_PARTS.get(self.type)
 
 
 class ChatMessage(_Strict):
@@ -75,6 +100,24 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    def media_parts(self) -> list[tuple[int, ContentPart]]:
+        """Its audio, image and video parts, with their index among its parts."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, p) for i, p in enumerate(self.content) if p.modality is not None]
+
+    def template_content(self) -> str | list[dict[str, str]]:
+        """What the chat template gets: its text, or with media its parts in order as
+        ``{"type": "text", "text": ...}`` and ``{"type": "audio" | "image" | "video"}``
+        (where the model's template puts the medium's placeholder)."""
+        if not self.media_parts():
+            return self.text()
+        assert isinstance(self.content, list)
+        return [
+            {"type": p.modality} if p.modality is not None else {"type": "text", "text": p.text}
+            for p in self.content
+        ]
 
 
 class StreamOptions(_Strict):
@@ -183,6 +226,9 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
     # parameters and its code2wav stage's (seed, num_steps, guidance_scale, sway_coefficient).
     talker_params: dict[str, Any] | None = None
     audio_params: dict[str, Any] | None = None
+    # vLLM's: how the model's processor treats this request's media (e.g. fps,
+    # use_audio_in_video, min_pixels, max_pixels).
+    mm_processor_kwargs: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 

@@ -2,9 +2,11 @@
 code2wav (``pipeline.yaml``), each stage sleepable on its own.
 
 Its modules: ``config`` (the parts' configs), ``weights`` (the decoder parts' renames),
-``voices``, ``talker`` (how requests reach the talker), ``processors`` (the hand-offs),
-``token2wav`` and ``code2wav`` (the vocoder the code2wav stage runs), ``tiny`` (random
-checkpoints built with transformers' own classes).
+``encoders`` (the thinker's audio and vision encoders), ``inputs`` (the prompt processor:
+media placeholders and encoder inputs) and ``rope_index`` (its 3-D positions), ``voices``,
+``talker`` (how requests reach the talker), ``processors`` (the hand-offs), ``token2wav`` and
+``code2wav`` (the vocoder the code2wav stage runs), ``tiny`` (random checkpoints built with
+transformers' own classes).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
 
     from omnistage.models.decoder import CausalLM
+    from omnistage.models.qwen2_5_omni.inputs import Qwen25OmniPromptProcessor
     from omnistage.models.tensor_parallel import TPGroup
 
 
@@ -34,10 +37,23 @@ class Qwen25OmniFamily:
     def build_decoder(
         self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None
     ) -> CausalLM:
-        return build_decoder(config, dtype, tp)
+        """The part's decoder on ``meta``; the thinker's with its audio and vision encoders
+        (whole on every tensor-parallel rank)."""
+        model = build_decoder(config, dtype, tp)
+        if config.part == "thinker":
+            from omnistage.models.qwen2_5_omni.encoders import thinker_encoders
+
+            model.encoders.update(thinker_encoders(config.extras, dtype))
+        return model
 
     def rename(self, part: str | None = None) -> Rename:
         return decoder_rename(part or "thinker")
+
+    def prompt_processor(self, folder: str | Path) -> Qwen25OmniPromptProcessor:
+        """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
+        from omnistage.models.qwen2_5_omni.inputs import Qwen25OmniPromptProcessor
+
+        return Qwen25OmniPromptProcessor(folder)
 
     def pipeline(self) -> list[dict[str, Any]]:
         return load_template(__name__, "pipeline.yaml")

@@ -1,7 +1,7 @@
 """Qwen2.5-Omni's ``config.json``: one folder, three parts, each served by its own stage.
 
 A Hugging Face Qwen2.5-Omni folder (``model_type: qwen2_5_omni``) holds the ``thinker`` (a
-Qwen2 text decoder, plus audio and vision encoders not served yet), the ``talker`` (a Qwen2
+Qwen2 text decoder, plus audio and vision encoders: ``encoders``), the ``talker`` (a Qwen2
 decoder over speech-codec tokens whose inputs are the thinker's embeddings and hidden states,
 projected by ``thinker_to_talker_proj``) and ``token2wav`` (a flow-matching DiT and a BigVGAN
 vocoder). A stage says which part it runs with ``model_stage``.
@@ -82,6 +82,8 @@ def decoder_config(raw: dict[str, Any], part: str | None) -> ARModelConfig:
         raise CheckpointError(f"config.json has no {part} configuration")
     sub.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
     layout: dict[str, Any] = {"family": FAMILY_NAME, "part": part, "qkv_bias": True}
+    if part == "thinker":
+        layout["extras"] = encoder_configs(raw)
     if part == "talker":
         tokens = TalkerTokens.from_config(raw)
         layout.update(
@@ -90,3 +92,19 @@ def decoder_config(raw: dict[str, Any], part: str | None) -> ARModelConfig:
             emits_text=False,
         )
     return ARModelConfig.from_hf(sub, **layout)
+
+
+ENCODER_CONFIGS = ("audio_config", "vision_config")
+
+
+def encoder_configs(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The thinker's audio and vision encoder configs (``ARModelConfig.extras`` of the thinker:
+    its ``build_decoder`` builds the encoders from them)."""
+    thinker = raw.get("thinker_config") or {}
+    configs: dict[str, dict[str, Any]] = {}
+    for name in ENCODER_CONFIGS:
+        value = thinker.get(name)
+        if not isinstance(value, dict) or not value:
+            raise CheckpointError(f"config.json has no thinker_config.{name}")
+        configs[name] = value
+    return configs

@@ -47,12 +47,15 @@ def talker_wants(folder: str, params: RequestParams) -> Wants:
         hidden_states=True,
         hidden_states_with_embeddings=True,
         embed_token_ids=(bos, tokens.text_eos, tokens.text_pad),
+        text_embeddings_only=True,  # transformers zeroes the multimodal positions' embeddings
     )
 
 
 def thinker_to_talker(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     """The talker's prompt, built as transformers' ``generate`` builds it: per prompt position
-    the thinker's input embedding plus its last hidden state; then the voice's text-bos
+    the thinker's input embedding (zero at multimodal placeholders) plus its last hidden
+    state, at the thinker's positions (its multimodal rotary ones, continued by two text
+    positions, with the thinker's delta after); then the voice's text-bos
     embedding and the first reply token's; codec ids ``mask * L + [pad, bos]`` (the last two
     add their own codec embeddings in the talker). Each decode step then adds the next reply
     token's (embedding + hidden state), then the text-eos embedding, then text-pad for as long
@@ -69,12 +72,18 @@ def thinker_to_talker(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     prompt_embeds = torch.cat([sums[:prompt_len], bos[None], reply[:1]])
     decode_embeds = torch.cat([reply[1:], eos[None], pad[None]])
     ids = [tokens.codec_mask] * prompt_len + [tokens.codec_pad, tokens.codec_bos]
-    return {
+    fields: dict[str, Any] = {
         "prompt_token_ids": ids,
         "prompt_embeds": prompt_embeds,
         "token_embeds_from": prompt_len,
         "decode_embeds": decode_embeds,
     }
+    if upstream.positions is not None:  # the thinker's prompt positions, then two text ones
+        after = int(upstream.positions.max()) + 1
+        tail = torch.arange(after, after + 2, dtype=torch.long).expand(3, -1)
+        fields["positions"] = torch.cat([upstream.positions, tail], dim=1)
+        fields["position_delta"] = upstream.position_delta
+    return fields
 
 
 def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:

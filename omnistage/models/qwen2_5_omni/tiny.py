@@ -14,8 +14,10 @@ seeded generator and writes what the real ``Qwen/Qwen2.5-Omni-*`` folders hold:
   "bos_token": int}`` (float32 tensors; the real file's layout, batch dimension included);
 - ``tokenizer.json`` (byte-level BPE trained with the ``tokenizers`` library; the special
   tokens come first, so every id a config points to is small) and ``tokenizer_config.json``
-  with a Qwen ChatML template (text parts only; a default system message, as Qwen's) and ``eos_token``
-  ``<|im_end|>``.
+  with Qwen2.5-Omni's chat template (text, audio, image and video parts; a default system
+  message) and ``eos_token`` ``<|im_end|>``;
+- ``preprocessor_config.json``: the real one's keys (Whisper log-mel features, Qwen2-VL
+  image patches), with a small ``max_pixels``.
 
 Deviations from the real model's proportions, each for a random-weights reason:
 
@@ -67,20 +69,56 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 )
 VOICES: dict[str, str] = {"Chelsie": "<|tts_bos_chelsie|>", "Ethan": "<|tts_bos_ethan|>"}
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+# Qwen2.5-Omni's own chat template (the real folder's): one placeholder per audio, image and
+# video part, framed by its start and end tokens, and a default system message.
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if loop.first and message['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{ message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{ part['text'] }}{%- endif %}"
-    "{%- endfor %}{%- endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    + DEFAULT_SYSTEM_PROMPT
+    + "<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}"
+    "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
+    "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The real folder's preprocessor_config.json (Whisper features, Qwen2-VL images), with
+# max_pixels lowered (50176 = 224 x 224, 64 image tokens) so that test images stay small.
+PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "chunk_length": 300,
+    "dither": 0.0,
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "hop_length": 160,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "max_pixels": 224 * 224,
+    "merge_size": 2,
+    "min_pixels": 3136,
+    "n_fft": 400,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "patch_size": 14,
+    "processor_class": "Qwen2_5OmniProcessor",
+    "return_attention_mask": True,
+    "sampling_rate": 16000,
+    "temporal_patch_size": 2,
+}
 NORM_STD = 0.1
 SMALL_STD = 0.05
 WAVEFORM_GAIN = 0.2  # BigVGAN's last conv: keeps most samples inside its [-1, 1] clamp
@@ -139,7 +177,8 @@ def hf_config(spec: TinyQwenOmniSpec, ids: dict[str, int]) -> Any:
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": None,
     }
-    # The smallest encoders transformers accepts; omnistage does not load them (yet).
+    # The smallest encoders transformers accepts (the vision one's output is the thinker's
+    # width; 128 mel bins as the feature extractor makes).
     audio_config = {
         "num_mel_bins": 128,
         "encoder_layers": 1,
@@ -332,6 +371,7 @@ def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed
         },
     )
     torch.save(speakers(spec, ids, seed), out / "spk_dict.pt")
+    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return out
 
 

@@ -17,3 +17,16 @@ def test_ensure_preset_builds_once(tmp_path):
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert ensure_preset("demo", out) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_build_by_older_builders_is_replaced(tmp_path):
+    from omnistage.models import tiny
+
+    out = tiny.ensure_preset("demo", tmp_path / "demo")
+    (out / ".omnistage-built").write_text("demo\n")  # what builds before versions wrote
+    (out / "left-over.txt").write_text("old")
+    assert tiny.is_built(out) and not tiny.is_built(out, "demo")
+    tiny.ensure_preset("demo", out)
+    assert tiny.is_built(out, "demo")
+    assert not (out / "left-over.txt").exists()
+    assert not list(tmp_path.glob(".demo.*"))

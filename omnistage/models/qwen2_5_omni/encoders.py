@@ -1,0 +1,179 @@
+"""The thinker's audio and vision encoders: transformers' own ``Qwen2_5OmniAudioEncoder`` and
+``Qwen2_5OmniVisionEncoder`` (sdpa attention), each wrapped to turn one multimodal item's
+data (``inputs``) into the embeddings of its placeholders, ``[length, hidden]``, as the
+thinker's ``get_audio_features`` / ``get_image_features`` / ``get_video_features`` compute
+them and its forward merges them.
+
+They sit in the thinker decoder's ``encoders`` (``thinker_encoders``): ``audio`` and ``image``
+own the audio tower and the vision encoder (``encoders.audio.audio_tower.*``,
+``encoders.image.visual.*``: the checkpoint's ``thinker.audio_tower.*`` and
+``thinker.visual.*``); ``video`` uses both without registering them, so each is adopted into
+the arena and loaded once. Parameters are built on ``meta`` (the stage adopts and loads
+them); derived buffers (the audio tower's sinusoid table, the vision rotary frequencies) are
+computed for real on the CPU and follow the weights to their device on first use. They hold
+no tensor-parallel layers: every rank runs them whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.errors import InvalidRequestError
+from omnistage.models.meta import parameters_on_meta
+
+ATTENTION = "sdpa"
+
+
+def _follow_weights(module: nn.Module) -> None:
+    """Put ``module``'s non-persistent buffers on its weights' device (the arena holds only
+    weights; derived buffers are built on the CPU)."""
+    device = next(module.parameters()).device
+    for sub in module.modules():
+        for name in getattr(sub, "_non_persistent_buffers_set", set()):
+            buf = sub._buffers.get(name)
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"multi_modal.data.{name}", message)
+
+
+def audio_embeddings(tower: Any, input_features: torch.Tensor) -> torch.Tensor:
+    """``[tokens, hidden]`` of one audio's mel frames ``[mel, frames]`` (its unpadded frames),
+    as ``get_audio_features`` computes them."""
+    mel = tower.config.num_mel_bins
+    _check(
+        input_features.dim() == 2
+        and input_features.shape[0] == mel
+        and input_features.shape[1] > 2,
+        "input_features",
+        f"must be [{mel}, frames >= 3]",
+    )
+    _follow_weights(tower)
+    lengths = torch.tensor([input_features.shape[1]], device=input_features.device)
+    after_cnn = (lengths - 1) // 2 + 1  # the first convolution's output length
+    out = tower(input_features, feature_lens=lengths, aftercnn_lens=after_cnn)
+    embeds: torch.Tensor = out.last_hidden_state
+    return embeds
+
+
+def vision_embeddings(visual: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``[patches / merge^2, hidden]`` of one image's or video's patches and grid ``[1, 3]``."""
+    grid = grid.reshape(-1, 3)
+    _check(len(grid) == 1, "grid_thw", "must be one [t, h, w]")
+    t, h, w = (int(v) for v in grid[0])
+    merge = int(visual.config.spatial_merge_size)
+    _check(
+        min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0,
+        "grid_thw",
+        f"must be positive, h and w multiples of {merge}",
+    )
+    _check(
+        pixels.dim() == 2 and pixels.shape[0] == t * h * w,
+        "pixel_values",
+        f"must be [{t * h * w}, patch] for grid {[t, h, w]}",
+    )
+    _follow_weights(visual)
+    weight = next(visual.parameters())
+    embeds: torch.Tensor = visual(pixels.type(weight.dtype), grid_thw=grid).pooler_output
+    return embeds
+
+
+class AudioEncoder(nn.Module):
+    """``audio`` items: ``input_features`` ``[mel, frames]``."""
+
+    def __init__(self, audio_tower: nn.Module) -> None:
+        super().__init__()
+        self.audio_tower = audio_tower
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        return audio_embeddings(self.audio_tower, input_features)
+
+
+class ImageEncoder(nn.Module):
+    """``image`` items: ``pixel_values`` ``[patches, C * T * P * P]``, ``image_grid_thw``."""
+
+    def __init__(self, visual: nn.Module) -> None:
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        return vision_embeddings(self.visual, pixel_values, image_grid_thw)
+
+
+class VideoEncoder(nn.Module):
+    """``video`` items: ``pixel_values_videos``, ``video_grid_thw``; a video with its audio
+    track also ``input_features`` and ``is_video`` (bool, per placeholder: video or audio
+    token), whose embeddings come interleaved in that order. Shares the other encoders'
+    modules without registering them."""
+
+    def __init__(self, visual: nn.Module, audio_tower: nn.Module) -> None:
+        super().__init__()
+        self._shared = (visual, audio_tower)  # a tuple: not submodules
+
+    def forward(
+        self,
+        pixel_values_videos: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        input_features: torch.Tensor | None = None,
+        is_video: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        visual, audio_tower = self._shared
+        video = vision_embeddings(visual, pixel_values_videos, video_grid_thw)
+        if input_features is None and is_video is None:
+            return video
+        _check(
+            input_features is not None and is_video is not None,
+            "is_video",
+            "input_features and is_video come together",
+        )
+        assert input_features is not None and is_video is not None
+        audio = audio_embeddings(audio_tower, input_features)
+        mask = is_video.to(device=video.device, dtype=torch.bool).flatten()
+        _check(
+            int(mask.sum()) == len(video) and len(mask) == len(video) + len(audio),
+            "is_video",
+            f"must mark {len(video)} video tokens among {len(video) + len(audio)}",
+        )
+        out = video.new_empty(len(mask), video.shape[1])
+        out[mask] = video
+        out[~mask] = audio.to(video.dtype)
+        return out
+
+
+def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
+    (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
+    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
+        Qwen2_5OmniAudioEncoderConfig,
+        Qwen2_5OmniVisionEncoderConfig,
+    )
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+        Qwen2_5OmniAudioEncoder,
+        Qwen2_5OmniVisionEncoder,
+    )
+
+    audio_config = Qwen2_5OmniAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
+    vision_config = Qwen2_5OmniVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
+    for config in (audio_config, vision_config):
+        config._attn_implementation = ATTENTION
+    with parameters_on_meta():
+        audio_tower = Qwen2_5OmniAudioEncoder(audio_config)
+        visual = Qwen2_5OmniVisionEncoder(vision_config)
+    for module in (audio_tower, visual):
+        module.eval()
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None and param.dtype != dtype:
+                    sub._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+    return {
+        "audio": AudioEncoder(audio_tower),
+        "image": ImageEncoder(visual),
+        "video": VideoEncoder(visual, audio_tower),
+    }

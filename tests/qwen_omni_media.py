@@ -1,0 +1,174 @@
+"""Media prompts for Qwen2.5-Omni tests: inputs made in the test (audio tones, random pictures
+and frames), the cases the acceptance tests run, and transformers' own ``Qwen2_5OmniProcessor``
+for the tiny folder as the reference processor.
+
+transformers' video processor needs torchvision, which is not installed here: the reference
+processor then gets a stand-in video processor running our ``video_pixels`` (its own
+placeholder expansion and audio interleaving are still transformers'); see
+tests/unit/models/test_qwen_omni_inputs.py for how our video pixels are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import warnings
+from unittest import mock
+
+import numpy as np
+import torch
+from PIL import Image
+
+from omnistage.models.media import Audio, MediaItem, Video
+from omnistage.models.qwen2_5_omni.inputs import video_pixels
+
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+SPECIAL = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+
+
+class StandInVideoProcessor:
+    """``Qwen2VLVideoProcessor``'s interface over ``video_pixels`` (no torchvision)."""
+
+    temporal_patch_size = 2
+    merge_size = 2
+    model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+    def __init__(self, image_processor):
+        self.ip = image_processor
+
+    def __call__(self, videos, size=None, **kwargs):
+        from transformers import BatchFeature
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        pixels, grids = [], []
+        for frames in videos:
+            target = smart_resize(
+                *frames.shape[1:3], 28, size["shortest_edge"], size["longest_edge"]
+            )
+            p, grid = video_pixels(
+                frames, tuple(target), mean=self.ip.image_mean, std=self.ip.image_std,
+                rescale_factor=self.ip.rescale_factor, patch_size=14, temporal_patch_size=2,
+                merge_size=2,
+            )  # fmt: skip
+            pixels.append(p)
+            grids.append(grid)
+        return BatchFeature(
+            {"pixel_values_videos": torch.cat(pixels), "video_grid_thw": torch.tensor(grids)}
+        )
+
+
+def noise_audio(seconds: float, rate: int = 16000, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    tone = 0.3 * np.sin(2 * np.pi * 440 * t)
+    return (tone + 0.05 * np.random.RandomState(seed).randn(len(t))).astype(np.float32)
+
+
+def picture(height: int, width: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(
+        np.random.RandomState(seed).randint(0, 256, (height, width, 3), np.uint8)
+    )
+
+
+def frames(count: int, height: int, width: int, seed: int = 0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, 256, (count, height, width, 3), np.uint8)
+
+
+# name -> (content parts, media, options); video frames are 252 x 420 (a multiple of 28 within
+# the processor's video bounds: not resized) or 260 x 350 (resized), audio at 16 kHz.
+CASES = {
+    "audio": (["audio", "Transcribe."], [("audio", 2.7)], {}),
+    "image_text": (["Describe", "image", "please."], [("image", (150, 260))], {}),
+    "audio_image": (
+        ["audio", "and", "image", "image"],
+        [("audio", 1.3), ("image", (60, 90)), ("image", (300, 180))],
+        {"max_pixels": 40000},
+    ),
+    "video": (["video", "What happens?"], [("video", (5, 260, 350, 2.0))], {}),
+    "video_audio": (
+        ["audio", "video", "Both?"],
+        [("audio", 0.9), ("video", (9, 252, 420, 1.5))],
+        {"use_audio_in_video": True},
+    ),
+}
+
+
+def build(case: str):
+    parts, specs, options = CASES[case]
+    media, hf_kwargs = [], {"images": [], "videos": [], "audio": [], "from_video": []}
+    for k, (modality, spec) in enumerate(specs):
+        if modality == "audio":
+            samples = noise_audio(spec, seed=k)
+            media.append(MediaItem("audio", Audio(samples, 16000), f"a{k}"))
+            hf_kwargs["audio"].append(samples)
+            hf_kwargs["from_video"].append(None)
+        elif modality == "image":
+            image = picture(*spec, seed=k)
+            media.append(MediaItem("image", image, f"i{k}"))
+            hf_kwargs["images"].append(image)
+        else:
+            count, h, w, fps = spec
+            video = frames(count, h, w, seed=k)
+            track = noise_audio(count / fps, seed=k + 10)
+            media.append(MediaItem("video", Video(video, fps, Audio(track, 16000)), f"v{k}"))
+            hf_kwargs["videos"].append(video)
+            if options.get("use_audio_in_video"):
+                hf_kwargs["audio"].append(track)
+                hf_kwargs["from_video"].append(len(hf_kwargs["videos"]) - 1)
+            hf_kwargs["fps"] = fps
+    content = [
+        {"type": p} if p in ("audio", "image", "video") else {"type": "text", "text": p}
+        for p in parts
+    ]
+    return [{"role": "user", "content": content}], media, options, hf_kwargs
+
+
+def hf_process(hf, messages, options, kw):
+    text = hf.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    call = {"return_tensors": "pt"}
+    for name in ("images", "videos", "audio"):
+        if kw[name]:
+            call[name] = kw[name]
+    if "fps" in kw:
+        call["fps"] = kw["fps"]
+    if options.get("use_audio_in_video"):
+        call["use_audio_in_video"] = True
+        call["audio_from_video_indices"] = kw["from_video"]
+    call.update({k: v for k, v in options.items() if k.endswith("_pixels")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return text, hf(text=text, **call)
+
+
+def hf_processor(folder):
+    """transformers' processor for the folder (PIL image processor; see the docstring)."""
+    from transformers import AutoTokenizer, Qwen2_5OmniProcessor, WhisperFeatureExtractor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.processing_utils import ProcessorMixin
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=SPECIAL)
+    images = Qwen2VLImageProcessorPil.from_pretrained(folder)
+    features = WhisperFeatureExtractor.from_pretrained(folder)
+    if HAS_TORCHVISION:
+        from transformers import Qwen2VLVideoProcessor
+
+        videos, patch = Qwen2VLVideoProcessor.from_pretrained(folder), contextlib.nullcontext()
+    else:  # the class check looks the video processor up in a torchvision-only table
+        videos = StandInVideoProcessor(images)
+        patch = mock.patch.object(ProcessorMixin, "check_argument_for_proper_class")
+    with patch:
+        return Qwen2_5OmniProcessor(
+            image_processor=images, video_processor=videos, feature_extractor=features,
+            tokenizer=tokenizer,
+        )  # fmt: skip
