@@ -173,3 +173,116 @@ def test_audio_from_a_pipeline_without_a_speaker_is_400(plain_server):
     body = {"messages": MESSAGES, "modalities": ["text", "audio"], "max_tokens": 2}
     r = httpx.post(plain_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "modalities" in r.json()["error"]["message"]
+
+
+# -- audio and pictures in ---------------------------------------------------------------
+
+
+def wav_data(samples, rate: int = 16000) -> str:
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, samples, rate, format="WAV", subtype="FLOAT")  # lossless
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def png_url(image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def openai_parts(case: str):
+    """The case's messages as the openai client sends them, its media inline."""
+    from tests.qwen_omni_media import build
+
+    messages, media, options, kw = build(case)
+    items = iter(media)
+    parts = []
+    for part in messages[0]["content"]:
+        if part["type"] == "text":
+            parts.append(part)
+        elif part["type"] == "audio":
+            audio = next(items).value
+            parts.append(
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": wav_data(audio.samples), "format": "wav"},
+                }
+            )
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": png_url(next(items).value)}})
+    return [{"role": "user", "content": parts}], messages, options, kw
+
+
+def test_the_openai_client_sends_audio_and_pictures_and_hears_transformers_reply(client, server):
+    from tests.qwen_omni_media import hf_process, hf_processor
+    from tests.qwen_omni_reference import reference_generate
+
+    folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model
+    parts, messages, options, kw = openai_parts("audio_image")
+    reply = client.chat.completions.create(
+        model="x", messages=parts, audio={"voice": "Chelsie", "format": "wav"},
+        modalities=["text", "audio"], temperature=0, max_tokens=6, seed=5,
+        extra_body={**EXTRA, "mm_processor_kwargs": options},
+    )  # fmt: skip
+    _, processed = hf_process(hf_processor(folder), messages, options, kw)
+    ref = reference_generate(
+        folder, processed["input_ids"][0].tolist(), voice="Chelsie", seed=5,
+        thinker_max_new_tokens=6, talker_max_new_tokens=16, num_steps=4,
+        processor_outputs=dict(processed),
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert reply.usage.prompt_tokens == processed["input_ids"].shape[1]
+    assert reply.usage.completion_tokens == len(ref.thinker_ids)
+    rate, _, frames = wav_of(message.audio.data)
+    import numpy as np
+
+    samples = np.frombuffer(frames, dtype="<i2").astype(np.float32) / 32767
+    expected = np.clip(ref.waveform, -1, 1)
+    assert rate == 24000 and samples.shape == expected.shape
+    assert float(np.abs(samples - expected).max()) <= 2e-3 * float(np.abs(expected).max())
+
+
+MEDIA_ERRORS = [
+    ([{"type": "input_audio", "input_audio": {"data": "AAAA" * 64, "format": "wav"}}],
+     {}, "messages.0.content.0.input_audio.data"),
+    ([{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}],
+     {}, "messages.0.content.0.input_audio.format"),
+    ([{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}],
+     {}, "messages.0.content.0.image_url.url"),
+    ([{"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/x.png"}}],
+     {}, "messages.0.content.0.image_url.url"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}}],
+     {}, "messages.0.content.0.image_url.url"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}] * 5,
+     {}, "messages"),
+    ([{"type": "video_url", "video_url": {"url": "data:audio/wav;base64,AAAA"}}],
+     {}, "messages.0.content.0.video_url.url"),
+    ([{"type": "image_url"}], {}, "image_url"),
+    ([{"type": "text", "text": "hi"}], {"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("content", "extra", "field"), MEDIA_ERRORS)
+def test_bad_media_is_a_400_naming_the_part_and_the_stage_lives_on(server, content, extra, field):
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert field in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
+    ok = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2},
+        timeout=60,
+    )
+    assert ok.status_code == 200
+
+
+def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
+    from tests.qwen_omni_media import picture
+
+    content = [{"type": "image_url", "image_url": {"url": png_url(picture(32, 32))}}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(plain_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "takes no image input" in r.json()["error"]["message"]
