@@ -10,8 +10,10 @@ tests/unit/models/test_qwen_omni_inputs.py for how our video pixels are checked.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.util
+import io
 import warnings
 from unittest import mock
 
@@ -172,3 +174,38 @@ def hf_processor(folder):
             image_processor=images, video_processor=videos, feature_extractor=features,
             tokenizer=tokenizer,
         )  # fmt: skip
+
+
+def wav_data(samples, rate: int = 16000) -> str:
+    import soundfile
+
+    out = io.BytesIO()
+    soundfile.write(out, samples, rate, format="WAV", subtype="FLOAT")  # lossless
+    return base64.b64encode(out.getvalue()).decode()
+
+
+def png_url(image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def openai_parts(case: str):
+    """The case's messages as the openai client sends them, its media inline."""
+    messages, media, options, kw = build(case)
+    items = iter(media)
+    parts = []
+    for part in messages[0]["content"]:
+        if part["type"] == "text":
+            parts.append(part)
+        elif part["type"] == "audio":
+            audio = next(items).value
+            parts.append(
+                {
+                    "type": "input_audio",
+                    "input_audio": {"data": wav_data(audio.samples), "format": "wav"},
+                }
+            )
+        else:
+            parts.append({"type": "image_url", "image_url": {"url": png_url(next(items).value)}})
+    return [{"role": "user", "content": parts}], messages, options, kw

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from omnistage.config import PipelineConfig
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.engine.outputs import OmniAudio, OmniImage
+from omnistage.entrypoints.media import MediaPolicy, has_media_parts, load_messages
 
 T = TypeVar("T")
 
@@ -31,8 +32,11 @@ class OmniOutput:
 
 
 class Omni:
-    def __init__(self, engine: AsyncOmni) -> None:
+    def __init__(self, engine: AsyncOmni, media_policy: MediaPolicy | None = None) -> None:
         self.engine = engine
+        # Where messages' media parts may come from and how large they may be (the server's
+        # flags): data URLs only by default, as ``omnistage serve``.
+        self.media_policy = media_policy or MediaPolicy()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="omni-loop", daemon=True
@@ -70,6 +74,12 @@ class Omni:
 
         async def one(prompt: str | dict[str, Any]) -> OmniOutput:
             result = OmniOutput(request_id="")
+            if isinstance(prompt, dict) and has_media_parts(prompt.get("messages")):
+                # OpenAI's and vLLM's parts (input_audio, image_url, ...), as over HTTP.
+                messages, media = await load_messages(
+                    prompt["messages"], self.media_policy, prompt.get("mm_processor_kwargs")
+                )
+                prompt = {**prompt, "messages": messages, "multi_modal_data": media}
             async for out in self.engine.generate(
                 prompt,
                 sampling_params,

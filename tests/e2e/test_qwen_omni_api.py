@@ -15,6 +15,7 @@ import pytest
 
 from omnistage.pipelines import load_pipeline
 from tests.e2e.server import running_server
+from tests.qwen_omni_media import openai_parts, png_url
 
 SPEAK = {
     "modalities": ["text", "audio"],
@@ -176,43 +177,6 @@ def test_audio_from_a_pipeline_without_a_speaker_is_400(plain_server):
 
 
 # -- audio and pictures in ---------------------------------------------------------------
-
-
-def wav_data(samples, rate: int = 16000) -> str:
-    import soundfile
-
-    out = io.BytesIO()
-    soundfile.write(out, samples, rate, format="WAV", subtype="FLOAT")  # lossless
-    return base64.b64encode(out.getvalue()).decode()
-
-
-def png_url(image) -> str:
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
-
-
-def openai_parts(case: str):
-    """The case's messages as the openai client sends them, its media inline."""
-    from tests.qwen_omni_media import build
-
-    messages, media, options, kw = build(case)
-    items = iter(media)
-    parts = []
-    for part in messages[0]["content"]:
-        if part["type"] == "text":
-            parts.append(part)
-        elif part["type"] == "audio":
-            audio = next(items).value
-            parts.append(
-                {
-                    "type": "input_audio",
-                    "input_audio": {"data": wav_data(audio.samples), "format": "wav"},
-                }
-            )
-        else:
-            parts.append({"type": "image_url", "image_url": {"url": png_url(next(items).value)}})
-    return [{"role": "user", "content": parts}], messages, options, kw
 
 
 def test_the_openai_client_sends_audio_and_pictures_and_hears_transformers_reply(client, server):

@@ -17,7 +17,7 @@ import pytest
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.media import MediaItem
 from omnistage.models.qwen2_5_omni import tiny as tiny_qwen_omni
-from tests.qwen_omni_media import CASES, build, hf_process, hf_processor, picture
+from tests.qwen_omni_media import CASES, build, hf_process, hf_processor, openai_parts, picture
 from tests.qwen_omni_reference import reference_generate
 
 THINKER_TOKENS, TALKER_TOKENS, STEPS = 6, 16, 4
@@ -174,3 +174,9 @@ def test_two_pictures_behind_the_same_text_share_no_cached_block(omni, folder):
     again = cached_tokens()
     omni.generate(prompt | {"multi_modal_data": [MediaItem("image", one, "p31")]}, GREEDY, ["text"])
     assert cached_tokens() - again > before_picture  # the same picture does reuse its blocks
+
+
+def test_openai_parts_in_python_messages_give_the_same(omni, references):
+    parts, _, options, _ = openai_parts("audio_image")
+    (out,) = speak(omni, [{"messages": parts, "mm_processor_kwargs": options}])
+    assert_same(out, references("audio_image"))

@@ -12,7 +12,7 @@ decoded. Every refusal, a limit included, is an ``InvalidRequestError`` (a 400) 
 offending field, so a bad part is never a 500 or a hang.
 
 Modules: ``policy`` (the flags as a ``MediaPolicy``), ``parts`` (content parts: ``load_part``,
-``check_counts``), ``sources`` (data:, file://, http(s)://), ``decode`` (audio and image
+``check_counts``), ``messages`` (chat messages with media parts: ``load_messages``), ``sources`` (data:, file://, http(s)://), ``decode`` (audio and image
 bytes), ``video`` (video bytes). Media already decoded (vLLM's ``multi_modal_data``) becomes
 items through ``omnistage.models.media.media_items``. Nothing here imports torch or a model.
 """
@@ -20,6 +20,7 @@ items through ``omnistage.models.media.media_items``. Nothing here imports torch
 from __future__ import annotations
 
 from omnistage.entrypoints.media.decode import decode_audio, decode_image, resample
+from omnistage.entrypoints.media.messages import has_media_parts, load_messages
 from omnistage.entrypoints.media.parts import check_counts, load_part, part_modality
 from omnistage.entrypoints.media.policy import MediaPolicy
 from omnistage.entrypoints.media.video import decode_video
@@ -30,6 +31,8 @@ __all__ = [
     "decode_audio",
     "decode_image",
     "decode_video",
+    "has_media_parts",
+    "load_messages",
     "load_part",
     "part_modality",
     "resample",

@@ -107,17 +107,22 @@ class ChatMessage(_Strict):
             return []
         return [(i, p) for i, p in enumerate(self.content) if p.modality is not None]
 
-    def template_content(self) -> str | list[dict[str, str]]:
-        """What the chat template gets: its text, or with media its parts in order as
-        ``{"type": "text", "text": ...}`` and ``{"type": "audio" | "image" | "video"}``
-        (where the model's template puts the medium's placeholder)."""
+    def prompt_message(self) -> dict[str, Any]:
+        """The message as the engine takes it: its text, or with media its parts in order
+        (text parts as ``{"type": "text", "text": ...}``, media parts as sent, for
+        ``load_messages`` to decode)."""
         if not self.media_parts():
-            return self.text()
+            return {"role": self.role, "content": self.text()}
         assert isinstance(self.content, list)
-        return [
-            {"type": p.modality} if p.modality is not None else {"type": "text", "text": p.text}
-            for p in self.content
-        ]
+        return {
+            "role": self.role,
+            "content": [
+                p.model_dump(exclude_none=True, exclude={"text"})
+                if p.modality is not None
+                else {"type": "text", "text": p.text}
+                for p in self.content
+            ],
+        }
 
 
 class StreamOptions(_Strict):

@@ -7,7 +7,6 @@ request whose client hangs up is aborted in the stages.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
@@ -17,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
-from omnistage.entrypoints.media import MediaPolicy, check_counts, load_part
+from omnistage.entrypoints.media import MediaPolicy, has_media_parts, load_messages
 from omnistage.entrypoints.openai.choices import (
     Collected,
     as_token_ids,
@@ -143,10 +142,12 @@ async def create_chat_completion(
     speech: dict[str, Any] = {}
     if "audio" in modalities:
         speech = {"talker_params": body.talker_params, "audio_params": body.code2wav_params()}
-    prompt: dict[str, Any] = {
-        "messages": [{"role": m.role, "content": m.template_content()} for m in body.messages]
-    }
-    media = await _media(body, request)
+    messages = [m.prompt_message() for m in body.messages]
+    prompt: dict[str, Any] = {"messages": messages}
+    media: list[MediaItem] = []
+    if has_media_parts(messages):
+        policy: MediaPolicy = getattr(request.app.state, "media_policy", None) or MediaPolicy()
+        prompt["messages"], media = await load_messages(messages, policy, body.mm_processor_kwargs)
     if media:
         prompt["multi_modal_data"] = media
         prompt["mm_processor_kwargs"] = body.mm_processor_kwargs or {}
@@ -189,30 +190,6 @@ async def create_chat_completion(
     if isinstance(reply, ChatCompletionResponse):
         reply.system_fingerprint = fingerprint(engine)
     return reply
-
-
-async def _media(body: ChatCompletionRequest, request: Request) -> list[MediaItem]:
-    """The messages' audio, image and video parts, fetched and decoded (concurrently, off the
-    event loop), after their count is checked against ``--limit-mm-per-prompt``."""
-    parts = [
-        (f"messages.{m}.content.{i}", part)
-        for m, message in enumerate(body.messages)
-        for i, part in message.media_parts()
-    ]
-    if not parts:
-        return []
-    policy: MediaPolicy = getattr(request.app.state, "media_policy", None) or MediaPolicy()
-    check_counts([str(part.modality) for _, part in parts], policy)
-    options = body.mm_processor_kwargs or {}
-    loads = [
-        asyncio.ensure_future(load_part(part.model_dump(exclude_none=True), field, policy, options))
-        for field, part in parts
-    ]
-    try:
-        return list(await asyncio.gather(*loads))
-    finally:  # one part refused: the others' fetches stop too
-        for load in loads:
-            load.cancel()
 
 
 async def _chat_reply(

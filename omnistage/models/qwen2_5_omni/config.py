@@ -6,9 +6,10 @@ decoder over speech-codec tokens whose inputs are the thinker's embeddings and h
 projected by ``thinker_to_talker_proj``) and ``token2wav`` (a flow-matching DiT and a BigVGAN
 vocoder). A stage says which part it runs with ``model_stage``.
 
-Text-only prompts take positions 0, 1, 2, ... in all three rows of the multimodal rotary
-embedding (mRoPE), which makes it exactly the ordinary rotary embedding: both decoders run as
-Qwen2 decoders.
+Both decoders run as Qwen2 decoders with multimodal rotary positions (TMRoPE, sections
+``mrope_section``): a prompt with audio, pictures or video brings its 3-D positions
+(``rope_index``); a text-only prompt takes 0, 1, 2, ... in all three rows, which is exactly
+the ordinary rotary embedding.
 """
 
 from __future__ import annotations
