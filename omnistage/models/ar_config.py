@@ -147,6 +147,11 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise CheckpointError(f"no config.json in {path}")
+    return read_json_object(file)
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object (``CheckpointError`` otherwise)."""
     try:
         raw = json.loads(file.read_text())
     except (OSError, ValueError) as exc:

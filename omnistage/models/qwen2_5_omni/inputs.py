@@ -27,7 +27,6 @@ processor's own bounds (``VIDEO_MIN_PIXELS`` .. ``VIDEO_MAX_PIXELS``), not the c
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.errors import CheckpointError, InvalidRequestError
+from omnistage.models.ar_config import read_json_object
 from omnistage.models.media import (
     Audio,
     EncoderInput,
@@ -95,16 +95,6 @@ class Prepared:
     hash_extra: str = ""
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} must hold a JSON object")
-    return data
-
-
 def video_pixels(
     frames: np.ndarray,
     size: tuple[int, int],
@@ -151,7 +141,7 @@ class Qwen25OmniPromptProcessor:
         )
 
         folder = Path(folder)
-        pre = _read_json(folder / "preprocessor_config.json")
+        pre = read_json_object(folder / "preprocessor_config.json")
         raw = read_config(folder)
         if raw is None:
             raise CheckpointError(f"{folder} is not a Qwen2.5-Omni checkpoint")

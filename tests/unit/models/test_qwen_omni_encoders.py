@@ -27,12 +27,12 @@ def folder(tmp_path_factory):
     return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni-encoders"), DEFAULT)
 
 
-def thinker(folder, dtype=torch.float32):
+def thinker(folder, dtype=torch.float32, device="cpu"):
     """The thinker decoder as a stage builds it: on meta, adopted into an arena, loaded
     through the family's rename (as ``ModelRunner`` does)."""
     config = ARModelConfig.from_pretrained(folder, model_stage="thinker")
     model = FAMILY.build_decoder(config, dtype)
-    Arena("cpu").adopt(model)
+    Arena(device).adopt(model)
     load_into(
         module_targets(model),
         folder,

@@ -4,9 +4,6 @@ follow the weights there) and give the CPU's embeddings within float noise."""
 import pytest
 import torch
 
-from omnistage.memory import Arena
-from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.loader import load_into, module_targets, shards_of
 from omnistage.models.qwen2_5_omni import FAMILY
 from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
 from tests.unit.models.test_qwen_omni_encoders import mixed, thinker
@@ -22,23 +19,9 @@ def folder(tmp_path_factory):
     return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni-encoders-gpu"), DEFAULT)
 
 
-def cuda_thinker(folder):
-    config = ARModelConfig.from_pretrained(folder, model_stage="thinker")
-    model = FAMILY.build_decoder(config, torch.float32)
-    Arena("cuda").adopt(model)
-    load_into(
-        module_targets(model),
-        folder,
-        rename=FAMILY.rename("thinker"),
-        strict=True,
-        shards=shards_of(model) or None,
-    )
-    return model
-
-
 @pytest.mark.parametrize("use_audio_in_video", [False, True])
 def test_encoders_on_the_device_equal_the_cpus(folder, use_audio_in_video):
-    cpu, gpu = thinker(folder), cuda_thinker(folder)
+    cpu, gpu = thinker(folder), thinker(folder, device="cuda")
     out = mixed(FAMILY.prompt_processor(folder), use_audio_in_video)
     for item in out.items:
         expected = cpu.encoders[item.modality](**item.data)
