@@ -126,9 +126,13 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from omnistage import __version__
+
     parser = argparse.ArgumentParser(
         prog="omnistage", description="Multi-stage omni-modality serving with sleep/wake."
     )
+    # As `vllm --version`: the bare version, for scripts that compare it.
+    parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", required=True)
     from omnistage.entrypoints import ctl
 

@@ -28,7 +28,21 @@ class InvalidRequestError(OmnistageError, ValueError):
 
 
 class RequestTooLargeError(InvalidRequestError):
-    """A request body or prompt exceeds a configured bound (HTTP 413)."""
+    """A request body exceeds a configured bound (HTTP 413)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """A prompt too long for the model's ``max_model_len`` (HTTP 400, as vLLM and OpenAI
+    answer it: ``code`` ``context_length_exceeded``)."""
+
+
+class ModelNotFoundError(OmnistageError):
+    """A request names a model the server does not serve (HTTP 404, in vLLM's shape)."""
+
+    field = "model"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist.")
 
 
 class ConflictError(OmnistageError):
@@ -171,6 +185,7 @@ ERROR_CLASSES: dict[str, type[Exception]] = {
         OmnistageError,
         InvalidRequestError,
         RequestTooLargeError,
+        ContextLengthError,
         ConflictError,
         CheckpointError,
         StageError,

@@ -44,4 +44,4 @@ def test_launch_shape_serves_a_chat(checkpoint, entry, args):
             json={"prompt": list(range(1, 10)) * (limit // 9 + 1), "max_tokens": 1},
             timeout=60,
         )
-        assert too_long.status_code == 413 and f"max_model_len={limit}" in too_long.text
+        assert too_long.status_code == 400 and f"max_model_len={limit}" in too_long.text

@@ -26,6 +26,7 @@ SPEAK = {
 }
 EXTRA = {"talker_params": {"temperature": 0, "max_tokens": 16}, "audio_params": {"num_steps": 4}}
 MESSAGES = [{"role": "user", "content": "Say something"}]
+MODEL = "tiny-qwen2.5-omni"  # the checkpoint folder's name: the served model's
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,7 @@ def speak(server) -> dict:
 
 def test_models_lists_text_and_audio(client):
     (model,) = client.models.list().data
+    assert model.id == MODEL
     assert model.model_extra["modalities"] == ["text", "audio"]
     assert [s["name"] for s in model.model_extra["stages"]] == ["thinker", "talker", "code2wav"]
 
@@ -65,7 +67,7 @@ def test_the_openai_client_gets_a_24khz_wav(client):
     import warnings
 
     reply = client.chat.completions.create(
-        model="x", messages=MESSAGES, audio={"voice": "Chelsie", "format": "wav"},
+        model=MODEL, messages=MESSAGES, audio={"voice": "Chelsie", "format": "wav"},
         modalities=["text", "audio"], temperature=0, max_tokens=6, seed=5, extra_body=EXTRA,
     )  # fmt: skip
     with warnings.catch_warnings():
@@ -82,7 +84,7 @@ def test_streaming_sends_the_same_audio_as_delta_audio(client, server):
     whole = speak(server)["audio"]
     chunks = list(
         client.chat.completions.create(
-            model="x",
+            model=MODEL,
             messages=MESSAGES,
             audio={"voice": "Chelsie", "format": "wav"},
             modalities=["text", "audio"],
@@ -186,7 +188,7 @@ def test_the_openai_client_sends_audio_and_pictures_and_hears_transformers_reply
     folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model
     parts, messages, options, kw = openai_parts("audio_image")
     reply = client.chat.completions.create(
-        model="x", messages=parts, audio={"voice": "Chelsie", "format": "wav"},
+        model=MODEL, messages=parts, audio={"voice": "Chelsie", "format": "wav"},
         modalities=["text", "audio"], temperature=0, max_tokens=6, seed=5,
         extra_body={**EXTRA, "mm_processor_kwargs": options},
     )  # fmt: skip

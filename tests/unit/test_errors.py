@@ -18,7 +18,8 @@ from omnistage.stage.messages import (
 
 EXAMPLES: list[Exception] = [
     errors.InvalidRequestError("max_tokens", "must be positive"),
-    errors.RequestTooLargeError("prompt", "600 tokens leave no room"),
+    errors.RequestTooLargeError("body", "request body of 5000000 bytes or more"),
+    errors.ContextLengthError("prompt", "600 tokens leave no room"),
     errors.ConflictError("session", "a weight update session is open"),
     errors.CheckpointError("bad.safetensors: header claims 9 bytes past the end"),
     errors.StageAsleepError(1),

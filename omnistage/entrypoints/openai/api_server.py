@@ -21,12 +21,16 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     """Everything the routes read from ``app.state``."""
     from omnistage.entrypoints.media import MediaPolicy
     from omnistage.entrypoints.openai.metrics import ServerMetrics
+    from omnistage.entrypoints.openai.served import accepted_model_names
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
     from omnistage.entrypoints.serve.stage_states import stage_states
 
     state.engine_client = engine_client
     state.stage_states = stage_states(engine_client)
     state.served_model_name = config.model_name
+    state.served_model_names = config.model_names
+    state.accepted_model_names = accepted_model_names(config, engine_client)
+    state.trust_request_chat_template = config.trust_request_chat_template
     state.api_key = config.api_key
     state.control_api_key = resolve_control_api_key(config.control_api_key)
     state.log_requests = not config.disable_log_requests
@@ -84,11 +88,12 @@ def build_app(
     """The FastAPI app. With ``engine_client`` given, the app serves it and does not own it."""
     from fastapi import Depends, FastAPI
 
-    from omnistage.entrypoints.openai import serving_chat, serving_images
+    from omnistage import __version__
+    from omnistage.entrypoints.openai import serving_chat, serving_completions, serving_images
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.http_metrics import HttpMetrics
     from omnistage.entrypoints.openai.server_routes import health_router, models_router
-    from omnistage.entrypoints.serve import rl_routes, vllm_compat
+    from omnistage.entrypoints.serve import rl_routes, vllm_compat, vllm_dev
     from omnistage.entrypoints.serve.auth import require_api_key
     from omnistage.entrypoints.serve.errors import register_exception_handlers
     from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
@@ -116,7 +121,7 @@ def build_app(
     # The schema itself is served below, behind the data key.
     app = FastAPI(
         title="omnistage",
-        version="0.1.0",
+        version=__version__,
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
@@ -132,12 +137,14 @@ def build_app(
         return app.openapi()
 
     app.include_router(serving_chat.router, dependencies=data)
+    app.include_router(serving_completions.router, dependencies=data)
     app.include_router(serving_images.router, dependencies=data)
     app.include_router(models_router, dependencies=data)
     app.include_router(health_router)
     app.include_router(omni_control_router)
     app.include_router(vllm_compat.router)
     app.include_router(rl_routes.router)
+    app.include_router(vllm_dev.router)
     return app
 
 

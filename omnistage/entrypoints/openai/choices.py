@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
-from omnistage.entrypoints.openai.protocol import Usage
+from omnistage.entrypoints.openai.replies import Usage
 from omnistage.stage.messages import TokenLogprobs
 
 
@@ -89,7 +89,7 @@ def prompt_logprobs_json(entries: list[TokenLogprobs | None]) -> list[dict[str, 
 
 @dataclass
 class Choice:
-    """One sample's text, images, logprobs and end, as they came."""
+    """One sample's text (and its token ids), images, logprobs and end, as they came."""
 
     index: int
     text: str = ""
@@ -99,6 +99,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     num_output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Collected:
@@ -117,6 +118,7 @@ class Collected:
         choice = self.choice(out.index)
         if out.modality == "text":
             choice.text += out.text_delta
+            choice.token_ids += out.new_token_ids
             choice.logprobs += out.logprobs or []
             if out.prompt_logprobs is not None:
                 choice.prompt_logprobs = out.prompt_logprobs

@@ -1,7 +1,8 @@
-"""Request and response bodies of the OpenAI-compatible data routes.
+"""Request bodies of the OpenAI-compatible data routes, with vLLM's extensions RL clients send
+(the replies are in ``replies``).
 
-Honest by construction: a field omnistage does not implement (``tools``,
-``response_format``, ``logit_bias``, ...) or an input part it cannot take (an image in a
+Honest by construction: a field omnistage does not implement (``response_format``,
+``structured_outputs``, ``logit_bias``, ...) or an input part it cannot take (an image in a
 message) is a 400 naming it, never silently ignored. A field sent as ``null`` asks for
 nothing and is accepted (clients echo back assistant messages with ``"tool_calls": null``);
 ``user`` (the caller's end-user id, for their own bookkeeping) is accepted as OpenAI and vLLM
@@ -10,8 +11,6 @@ do. Known fields are validated and a bad one is named in the 400.
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -93,6 +92,9 @@ class ContentPart(_Strict):
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    # A conversation with tools, as the chat template renders it (never parsed here).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -110,9 +112,13 @@ class ChatMessage(_Strict):
     def prompt_message(self) -> dict[str, Any]:
         """The message as the engine takes it: its text, or with media its parts in order
         (text parts as ``{"type": "text", "text": ...}``, media parts as sent, for
-        ``load_messages`` to decode)."""
+        ``load_messages`` to decode); ``tool_calls`` and ``tool_call_id`` when given."""
+        tools = {
+            k: v for k, v in (("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id))
+            if v is not None
+        }  # fmt: skip
         if not self.media_parts():
-            return {"role": self.role, "content": self.text()}
+            return {"role": self.role, "content": self.text(), **tools}
         assert isinstance(self.content, list)
         return {
             "role": self.role,
@@ -122,6 +128,7 @@ class ChatMessage(_Strict):
                 else {"type": "text", "text": p.text}
                 for p in self.content
             ],
+            **tools,
         }
 
 
@@ -149,6 +156,8 @@ class _SamplingFields(_RequestBody):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra
     # vLLM's extra: logprob entries name tokens "token_id:<id>" instead of their text.
     return_tokens_as_token_ids: bool = False
+    # vLLM's extra: each choice carries its ``token_ids``, and the reply its prompt's.
+    return_token_ids: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -222,8 +231,27 @@ class AudioRequest(_Strict):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+class ToolFunction(BaseModel):
+    """A tool's function as the chat template reads it (keys beyond these go to the template
+    too: ``transformers.utils.get_json_schema`` adds ``return``)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+
+
+class Tool(_Strict):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatCompletionRequest(_SamplingFields, ImageFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's: a template of the request's own (with --trust-request-chat-template), the
+    # template's variables, and tools rendered into the prompt (``tool_choice: "none"``).
+    chat_template: str | None = Field(default=None, min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     modalities: list[Literal["text", "image", "audio"]] | None = None
     audio: AudioRequest | None = None
@@ -272,9 +300,38 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    # One prompt (a text, or token ids) or a batch of them, as vLLM takes it.
+    prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_shape(cls, v: Any) -> Any:
+        """One error naming the field for a batch that mixes texts and token ids."""
+        if isinstance(v, list) and len({type(p) for p in v}) > 1:
+            raise ValueError(
+                "must be a text, token ids, or a batch of texts or of token-id lists (not mixed)"
+            )
+        return v
+
+    @field_validator("prompt")
+    @classmethod
+    def _no_empty_prompt(cls, v: Any) -> Any:
+        if not v:
+            raise ValueError("must not be empty")
+        if isinstance(v, list) and isinstance(v[0], str | list):
+            empty = next((i for i, p in enumerate(v) if not p), None)
+            if empty is not None:
+                raise ValueError(f"prompt {empty} of the batch is empty")
+        return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: each a text or token ids (one for a single prompt)."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]  # type: ignore[list-item]
+        return list(self.prompt)  # type: ignore[arg-type]
 
     def token_logprobs(self) -> int | None:
         return self.logprobs
@@ -293,82 +350,3 @@ class ImageGenerationRequest(ImageFields, _RequestBody):
     n: int = Field(default=1, ge=1, le=8)
     response_format: Literal["b64_json"] = "b64_json"
     seed: int | None = None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class AudioReply(BaseModel):
-    """OpenAI's ``message.audio``: base64 ``data`` (WAV or pcm16), the text spoken."""
-
-    id: str
-    data: str
-    expires_at: int
-    transcript: str
-
-
-class AssistantMessage(BaseModel):
-    """``content`` is the text (a string, as OpenAI clients type it; ``None`` when text was
-    not asked for); generated images are PNG ``image_url`` content parts in ``images``; speech
-    is ``audio``."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    images: list[dict[str, Any]] | None = None
-    audio: AudioReply | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class ImageData(BaseModel):
-    b64_json: str
-
-
-class ImagesResponse(BaseModel):
-    created: int
-    data: list[ImageData]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())

@@ -43,6 +43,13 @@ def _json_object(value: Any) -> Any:
         ) from None
 
 
+def _names(value: Any) -> Any:
+    """``--served-model-name a b`` (vLLM's shape), or one name as a string (None: none)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else value
+
+
 def _host_list(value: Any) -> Any:
     """Host names given as one string or several, each comma- or space-separated."""
     items = [value] if isinstance(value, str) else value
@@ -69,8 +76,11 @@ class ServerConfig(BaseModel):
         description="Local HF checkpoint folder (or a hub id whose snapshot is in the local "
         "Hugging Face cache), served as one AR stage.",
     )
-    served_model_name: str | None = Field(
-        default=None, description="Model id reported by /v1/models."
+    served_model_name: Annotated[list[str], BeforeValidator(_names)] = Field(
+        default_factory=list,
+        description="Model id(s) reported by /v1/models, the first one in replies (default: "
+        "the pipeline's name, or the checkpoint folder's); a request naming a model that is "
+        "neither one of them nor a stage's checkpoint folder is a 404, as vLLM answers it.",
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
@@ -159,6 +169,11 @@ class ServerConfig(BaseModel):
         default=None,
         min_length=1,
         description="Key demanded by control routes (default: $OMNISTAGE_CONTROL_API_KEY).",
+    )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="Render a chat request's own chat_template (sandboxed, as the "
+        "checkpoint's); without this flag such a request is refused (400), as vLLM does.",
     )
     max_request_body_bytes: int = Field(
         default=4 * 1024 * 1024,
@@ -296,10 +311,18 @@ class ServerConfig(BaseModel):
             )
         return self
 
+    @field_validator("served_model_name")
+    @classmethod
+    def _nonempty_names(cls, value: list[str]) -> list[str]:
+        if not all(name.strip() for name in value):
+            raise ValueError("names must not be empty")
+        return value
+
     @property
     def model_name(self) -> str:
+        """The model id replies carry: the first served name."""
         if self.served_model_name:
-            return self.served_model_name
+            return self.served_model_name[0]
         if self.model:
             from omnistage.models.hub import is_hub_id
 
@@ -307,6 +330,11 @@ class ServerConfig(BaseModel):
         if self.config:
             return Path(self.config).stem
         return self.pipeline or "tiny-omni"
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model id /v1/models lists (``--served-model-name`` may give several)."""
+        return list(self.served_model_name or [self.model_name])
 
     def stage_overrides(self) -> dict[str, object]:
         """Stage settings the flags give every stage (``None``: the stage's own stays)."""

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from omnistage.entrypoints.openai.protocol import now
+from omnistage.entrypoints.openai.replies import now
 
 models_router = APIRouter(tags=["openai"])
 health_router = APIRouter(tags=["health"])
@@ -16,23 +16,22 @@ health_router = APIRouter(tags=["health"])
 
 @models_router.get("/v1/models")
 async def list_models(request: Request) -> Any:
-    engine = request.app.state.engine_client
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": request.app.state.served_model_name,
-                "object": "model",
-                "created": now(),
-                "owned_by": "omnistage",
-                "modalities": engine.output_modalities(),
-                "stages": [
-                    {"stage_id": s.stage_id, "kind": s.kind, "name": s.display_name}
-                    for s in engine.config.stages
-                ],
-            }
-        ],
+    """One entry per served name (``--served-model-name`` may give several), as vLLM."""
+    state = request.app.state
+    engine = state.engine_client
+    names = getattr(state, "served_model_names", None) or [state.served_model_name]
+    stages = [
+        {"stage_id": s.stage_id, "kind": s.kind, "name": s.display_name}
+        for s in engine.config.stages
+    ]
+    card = {
+        "object": "model",
+        "created": now(),
+        "owned_by": "omnistage",
+        "modalities": engine.output_modalities(),
+        "stages": stages,
     }
+    return {"object": "list", "data": [{"id": name, **card} for name in names]}
 
 
 @health_router.get("/health")

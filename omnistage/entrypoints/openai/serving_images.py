@@ -11,14 +11,10 @@ from fastapi.responses import Response
 
 from omnistage.engine.outputs import OmniImage
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
-from omnistage.entrypoints.openai.protocol import (
-    ImageData,
-    ImageGenerationRequest,
-    ImagesResponse,
-    new_id,
-    now,
-)
+from omnistage.entrypoints.openai.protocol import ImageGenerationRequest
+from omnistage.entrypoints.openai.replies import ImageData, ImagesResponse, new_id, now
 from omnistage.entrypoints.openai.request_log import RequestLog
+from omnistage.entrypoints.openai.served import check_model
 from omnistage.entrypoints.serve.deps import EngineClientDep
 
 router = APIRouter(tags=["openai"])
@@ -28,6 +24,7 @@ router = APIRouter(tags=["openai"])
 async def create_images(
     body: ImageGenerationRequest, request: Request, engine: EngineClientDep
 ) -> Any:
+    check_model(request, body.model)
     log = RequestLog(request, new_id("img"), "images")
     log.received(n=body.n, size=body.size)
 

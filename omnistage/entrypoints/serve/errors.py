@@ -2,8 +2,9 @@
 
 Every error reply has the OpenAI shape ``{"error": {"message", "type", "code", "param"}}`` plus
 a top-level ``"detail"`` string (what FastAPI and vLLM-Omni clients read). ``code`` is a stable
-machine-readable name (``stage_asleep``, ``stage_busy``, ...); ``param`` names the offending
-field when there is one.
+machine-readable name (``stage_asleep``, ``stage_busy``, ``context_length_exceeded``, ...) —
+except for a model the server does not serve, answered exactly as vLLM does (404, ``type``
+``NotFoundError``, ``code`` 404); ``param`` names the offending field when there is one.
 
 Bad input is 400, never 500: request validation (body, query) and malformed JSON are 400 with
 the field named (``body.stage_ids: Input should be a valid list``) — 400 rather than FastAPI's
@@ -26,7 +27,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from omnistage.errors import (
     CheckpointError,
     ConflictError,
+    ContextLengthError,
     InvalidRequestError,
+    ModelNotFoundError,
     NonFiniteOutputError,
     RequestTooLargeError,
     SleepModeDisabledError,
@@ -49,7 +52,7 @@ class ErrorKind:
 
     status_code: int
     type: str
-    code: str
+    code: str | int
 
 
 _UNAVAILABLE = "service_unavailable_error"
@@ -58,6 +61,9 @@ _UNAVAILABLE = "service_unavailable_error"
 # (InvalidRequestError before ValueError).
 ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     RequestTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    ContextLengthError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
+    # vLLM's answer, word for word: its clients look for the type and the numeric code.
+    ModelNotFoundError: ErrorKind(404, "NotFoundError", 404),
     InvalidRequestError: ErrorKind(400, "invalid_request_error", "invalid_request"),
     CheckpointError: ErrorKind(400, "invalid_request_error", "invalid_checkpoint"),
     ValueError: ErrorKind(400, "invalid_request_error", "invalid_value"),
@@ -83,7 +89,7 @@ def error_response(
     message: str,
     *,
     type: str,
-    code: str | None = None,
+    code: str | int | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:

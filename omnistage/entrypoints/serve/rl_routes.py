@@ -2,7 +2,8 @@
 reset, abort by id — and vLLM's top-level names for the same, acting on the first text stage
 (``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
 ``/finish_weight_update``, ``/get_weight_version``, ``/reset_prefix_cache``,
-``/abort_requests``). Operator actions: they demand the control key. See ``docs/rl.md``.
+``/abort_requests``; ``vllm_dev`` has the rest of vLLM's development routes). Operator actions:
+they demand the control key. See ``docs/rl.md``.
 
 A weight update is a session: ``start`` answers ``{"started": true, "session": id}`` and
 ``update``/``finish`` pass ``session`` back. A second ``start`` (or ``init``) while one is
@@ -148,7 +149,8 @@ async def reset_prefix_cache(
     stage_ids = body.stage_ids if body else None
     if stage_ids is not None:
         check_stage_ids(engine, stage_ids)
-    return {"status": "SUCCESS", "stage_ids": await engine.reset_prefix_cache(stage_ids)}
+    reset = await engine.reset_prefix_cache(stage_ids)
+    return {"success": True, "status": "SUCCESS", "stage_ids": reset}
 
 
 @router.post("/v1/omni/abort")
@@ -161,8 +163,22 @@ async def abort(body: AbortBody, engine: EngineClientDep) -> dict[str, Any]:
 # -- vLLM's names, for the first text stage --------------------------------------------------
 
 
-def _text_stage(engine: Any) -> int:
+def text_stage_id(engine: Any) -> int:
+    """The stage vLLM's names act on: the first that outputs text."""
     return next(s.stage_id for s in engine.config.stages if stage_kind(s.kind).modality == "text")
+
+
+def unpacked(info: dict[str, Any], field: str) -> dict[str, Any]:
+    """``info`` without vLLM's ``packed`` flag, which only ``false`` may carry: omnistage
+    receives each tensor on its own, never vLLM's packed buffers (TRL's trainer sends those)."""
+    info = dict(info)
+    if info.pop("packed", False) is not False:
+        raise InvalidRequestError(
+            f"{field}.packed",
+            "packed broadcasts are not implemented: send each tensor on its own, as "
+            "omnistage.rl.WeightSender does",
+        )
+    return info
 
 
 # vLLM's bodies, lenient as vLLM's (unknown fields ignored), with omnistage's session fields.
@@ -188,12 +204,12 @@ class VllmFinishBody(BaseModel):
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(body: VllmInitBody, engine: EngineClientDep) -> dict:
-    info = dict(body.init_info)
+    info = unpacked(body.init_info, "init_info")
     backend = info.pop("backend", "nccl")
     if not isinstance(backend, str):
         raise InvalidRequestError("init_info.backend", "must be a string")
     return await engine.init_weight_transfer(
-        _text_stage(engine), backend, info, abort_open=body.abort_open
+        text_stage_id(engine), backend, info, abort_open=body.abort_open
     )
 
 
@@ -203,32 +219,44 @@ async def start_weight_update(
 ) -> dict[str, Any]:
     body = body or VllmStartBody()
     return await engine.start_weight_update(
-        _text_stage(engine), None, require_session=body.require_session, abort_open=body.abort_open
+        text_stage_id(engine),
+        None,
+        require_session=body.require_session,
+        abort_open=body.abort_open,
     )
 
 
 @router.post("/update_weights")
 async def vllm_update_weights(body: VllmUpdateBody, engine: EngineClientDep) -> dict:
-    return await engine.receive_weights(_text_stage(engine), body.update_info, session=body.session)
+    info = unpacked(body.update_info, "update_info")
+    return await engine.receive_weights(text_stage_id(engine), info, session=body.session)
 
 
 @router.post("/finish_weight_update")
 async def finish_weight_update(engine: EngineClientDep, body: VllmFinishBody | None = None) -> dict:
     body = body or VllmFinishBody()
     acks = await engine.finish_weight_update(
-        _text_stage(engine), body.weight_version, session=body.session
+        text_stage_id(engine), body.weight_version, session=body.session
     )
     return _finished(acks)
 
 
 @router.get("/get_weight_version")
 async def get_weight_version(engine: EngineClientDep) -> dict[str, Any]:
-    return {"weight_version": engine.weight_version(_text_stage(engine))}
+    return {"weight_version": engine.weight_version(text_stage_id(engine))}
 
 
 @router.post("/reset_prefix_cache")
-async def vllm_reset_prefix_cache(engine: EngineClientDep) -> dict[str, Any]:
-    return {"status": "SUCCESS", "stage_ids": await engine.reset_prefix_cache(None)}
+async def vllm_reset_prefix_cache(
+    engine: EngineClientDep,
+    reset_running_requests: bool = Query(default=False),
+    reset_external: bool = Query(default=False),
+) -> dict[str, Any]:
+    """vLLM's ``{"success": true}`` (what TRL checks), with omnistage's fields. vLLM's query
+    flags are accepted and need nothing here: a reset never has to preempt running requests
+    (their blocks just stop being shared prefixes), and there is no external cache."""
+    reset = await engine.reset_prefix_cache(None)
+    return {"success": True, "status": "SUCCESS", "stage_ids": reset}
 
 
 @router.post("/abort_requests")

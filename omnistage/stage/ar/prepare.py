@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from omnistage.config import StageConfig
-from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.errors import ContextLengthError, InvalidRequestError
 from omnistage.models.media import MediaItem, PromptProcessor, media_items
 from omnistage.models.processors import Wants
 from omnistage.models.tokenizer import Tokenizer
@@ -97,10 +97,12 @@ class ARRequestPreparer:
         chars = _text_chars(prompt[source])
         limit = 2 * self.tokenizer.max_token_chars * self.info.max_model_len
         if chars > limit:
-            raise RequestTooLargeError(
+            raise ContextLengthError(
                 source,
-                f"{chars} characters are more than max_model_len={self.info.max_model_len} "
-                f"tokens can hold (at most {limit} characters with this tokenizer)",
+                f"This model's maximum context length is {self.info.max_model_len} tokens. "
+                f"However, you requested more: {chars} characters are more than "
+                f"max_model_len={self.info.max_model_len} tokens can hold (at most {limit} "
+                "characters with this tokenizer). Please reduce the length of the prompt.",
             )
 
     def _refuse_oversized_answer(self, params: SamplingParams, prompt_tokens: int) -> None:
@@ -157,10 +159,12 @@ class ARRequestPreparer:
             processed = self.prompt_processor().process(token_ids, media, dict(kwargs))
             token_ids = processed.token_ids
         if len(token_ids) >= self.info.max_model_len:
-            raise RequestTooLargeError(
+            raise ContextLengthError(
                 "prompt",
-                f"{len(token_ids)} tokens leave no room to generate within "
-                f"max_model_len={self.info.max_model_len}",
+                f"This model's maximum context length is {self.info.max_model_len} tokens. "
+                f"However, you requested {len(token_ids)} tokens in the prompt, which leave no "
+                f"room to generate within max_model_len={self.info.max_model_len}. Please "
+                "reduce the length of the prompt.",
             )
         embeds = {k: prompt[k] for k in ("prompt_embeds", "decode_embeds") if k in prompt}
         for name, value in embeds.items():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from omnistage.config import StageConfig
-from omnistage.errors import InvalidRequestError, RequestTooLargeError
+from omnistage.errors import ContextLengthError, InvalidRequestError
 from omnistage.models.processors import Wants
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
@@ -76,8 +76,8 @@ def test_bad_ar_requests_name_the_field(ar, prompt, options, field):
     assert info.value.field == field
 
 
-def test_a_prompt_that_leaves_no_room_is_too_large(ar):
-    with pytest.raises(RequestTooLargeError) as info:
+def test_a_prompt_that_leaves_no_room_is_too_long(ar):
+    with pytest.raises(ContextLengthError) as info:
         prepare(ar, {"prompt_token_ids": [1] * 64})
     assert info.value.field == "prompt"
 
@@ -142,13 +142,13 @@ def test_a_text_surely_too_long_is_refused_without_tokenizing_it(ar, prompt, mon
 
     monkeypatch.setattr(ar.tokenizer, "encode", no_tokenizing)
     monkeypatch.setattr(ar.tokenizer, "encode_chat", no_tokenizing)
-    with pytest.raises(RequestTooLargeError, match="max_model_len=64"):
+    with pytest.raises(ContextLengthError, match="maximum context length is 64 tokens"):
         prepare(ar, prompt)
 
 
 def test_a_text_near_the_bound_is_tokenized_and_judged_by_its_tokens(ar):
     # Under the character bound but over max_model_len tokens: refused by its token count.
-    with pytest.raises(RequestTooLargeError, match="tokens leave no room"):
+    with pytest.raises(ContextLengthError, match="tokens in the prompt, which leave no room"):
         prepare(ar, "a " * 100)
 
 

@@ -1,0 +1,93 @@
+"""Reply bodies of the OpenAI-compatible data routes, with vLLM's extras (``prompt_logprobs``,
+``token_ids`` and ``prompt_token_ids`` with ``return_token_ids``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class AudioReply(BaseModel):
+    """OpenAI's ``message.audio``: base64 ``data`` (WAV or pcm16), the text spoken."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
+class AssistantMessage(BaseModel):
+    """``content`` is the text (a string, as OpenAI clients type it; ``None`` when text was
+    not asked for); generated images are PNG ``image_url`` content parts in ``images``; speech
+    is ``audio``."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    images: list[dict[str, Any]] | None = None
+    audio: AudioReply | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0  # prompt i's sample j is i * n + j
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ImageData(BaseModel):
+    b64_json: str
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
