@@ -23,6 +23,8 @@ _EXPORTS = {
     "LLM": "omnistage.entrypoints.llm",
     "SamplingParams": "omnistage.stage.ar.sampling",
     "RequestOutput": "omnistage.entrypoints.llm",
+    "CompletionOutput": "omnistage.entrypoints.llm",
+    "Logprob": "omnistage.entrypoints.llm",
     "Diffusion": "omnistage.entrypoints.diffusion",
     "DiffusionParams": "omnistage.stage.diffusion.params",
     "ImageOutput": "omnistage.stage.diffusion.params",

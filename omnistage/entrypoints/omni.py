@@ -1,11 +1,20 @@
 """``Omni``: a synchronous, offline wrapper over ``AsyncOmni`` (like vLLM-Omni's ``Omni``).
 
-It owns a private event loop on a background thread; every method blocks until done.
+It owns a private event loop on a background thread; every method blocks until done. As the
+server: ``generate`` answers text unless ``modalities`` asks for more (the chat route's
+default), keywords are the server's flags' names (``enable_sleep_mode``, ``kv_cache_memory``,
+...), and errors name the Python keyword or method where the engine's name a flag or a
+route. It shuts down quietly: at ``shutdown()``, on leaving a ``with`` block (an exception
+too), or at interpreter exit if neither came first (before the stage processes are ended, so
+that no stage is reported dead and restarted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -14,9 +23,18 @@ from typing import Any, TypeVar
 from omnistage.config import PipelineConfig
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.engine.outputs import OmniAudio, OmniImage
+from omnistage.entrypoints.llm_weights import reworded
 from omnistage.entrypoints.media import MediaPolicy, has_media_parts, load_messages
+from omnistage.errors import (
+    SleepModeDisabledError,
+    StageAsleepError,
+    StagePausedError,
+    WeightsInvalidError,
+)
 
 T = TypeVar("T")
+# Engine errors whose words are the server's (a flag, a route): reworded for Python callers.
+_REWORDED = (SleepModeDisabledError, StageAsleepError, StagePausedError, WeightsInvalidError)
 
 
 @dataclass
@@ -42,6 +60,10 @@ class Omni:
             target=self._loop.run_forever, name="omni-loop", daemon=True
         )
         self._thread.start()
+        self._closed = False
+        # Before multiprocessing's own exit hook (registered earlier, so run later) ends the
+        # stage processes: an Omni left open shuts down as if asked, not as stages dying.
+        atexit.register(self.shutdown)
 
     @classmethod
     def from_config(cls, config: PipelineConfig, **options: Any) -> Omni:
@@ -57,7 +79,17 @@ class Omni:
         return cls(AsyncOmni.from_pipeline(name, **overrides))
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if self._closed:
+            coro.close()
+            raise RuntimeError("this Omni is shut down")
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except _REWORDED as exc:
+            raise _for_python(exc) from None
+        except concurrent.futures.CancelledError:
+            if self._closed:
+                raise RuntimeError("this Omni was shut down while the call ran") from None
+            raise
 
     def generate(
         self,
@@ -68,9 +100,14 @@ class Omni:
         talker_params: dict[str, Any] | None = None,
         audio_params: dict[str, Any] | None = None,
     ) -> list[OmniOutput]:
-        """Run every prompt through the pipeline concurrently; results in input order
-        (``modalities=["text", "audio"]`` on a speaking pipeline: ``OmniOutput.audio``)."""
+        """Run every prompt through the pipeline concurrently; results in input order.
+        Text unless ``modalities`` asks for more, as the server's chat route
+        (``["text", "audio"]`` on a speaking pipeline: ``OmniOutput.audio``; ``["text",
+        "image"]``: ``OmniOutput.images``); a pipeline that makes no text answers what it
+        makes."""
         batch = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if modalities is None and "text" in self.engine.output_modalities():
+            modalities = ["text"]
 
         async def one(prompt: str | dict[str, Any]) -> OmniOutput:
             result = OmniOutput(request_id="")
@@ -133,6 +170,16 @@ class Omni:
         return self._run(self.engine.stage_status())
 
     def shutdown(self) -> None:
+        """Stop every stage and the private loop, quietly; calls still waiting on the loop
+        (another thread's ``generate``) end with ``CancelledError``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        if self._thread.is_alive() and not self._loop.is_closed():
+            # Requests in flight end now (aborted in their stages), before the stages go.
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_others(), self._loop).result(5)
         self.engine.shutdown()
         if self._loop.is_closed():
             return
@@ -146,3 +193,41 @@ class Omni:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+async def _cancel_others() -> None:
+    """Cancel every task of the running loop but this one, and let them unwind."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _for_python(exc: Exception) -> Exception:
+    """An engine error worded for the server (a flag, a route) reworded for ``Omni``."""
+    sid = getattr(exc, "stage_id", 0)
+    if isinstance(exc, SleepModeDisabledError):
+        return reworded(
+            exc,
+            f"stage {sid} was started without sleep mode; create the Omni with "
+            "enable_sleep_mode=True (Omni.from_pipeline(name, enable_sleep_mode=True), "
+            "Omni.from_model(path, enable_sleep_mode=True)) to use sleep",
+        )
+    if isinstance(exc, StageAsleepError):
+        ids = list(getattr(exc, "stage_ids", [sid]))
+        which = f"stage {ids[0]} is" if len(ids) == 1 else f"stages {ids} are"
+        return reworded(
+            exc,
+            f"{which} asleep; wake with omni.wake_up({ids}) and retry (or create the Omni "
+            "with auto_wake=True)",
+        )
+    if isinstance(exc, StagePausedError):
+        return reworded(
+            exc, f"stage {sid} is paused; resume it with omni.resume_generation([{sid}])"
+        )
+    return reworded(
+        exc,
+        f"stage {sid} has no valid weights: they were discarded by sleep(level=2) and woken "
+        f"with reload=False; call omni.update_weights({sid}, path) or wake it with "
+        "reload=True first",
+    )

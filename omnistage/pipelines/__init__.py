@@ -41,6 +41,7 @@ _STAGE_OVERRIDES = frozenset(
         "kv_cache_bytes",
         "enable_prefix_caching",
         "encoder_cache_mb",
+        "max_answer_logprobs",
         "attention_backend",
         "idle_sleep_s",
         "idle_sleep_level",

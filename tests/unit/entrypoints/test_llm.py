@@ -3,7 +3,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omnistage import LLM, RequestOutput, SamplingParams
-from omnistage.errors import InvalidRequestError, StageAsleepError, WeightsInvalidError
+from omnistage.config import ConfigError
+from omnistage.errors import (
+    InvalidRequestError,
+    SleepModeDisabledError,
+    StageAsleepError,
+    WeightsInvalidError,
+)
 from omnistage.memory import process_resident_bytes
 from omnistage.models.tiny import build_preset
 from omnistage.models.tiny_ar import TinyARSpec, build
@@ -22,7 +28,9 @@ def demo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(demo):
-    with LLM(str(demo), kv_cache_bytes=4 * MiB, max_model_len=256, seed=0) as llm:
+    with LLM(
+        str(demo), kv_cache_bytes=4 * MiB, max_model_len=256, seed=0, enable_sleep_mode=True
+    ) as llm:
         yield llm
 
 
@@ -130,7 +138,7 @@ def test_update_weights_after_reload_false_matches_transformers(llm, demo, tmp_p
 @pytest.fixture(scope="module")
 def sizeable(tmp_path_factory):
     folder = build(SIZEABLE, tmp_path_factory.mktemp("sizeable"))
-    with LLM(str(folder), kv_cache_bytes=8 * MiB, max_model_len=256) as llm:
+    with LLM(str(folder), kv_cache_bytes=8 * MiB, max_model_len=256, enable_sleep_mode=True) as llm:
         yield llm
 
 
@@ -157,3 +165,73 @@ def test_sleep_wake_gives_identical_outputs_and_frees_memory(sizeable, level):
     (wake,) = sizeable.wake_up()
     assert wake["status"] == "SUCCESS" and not sizeable.is_sleeping()
     assert token_ids(sizeable.generate(PROMPTS, GREEDY)) == before
+
+
+# -- the Python API keeps the server's names, defaults and words ----------------------------
+
+
+def test_keywords_and_defaults_are_the_servers(demo):
+    import inspect
+
+    from omnistage.config import StageConfig
+    from omnistage.entrypoints.openai.server_config import ServerConfig
+
+    defaults = {k: p.default for k, p in inspect.signature(LLM).parameters.items()}
+    assert defaults["enable_sleep_mode"] is ServerConfig.model_fields["enable_sleep_mode"].default
+    assert defaults["dtype"] == StageConfig.model_fields["dtype"].default == "auto"
+    assert defaults["device"] == StageConfig.model_fields["device"].default
+    assert "kv_cache_memory" in defaults and "kv_cache_memory" in ServerConfig.model_fields
+    with LLM(str(demo), kv_cache_memory="4MiB", max_model_len=256) as llm:
+        assert llm.memory_stats()["tags"]["kv_cache"]["reserved_bytes"] <= 4 * MiB
+        assert not llm.engine.config.enable_sleep_mode
+        with pytest.raises(SleepModeDisabledError) as info:
+            llm.sleep()
+    assert "enable_sleep_mode=True" in str(info.value) and "--" not in str(info.value)
+    with pytest.raises(TypeError, match="kv_cache_memory and kv_cache_bytes"):
+        LLM(str(demo), kv_cache_memory="4MiB", kv_cache_bytes=4 * MiB)
+    with pytest.raises(ConfigError, match="raise kv_cache_memory") as too_small:
+        LLM(str(demo), kv_cache_memory="1MiB")
+    assert "--" not in str(too_small.value)
+
+
+def test_n_samples_with_logprobs_on_a_fresh_llm(demo):
+    params = SamplingParams(n=4, logprobs=3, prompt_logprobs=0, seed=5, max_tokens=6)
+    with LLM(str(demo), kv_cache_memory="4MiB", max_model_len=256) as fresh:
+        (out,) = fresh.generate("Hello there", params)
+        assert out.finished and [s.index for s in out.outputs] == [0, 1, 2, 3]
+        for sample in out.outputs:
+            assert len(sample.logprobs) == len(sample.token_ids) and sample.finish_reason
+            for token, entry in zip(sample.token_ids, sample.logprobs, strict=True):
+                assert token in entry and {1, 2, 3} <= {e.rank for e in entry.values()}
+                assert all(
+                    e.logprob <= 0 and isinstance(e.decoded_token, str) for e in entry.values()
+                )
+            assert sample.cumulative_logprob < 0
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+        assert [list(e) for e in out.prompt_logprobs[1:]] == [[t] for t in out.prompt_token_ids[1:]]
+        # Seeded: the same answer again, and one SamplingParams per prompt.
+        again = fresh.generate(["Hello there", "Hello there"], [params, SamplingParams(n=2)])
+        assert [s.token_ids for s in again[0].outputs] == [s.token_ids for s in out.outputs]
+        assert len(again[1].outputs) == 2 and again[1].outputs[0].logprobs is None
+
+
+def test_sleep_of_the_kv_cache_keeps_the_weights(llm):
+    before = token_ids(llm.generate(PROMPTS, GREEDY))
+    (ack,) = llm.sleep(level=1, tags=["kv_cache"])
+    assert ack["status"] == "SUCCESS" and llm.is_sleeping()
+    tags = llm.memory_stats()["tags"]
+    assert tags["kv_cache"]["is_asleep"] and not tags["weights"]["is_asleep"]
+    with pytest.raises(StageAsleepError, match="wake_up"):
+        llm.generate(PROMPTS, GREEDY)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.sleep(level=1, tags=["kv-cache"])
+    assert info.value.field == "tags"
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and token_ids(llm.generate(PROMPTS, GREEDY)) == before
+    assert llm.reset_prefix_cache() is True
+    assert llm.collective_rpc(lambda worker, k: (type(worker).__name__, k), args=(3,)) == [
+        ("ARWorker", 3)
+    ]
+    with pytest.raises(TypeError, match="callable"):
+        llm.collective_rpc("sleep")  # type: ignore[arg-type]
