@@ -22,6 +22,11 @@ forward (as ``tests/qwen_omni_reference.py`` does).
 Sleep: per stage and level, medians over ``repeats`` cycles of sleep → wake (+ resume for AR
 stages) → one audio request, end to end through ``Omni``; ``freed_mib`` from the sleep ACK;
 the baseline is the pipeline's cold start (spawn, imports, model load) to its first audio.
+
+Media (``omnistage.bench.omni_media``): the same throughput and agreement for audio-in
+requests, on the same pipeline and against the same transformers model (``processor_ms``:
+transformers' processor, inside its timed requests), the encoders' cost, and the encoder
+cache's hit speedup.
 """
 
 from __future__ import annotations
@@ -30,8 +35,7 @@ import functools
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.bench import omni_media as media
 from omnistage.bench.report import write_results
 
 PIPELINE = "tiny-qwen2.5-omni"
@@ -59,6 +64,8 @@ SLEEP_COLUMNS = ["stage", "level", "sleep_ms", "wake_ms", "freed_mib", "resident
                  "audio_after_wake_ms", "same_audio", "cold_start_ms", "wake_speedup_vs_cold_start"]
 SLEEP_TIMED = ("sleep_ms", "wake_ms", "freed_mib", "resident_mib", "audio_after_wake_ms",
                "sleep_ack_ms", "wake_ack_ms")  # medians; the last two are the ACKs' latency_ms
+Request = Callable[[str], dict[str, Any]]  # a prompt's name -> Omni.generate's prompt
+Inputs = Callable[[str], tuple[list[int], dict[str, Any]]]  # -> ids, generate's other inputs
 # fmt: on
 
 
@@ -74,6 +81,7 @@ class Settings:
     num_steps: int = NUM_STEPS
     concurrency: tuple[int, ...] = CONCURRENCY
     repeats: int = 3
+    media: media.MediaSettings = field(default_factory=media.MediaSettings)
 
 
 @dataclass
@@ -143,7 +151,7 @@ def throughput_row(engine: str, concurrency: int, run: Timed, baseline_s: float)
         "rtf": run.seconds / audio_s if audio_s else None,
         "speedup_vs_transformers": baseline_s / run.seconds,
     }
-    for stage in STAGE_NAMES:
+    for stage in (*STAGE_NAMES, "processor"):
         times = run.stage_s.get(stage)
         row[f"{stage}_ms"] = statistics.mean(times) * 1e3 if times else None
     return row
@@ -163,8 +171,8 @@ def add_cold_start(row: dict[str, Any], cold_ms: float) -> None:
     row["wake_speedup_vs_cold_start"] = cold_ms / (row["wake_ms"] + row["audio_after_wake_ms"])
 
 
-def _messages(prompt: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": prompt}]
+def _chat(prompt: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": prompt}]}
 
 
 def _check(op: str, acks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -197,10 +205,11 @@ class OmnistageRunner:
             raise
         self.cold_start_ms = (time.perf_counter() - start) * 1e3
 
-    def speak(self, prompts: Sequence[str]) -> list[Speech]:
+    def speak(self, prompts: Sequence[str], request: Request = _chat) -> list[Speech]:
+        """Each prompt (by name) through ``request`` (name -> ``Omni.generate``'s prompt)."""
         s = self.settings
         outputs = self.omni.generate(
-            [{"messages": _messages(p)} for p in prompts],
+            [request(p) for p in prompts],
             {"temperature": 0.0, "max_tokens": s.thinker_tokens},
             ["text", "audio"],
             talker_params={"temperature": 0.0, "max_tokens": s.talker_tokens},
@@ -217,13 +226,15 @@ class OmnistageRunner:
             )  # fmt: skip
         return speech
 
-    def timed(self, concurrency: int) -> Timed:
-        prompts = self.settings.prompts
+    def timed(
+        self, concurrency: int, prompts: Sequence[str] = (), request: Request = _chat
+    ) -> Timed:
+        prompts = prompts or self.settings.prompts
         self._stats.clear()
         speech: list[Speech] = []
         start = time.perf_counter()
         for i in range(0, len(prompts), concurrency):
-            speech += self.speak(prompts[i : i + concurrency])
+            speech += self.speak(prompts[i : i + concurrency], request)
         seconds = time.perf_counter() - start
         stage_s: dict[str, list[float]] = {}
         for stats in list(self._stats):
@@ -268,31 +279,6 @@ class OmnistageRunner:
         self.omni.shutdown()
 
 
-@contextmanager
-def _patched(obj: Any, name: str, wrapper: Any) -> Iterator[None]:
-    setattr(obj, name, wrapper)
-    try:
-        yield
-    finally:
-        delattr(obj, name)  # the class attribute shows through again
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """No warnings about the tiny config's special ids or greedy flags, no progress bars."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if progress:
-            hf_logging.enable_progress_bar()
-
-
 class TransformersRunner:
     """``Qwen2_5OmniForConditionalGeneration.generate`` one prompt at a time, greedy, with
     the time spent in each part recorded."""
@@ -301,7 +287,7 @@ class TransformersRunner:
         from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
         self.settings, self.device = settings, device
-        with _quiet():
+        with media.quiet():
             model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
             self.model = model.to(device).eval()
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -309,12 +295,15 @@ class TransformersRunner:
         self.codec_stops = [talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id]
         self.codes: list[list[int]] = []
 
-    def _generate(self, prompt: str) -> Speech:
-        s = self.settings
+    def _text(self, prompt: str) -> tuple[list[int], dict[str, Any]]:
         text = self.tokenizer.apply_chat_template(
-            _messages(prompt), tokenize=False, add_generation_prompt=True
+            _chat(prompt)["messages"], tokenize=False, add_generation_prompt=True
         )
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"], {}
+
+    def _generate(self, prompt: str, inputs: Inputs) -> Speech:
+        s = self.settings
+        ids, more = inputs(prompt)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         torch.manual_seed(SEED)  # token2wav's noise is the first draw after it
         sequences, waveform = self.model.generate(
@@ -326,16 +315,23 @@ class TransformersRunner:
             thinker_max_new_tokens=s.thinker_tokens,
             talker_max_new_tokens=s.talker_tokens,
             token2wav_num_steps=s.num_steps,
+            **more,
         )
         samples = waveform.detach().float().cpu().numpy().astype(np.float32).reshape(-1)
         thinker_ids = sequences[0, len(ids) :].tolist()
         return Speech(prompt, thinker_ids, self.codes[-1], samples, SAMPLE_RATE)
 
-    def run(self, codec_prefill_embeds: bool = False) -> Timed:
-        """Every prompt, one after another, after a warm-up; ``codec_prefill_embeds`` hands
-        the talker's forward the all-ones mask transformers 5.x drops (module docstring)."""
-        model = self.model
-        stage_s: dict[str, list[float]] = {name: [] for name in STAGE_NAMES}
+    def run(
+        self,
+        codec_prefill_embeds: bool = False,
+        prompts: Sequence[str] = (),
+        inputs: Inputs | None = None,
+    ) -> Timed:
+        """Every prompt (by name; ``inputs``: name -> prompt ids and ``generate``'s other
+        inputs), one after another, after a warm-up; ``codec_prefill_embeds`` hands the
+        talker's forward the all-ones mask transformers 5.x drops (module docstring)."""
+        model, prompts = self.model, prompts or self.settings.prompts
+        stage_s: dict[str, list[float]] = {name: [] for name in (*STAGE_NAMES, "processor")}
         talker_generate, talker_forward = model.talker.generate, model.talker.forward
 
         def timed(stage: str, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -369,18 +365,19 @@ class TransformersRunner:
 
         forward = talker_with_mask if codec_prefill_embeds else talker_forward
         with (
-            _patched(model.thinker, "generate", timed("thinker", model.thinker.generate)),
-            _patched(model.talker, "generate", talker),
-            _patched(model.talker, "forward", forward),
-            _patched(model.token2wav, "forward", timed("code2wav", model.token2wav.forward)),
-            _quiet(),
+            media.patched(model.thinker, "generate", timed("thinker", model.thinker.generate)),
+            media.patched(model.talker, "generate", talker),
+            media.patched(model.talker, "forward", forward),
+            media.patched(model.token2wav, "forward", timed("code2wav", model.token2wav.forward)),
+            media.quiet(),
             torch.no_grad(),
         ):
-            self._generate(self.settings.prompts[0])  # warm-up
+            make = timed("processor", inputs or self._text)
+            self._generate(prompts[0], make)  # warm-up
             for times in stage_s.values():
                 times.clear()
             start = time.perf_counter()
-            speech = [self._generate(p) for p in self.settings.prompts]
+            speech = [self._generate(p, make) for p in prompts]
             seconds = time.perf_counter() - start
         return Timed(seconds, speech, stage_s)
 
@@ -388,8 +385,9 @@ class TransformersRunner:
 def run(
     out_dir: str, device: str = "cpu", settings: Settings | None = None, in_process: bool = False
 ) -> str:
-    """Write ``omni-<device>-{throughput,audio,sleep}.{json,md}``; return the tables.
-    ``in_process`` runs the stages as threads (for tests; the benchmark uses processes)."""
+    """Write ``omni-<device>-{throughput,audio,sleep,media,encoders,encoder-cache}.{json,md}``;
+    return the tables. ``in_process`` runs the stages as threads (for tests; the benchmark
+    uses processes)."""
     import transformers
 
     s = settings or Settings()
@@ -398,8 +396,12 @@ def run(
     name = f"omni-{device.replace(':', '')}"
     ours = OmnistageRunner(s, device, in_process=in_process)
     try:
+        heard = media.AudioRequests(ours.folder, s.prompts, s.media)
         runs = {c: ours.timed(c) for c in s.concurrency}
         alone = runs[1].speech
+        ours.speak(heard.names[:1], heard.omnistage("warm-up"))
+        runs_in = {c: ours.timed(c, heard.names, heard.omnistage(f"x{c}")) for c in s.concurrency}
+        cache_rows = media.cache_rows(ours.omni, s.media)
         sleep_rows = ours.sleep_rows(alone[0])
     finally:
         ours.shutdown()
@@ -408,6 +410,9 @@ def run(
     theirs = TransformersRunner(ours.folder, s, device)
     baseline = theirs.run()
     restored = theirs.run(codec_prefill_embeds=True)  # untimed: only its outputs are used
+    baseline_in = theirs.run(True, heard.names, heard.transformers)  # outputs comparable
+    media_rows = media.throughput_rows(throughput_row, baseline_in, runs_in)
+    encoder_rows = media.encoder_rows(ours.folder, theirs.model, s.media, device)
     rows = [throughput_row("transformers", 1, baseline, baseline.seconds)]
     rows += [throughput_row("omnistage", c, runs[c], baseline.seconds) for c in s.concurrency]
     audio = [compare(f"omnistage x{c}", alone, runs[c].speech) for c in s.concurrency if c > 1]
@@ -417,4 +422,6 @@ def run(
     ]
     throughput_table = write_results(out_dir, name + "-throughput", rows, THROUGHPUT_COLUMNS)
     audio_table = write_results(out_dir, name + "-audio", audio, AUDIO_COLUMNS)
-    return "\n\n".join([throughput_table, audio_table, sleep_table])
+    tables = [throughput_table, audio_table, sleep_table]
+    tables += media.write_tables(out_dir, name, media_rows, encoder_rows, cache_rows)
+    return "\n\n".join(tables)

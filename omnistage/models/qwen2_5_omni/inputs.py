@@ -249,10 +249,17 @@ class Qwen25OmniPromptProcessor:
             raise InvalidRequestError(
                 where, f"audio is too short: at least {shortest / rate * 1000:.0f} ms are needed"
             )
+        # The checkpoint's processor pads every clip to the extractor's 30 s window and
+        # keeps the real frames; padding only past the last frame's reach (n_fft + a hop of
+        # silence) gives the same frames bit for bit (silence never sets the log-mel's max)
+        # at a fraction of the cost.
+        reach = len(samples) + self.features.n_fft + self.features.hop_length
         out = self.features(
             samples,
             sampling_rate=rate,
             padding="max_length",
+            max_length=min(reach, self.features.n_samples),
+            truncation=True,
             return_attention_mask=True,
             return_tensors="pt",
         )

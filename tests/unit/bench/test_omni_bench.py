@@ -1,6 +1,7 @@
 """The Qwen2.5-Omni benchmark: its comparisons and summaries on made-up outputs, the command
 line, and one real run with tiny settings (two prompts, 4 thinker tokens, 8 speech codes, 2
-ODE steps, one sleep cycle per stage and level; stages as threads instead of processes)."""
+ODE steps, one sleep cycle per stage and level, 1 s clips, one audio length and one image size
+for the encoders, one cache hit per medium; stages as threads instead of processes)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from omnistage import cli
 from omnistage.bench import omni as bench
+from omnistage.bench import omni_media as media
 
 
 def speech(prompt: str = "hi", codes: tuple[int, ...] = (1, 2), wave: Any = (0.5, -0.25)):
@@ -51,6 +53,38 @@ def test_rows_are_ratios_against_the_baseline_and_medians():
     assert set(bench.SLEEP_COLUMNS) <= set(sleep)
 
 
+def test_audio_in_rows_count_agreement_with_transformers_per_request():
+    theirs = bench.Timed(4.0, [speech("audio 0"), speech("audio 1")], {"processor": [0.2, 0.4]})
+    ours = bench.Timed(2.0, [speech("audio 0"), speech("audio 1", codes=(9,))])
+    rows = media.throughput_rows(bench.throughput_row, theirs, {1: ours, 8: ours})
+    assert [(r["engine"], r["concurrency"]) for r in rows] == [
+        ("transformers", 1),
+        ("omnistage", 1),
+        ("omnistage", 8),
+    ]
+    assert rows[0]["processor_ms"] == pytest.approx(300) and "same_codes" not in rows[0]
+    assert rows[1]["speedup_vs_transformers"] == 2.0 and rows[1]["processor_ms"] is None
+    assert rows[1]["same_thinker_ids"] == "2/2" and rows[1]["same_codes"] == "1/2"
+    assert set(media.THROUGHPUT_COLUMNS) - {"same_thinker_ids", "same_codes"} <= set(rows[0])
+
+
+def test_audio_requests_get_a_fresh_content_hash_per_pass(tmp_path):
+    heard = media.AudioRequests(tmp_path, ("Hi", "Count"), media.MediaSettings(audio_s=0.5))
+    assert heard.names == ("audio 0", "audio 1")
+    first, again = heard.omnistage("x1")("audio 1"), heard.omnistage("x8")("audio 1")
+    assert first["messages"][0]["content"] == [
+        {"type": "audio"},
+        {"type": "text", "text": "Count"},
+    ]
+    (a,), (b,) = first["multi_modal_data"], again["multi_modal_data"]
+    assert a.content_hash != b.content_hash
+    assert a.value.samples is b.value.samples and a.value.sampling_rate == 16000
+    assert len(a.value.samples) == 8000 and a.value.samples.dtype == np.float32
+    assert not np.array_equal(a.value.samples[:100], heard.clips["audio 0"][:100])
+    with pytest.raises(ValueError, match="repeats"):
+        media.MediaSettings(cache_repeats=0)
+
+
 def test_a_failed_sleep_is_an_error_not_a_figure():
     with pytest.raises(bench.OmniBenchError, match="talker sleep"):
         bench._check("talker sleep level 1", [{"status": "ERROR"}])
@@ -72,7 +106,7 @@ def test_cli_runs_omni_alone_and_in_all(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_tiny_run_writes_the_three_tables(tmp_path):
+def test_a_tiny_run_writes_the_six_tables(tmp_path):
     settings = bench.Settings(
         prompts=bench.PROMPTS[:2],
         thinker_tokens=4,
@@ -80,9 +114,17 @@ def test_a_tiny_run_writes_the_three_tables(tmp_path):
         num_steps=2,
         concurrency=(1, 2),
         repeats=1,
+        media=media.MediaSettings(
+            audio_s=1.0,
+            encoder_audio_s=(1.0,),
+            encoder_images=((56, 84),),
+            encoder_repeats=1,
+            cache_image=(56, 56),
+            cache_repeats=1,
+        ),
     )
     tables = bench.run(str(tmp_path), settings=settings, in_process=True)
-    assert tables.count("| engine |") == 1 and "| 2 (code2wav) | 2 |" in tables
+    assert tables.count("| engine |") == 2 and "| 2 (code2wav) | 2 |" in tables
 
     def load(part: str) -> dict[str, Any]:
         return json.loads((tmp_path / f"omni-cpu-{part}.json").read_text())
@@ -109,3 +151,19 @@ def test_a_tiny_run_writes_the_three_tables(tmp_path):
     ]
     assert all(r["same_audio"] for r in sleep)
     assert all(r["freed_mib"] > 0 for r in sleep if r["level"] == 2)
+    heard = load("media")["rows"]
+    assert [(r["engine"], r["concurrency"]) for r in heard] == [
+        (r["engine"], r["concurrency"]) for r in rows
+    ]
+    assert all(r["requests"] == 2 and r["audio_s"] > 0 for r in heard)
+    assert heard[0]["processor_ms"] > 0  # transformers' processor, inside its requests
+    assert all(r["same_thinker_ids"] == "2/2" and r["same_codes"] == "2/2" for r in heard[1:])
+    audio, image = load("encoders")["rows"]
+    assert (audio["medium"], audio["tokens"]) == ("audio 1 s", 25)
+    assert (image["medium"], image["tokens"]) == ("image 84x56", 6)  # 56 x 84 px, 2 x 3 merged
+    assert audio["encoder_ms_per_audio_s"] == audio["encoder_ms"] > 0
+    assert all(r["same_as_transformers"] and r["transformers_ms"] > 0 for r in (audio, image))
+    cache = load("encoder-cache")["rows"]
+    assert [r["medium"] for r in cache] == ["image 56x56", "audio 1 s"]
+    assert all(r["encoder_queries"] == 2 and r["encoder_hits"] == 1 for r in cache)
+    assert all(r["miss_ms"] > 0 and r["hit_ms"] > 0 for r in cache)

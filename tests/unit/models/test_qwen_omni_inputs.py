@@ -14,6 +14,7 @@ odd frame counts and fps 1.3 / 2 / 3).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -306,3 +307,19 @@ def test_every_image_is_processed_or_refused_by_field(ours, item):
         assert err.field == "multi_modal_data[0]"
     else:  # a tiny picture is scaled up to min_pixels, as transformers does
         assert out.items[0].data["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+@pytest.mark.parametrize("seconds", [0.03, 0.5, 7.3, 29.9, 31.5])
+@pytest.mark.parametrize("kind", ["noise", "silence"])
+def test_audio_features_padded_to_their_reach_equal_the_full_window(ours, seconds, kind):
+    """The processor pads to the extractor's whole window; ours pads to the last frame's reach
+    only (a fraction of the cost): the same frames, bit for bit, silence included."""
+    n = int(seconds * 16000)
+    samples = noise_audio(seconds) if kind == "noise" else np.zeros(n, np.float32)
+    full = ours.features(
+        samples, sampling_rate=16000, padding="max_length", return_attention_mask=True,
+        return_tensors="pt",
+    )  # fmt: skip
+    frames = int(full["attention_mask"].sum())
+    got = ours.audio_features(Audio(samples, 16000), "x")
+    assert torch.equal(got, full["input_features"][0, :, :frames])
