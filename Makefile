@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
 	fi
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# TRL's own vLLM client (what GRPOTrainer uses in server mode), driven against
+	@# `omnistage serve` by tests/e2e/test_trl_client.py. The client needs torch,
+	@# transformers and requests only; trl's training dependencies (datasets, pandas,
+	@# pyarrow, accelerate) would add a minute to every set-up.
+	$(BIN)/python -m pip install -q --no-deps "trl==1.16.*"
 	touch $@
 
 serve: install

@@ -89,15 +89,16 @@ Token2wav (M l. 4046-4063 and ``Qwen2_5OmniToken2WavModel`` M l. 3647-3715)
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from omnistage.bench.omni_media import patched, quiet
 
 DEFAULT_NUM_STEPS = 10  # token2wav's default ODE time points
 
@@ -137,9 +138,8 @@ class Reference:
 def load_model(folder: str) -> Any:
     """``Qwen2_5OmniForConditionalGeneration.from_pretrained(folder)`` in float32, eval mode."""
     from transformers import Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
-    with _quiet(hf_logging):
+    with quiet():
         model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
     return model.eval()
 
@@ -165,29 +165,6 @@ def prompt_ids(
     tokenizer = load_tokenizer(str(folder))
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-@contextlib.contextmanager
-def _quiet(hf_logging: Any) -> Iterator[None]:
-    verbosity = hf_logging.get_verbosity()
-    progress = hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if progress:
-            hf_logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _patched(obj: Any, name: str, wrapper: Any) -> Iterator[None]:
-    setattr(obj, name, wrapper)
-    try:
-        yield
-    finally:
-        delattr(obj, name)  # the class attribute shows through again
 
 
 def _detach(value: Any) -> Any:
@@ -238,8 +215,6 @@ def reference_generate(
     all-ones ``attention_mask``, as the model card's example passes the processor's output:
     without a mask transformers computes no multimodal positions.
     """
-    from transformers.utils import logging as hf_logging
-
     folder = str(Path(folder).resolve())
     model = load_model(folder)
     talker_config = model.config.talker_config
@@ -306,11 +281,11 @@ def reference_generate(
     ]
     try:
         with (
-            _patched(model.thinker, "generate", thinker_wrapper),
-            _patched(model.talker, "generate", talker_wrapper),
-            _patched(model.talker, "forward", talker_forward_wrapper),
-            _patched(model.token2wav, "forward", token2wav_wrapper),
-            _quiet(hf_logging),
+            patched(model.thinker, "generate", thinker_wrapper),
+            patched(model.talker, "generate", talker_wrapper),
+            patched(model.talker, "forward", talker_forward_wrapper),
+            patched(model.token2wav, "forward", token2wav_wrapper),
+            quiet(),
             torch.no_grad(),
         ):
             torch.manual_seed(seed)

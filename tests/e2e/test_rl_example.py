@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
-    "mode, steps", [((), 3), (("--in-process",), 2)], ids=["http", "in-process"]
+    "mode, steps", [((), 2), (("--in-process",), 2)], ids=["http", "in-process"]
 )
 def test_the_rl_loop_example_runs_and_its_checks_hold(mode, steps):
     done = subprocess.run(
