@@ -6,9 +6,19 @@ whatever module does math first."""
 import os
 from pathlib import Path
 
+import pytest
+
 import omnistage  # noqa: F401  (sets MKL_CBWR before MKL's first call)
 
 os.environ.setdefault(
     "OMNISTAGE_CACHE_DIR",
     str(Path(__file__).resolve().parent.parent / ".omnistage-cache" / "models"),
 )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_omni_folder(tmp_path_factory):
+    """One tiny Qwen2.5-Omni checkpoint (the default spec) for the modules that only read it."""
+    from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
+
+    return build_tiny_qwen_omni(tmp_path_factory.mktemp("tiny-qwen-omni"), DEFAULT)

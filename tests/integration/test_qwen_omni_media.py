@@ -16,7 +16,6 @@ import pytest
 
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.media import MediaItem
-from omnistage.models.qwen2_5_omni import tiny as tiny_qwen_omni
 from tests.qwen_omni_media import CASES, build, hf_process, hf_processor, openai_parts, picture
 from tests.qwen_omni_reference import reference_generate
 
@@ -27,9 +26,8 @@ SPEECH = {"voice": "Chelsie", "seed": 7, "num_steps": STEPS}
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    out = tmp_path_factory.mktemp("qwen-omni-media")
-    return str(tiny_qwen_omni.build_tiny_qwen_omni(out, tiny_qwen_omni.DEFAULT))
+def folder(tiny_qwen_omni_folder):
+    return str(tiny_qwen_omni_folder)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,12 @@ from omnistage.memory import Arena
 from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import load_module
-from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
 from tests.qwen_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("mrope"), DEFAULT)
+def folder(tiny_qwen_omni_folder):
+    return tiny_qwen_omni_folder
 
 
 def ours(folder, part):

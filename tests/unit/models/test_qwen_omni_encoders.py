@@ -17,14 +17,13 @@ from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import load_into, module_targets
 from omnistage.models.media import Audio, MediaItem, Video
 from omnistage.models.qwen2_5_omni import FAMILY
-from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
 from omnistage.models.tensor_parallel import shards_of
 from tests.qwen_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni-encoders"), DEFAULT)
+def folder(tiny_qwen_omni_folder):
+    return tiny_qwen_omni_folder
 
 
 def thinker(folder, dtype=torch.float32, device="cpu"):

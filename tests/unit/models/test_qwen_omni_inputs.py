@@ -24,7 +24,6 @@ from omnistage.models.media import Audio, MediaItem, Video
 from omnistage.models.qwen2_5_omni import FAMILY
 from omnistage.models.qwen2_5_omni.inputs import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 from omnistage.models.qwen2_5_omni.rope_index import chunk_bounds
-from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
 from tests.qwen_omni_media import (
     CASES,
     HAS_TORCHVISION,
@@ -39,8 +38,8 @@ from tests.qwen_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni-inputs"), DEFAULT)
+def folder(tiny_qwen_omni_folder):
+    return tiny_qwen_omni_folder
 
 
 @pytest.fixture(scope="module")
