@@ -13,7 +13,7 @@ import httpx
 from omnistage.stage.vocabulary import (
     DEFAULT_SLEEP_LEVEL,
     DEFAULT_SLEEP_MODE,
-    MEMORY_TAGS,
+    KNOWN_TAGS,
     SLEEP_LEVELS,
     SLEEP_MODES,
 )
@@ -66,10 +66,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="Sleep level.",
     )
     s.add_argument("--mode", choices=SLEEP_MODES, help="What happens to in-flight requests.")
-    s.add_argument("--tags", nargs="+", choices=MEMORY_TAGS, help="Only these memory tags.")
+    s.add_argument("--tags", nargs="+", choices=KNOWN_TAGS, help="Only these memory tags.")
     w = ops.add_parser("wakeup", parents=[common], help="Wake stages.")
     w.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
-    w.add_argument("--tags", nargs="+", choices=MEMORY_TAGS, help="Only these memory tags.")
+    w.add_argument("--tags", nargs="+", choices=KNOWN_TAGS, help="Only these memory tags.")
     w.add_argument(
         "--no-reload", action="store_true", help="After level 2, leave weights for update-weights."
     )

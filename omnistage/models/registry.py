@@ -54,6 +54,7 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         "omnistage.models.diffusion.pixart",
         pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
     ),
+    FamilyEntry("flux", "omnistage.models.diffusion.flux", pipeline_classes=("FluxPipeline",)),
 )
 
 PROCESSORS: dict[str, str] = {

@@ -150,8 +150,18 @@ class SleepController:
         return [t for t in self.arena.tags if self.arena.is_asleep(t)]
 
     @property
+    def weight_tags(self) -> list[str]:
+        """The arena's tags that hold weights: ``weights``, or a stage's component tags
+        (a diffusion pipeline's text encoders, transformer and VAE sleep apart)."""
+        return [t for t in self.arena.tags if t != KV_CACHE]
+
+    @property
     def weights_valid(self) -> bool:
-        return self.arena.has_tag(WEIGHTS) and self.arena.is_valid(WEIGHTS)
+        tags = self.weight_tags
+        return bool(tags) and all(self.arena.is_valid(t) for t in tags)
+
+    def _weights_asleep(self) -> bool:
+        return any(self.arena.is_asleep(t) for t in self.weight_tags)
 
     @property
     def weight_sources(self) -> list[str]:
@@ -242,7 +252,8 @@ class SleepController:
         before = device_used_bytes(self.arena.device)
         start = time.perf_counter()
         # Discarded weights about to be reloaded get their pages faulted in by the reload.
-        fill = [WEIGHTS] if reload and WEIGHTS in chosen else []
+        weight_tags = [t for t in chosen if t in self.weight_tags]
+        fill = weight_tags if reload else []
         try:
             report = self.arena.wake(chosen, fill=fill)
         except ArenaWakeError as exc:
@@ -251,12 +262,13 @@ class SleepController:
                 **metadata,
             )  # fmt: skip
         # Weights woken without contents now, or earlier with reload=False, are reloaded.
-        needs_reload = reload and WEIGHTS in chosen and not self.weights_valid
+        invalid = [t for t in weight_tags if not self.arena.is_valid(t)]
+        needs_reload = reload and bool(invalid)
         reload_gbps = 0.0
         if needs_reload:
             try:
                 reload_start = time.perf_counter()
-                reloaded = self.reload()
+                reloaded = self.reload(invalid)
                 reload_gbps = _gbps(reloaded, time.perf_counter() - reload_start)
             except Exception as exc:
                 # Back to asleep, so that the stage is reported sleeping and a wake can retry.
@@ -271,11 +283,11 @@ class SleepController:
                     **metadata,
                 )
         for tag in report.invalid_tags:
-            if tag != WEIGHTS:
+            if tag not in self.weight_tags:
                 self.arena.mark_valid(tag)  # caches are reset by their engine, contents unused
         restored = report.restored_bytes
         if needs_reload:
-            restored += self.arena.reserved_bytes(WEIGHTS)
+            restored += sum(self.arena.reserved_bytes(t) for t in invalid)
         if not self.is_sleeping:
             self.level = 0
         is_noop = report.is_noop and not needs_reload
@@ -293,13 +305,16 @@ class SleepController:
         ack.metadata.gbps = _gbps(restored, ack.metadata.latency_ms / 1e3)
         return ack
 
-    def reload(self) -> int:
+    def reload(self, tags: Sequence[str] | None = None) -> int:
         """Refill the (awake) weights from every source they came from, oldest first;
-        returns the bytes read."""
+        returns the bytes read. ``tags``: the weight tags being refilled (all by default);
+        the worker's ``load_weights`` writes only into awake tags, and only into the
+        invalid ones while any is (the others keep serving untouched)."""
         nbytes = 0
         for i, source in enumerate(self._weight_sources):
             nbytes += source.load(self._load_weights, strict=i == 0, check_finite=False)
-        self.arena.mark_valid(WEIGHTS)
+        for tag in self.weight_tags if tags is None else tags:
+            self.arena.mark_valid(tag)
         return nbytes
 
     def adopt_history(self, sources: Sequence[str], *, load: bool) -> None:
@@ -329,7 +344,7 @@ class SleepController:
         and the old weights keep serving.
         """
         source = checkpoint_source(path)
-        if self.arena.is_asleep(WEIGHTS):
+        if self._weights_asleep():
             raise InvalidRequestError(
                 "path",
                 "weights are asleep; wake them first (wake_up(tags=['weights'], reload=False))",
@@ -339,7 +354,7 @@ class SleepController:
             self._apply(source, check_finite=check_finite)
         except CheckpointError as exc:
             raise InvalidRequestError("path", str(exc)) from exc
-        nbytes = self.arena.reserved_bytes(WEIGHTS)
+        nbytes = sum(self.arena.reserved_bytes(t) for t in self.weight_tags)
         return self._ack(
             "SUCCESS", start, 0, restored_bytes=nbytes, tags=[WEIGHTS],
             weight_sources=self.weight_sources,
@@ -352,7 +367,7 @@ class SleepController:
         version: str,
     ) -> Ack:
         """Copy checked tensors a trainer pushed into the awake weights, in place."""
-        if self.arena.is_asleep(WEIGHTS):
+        if self._weights_asleep():
             raise InvalidRequestError(
                 "weight_version",
                 "weights are asleep; wake them first (wake_up(tags=['weights'], reload=False))",
@@ -380,4 +395,5 @@ class SleepController:
             self._weight_sources = [source]
         else:
             self._weight_sources.append(source)
-        self.arena.mark_valid(WEIGHTS)
+        for tag in self.weight_tags:
+            self.arena.mark_valid(tag)

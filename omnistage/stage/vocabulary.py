@@ -13,6 +13,11 @@ from omnistage.errors import InvalidRequestError
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 MEMORY_TAGS = (WEIGHTS, KV_CACHE)
+# The weight tags of a stage whose components sleep apart (a diffusion pipeline's text
+# encoders, transformer and VAE; ``models/diffusion/pipeline.py`` adopts them so); there
+# ``weights`` names all of them.
+COMPONENT_TAGS = ("text_encoders", "transformer", "vae")
+KNOWN_TAGS = (*MEMORY_TAGS, *COMPONENT_TAGS)
 SLEEP_LEVELS = (0, 1, 2)
 SLEEP_MODES = ("abort", "wait", "keep")
 DEFAULT_SLEEP_LEVEL = 2
@@ -34,9 +39,10 @@ def check_mode(mode: object) -> str:
     return str(mode)
 
 
-def check_tags(tags: Iterable[str] | None, known: Sequence[str] = MEMORY_TAGS) -> list[str] | None:
+def check_tags(tags: Iterable[str] | None, known: Sequence[str] = KNOWN_TAGS) -> list[str] | None:
     """``None`` (every tag) or the distinct tags asked for; empty or unknown tags are refused
-    (``known``: the tags a stage has, or every tag there is)."""
+    (``known``: the tags a stage has, or every tag there is). On a stage whose weights are
+    component tags, ``weights`` stands for all of them."""
     if tags is None:
         return None
     if isinstance(tags, str):
@@ -44,6 +50,10 @@ def check_tags(tags: Iterable[str] | None, known: Sequence[str] = MEMORY_TAGS) -
     chosen = list(dict.fromkeys(tags))
     if not chosen:
         raise InvalidRequestError("tags", "must not be empty; leave it out for every tag")
+    if WEIGHTS in chosen and WEIGHTS not in known:
+        at = chosen.index(WEIGHTS)
+        components = [t for t in known if t != KV_CACHE]
+        chosen = list(dict.fromkeys([*chosen[:at], *components, *chosen[at + 1 :]]))
     unknown = [t for t in chosen if t not in known]
     if unknown:
         raise InvalidRequestError("tags", f"unknown tags {unknown}; known tags are {list(known)}")

@@ -35,6 +35,14 @@ class DiffusionLimits:
     has_text_encoder: bool  # whether text prompts work, or only embeddings
     native_size: int  # height and width when a request gives none
     max_inference_steps: int  # the scheduler's training timesteps
+    takes_prompt_embeds: bool = True  # False: text prompts only (pooled embeddings needed)
+    takes_negative_prompt: bool = True  # False: guidance is distilled into the denoiser
+    takes_scheduler_override: bool = True  # False: its timesteps need its own scheduler
+    max_sequence_length: int = 4096  # the most text tokens its encoder is given
+    max_frames: int = 1  # more than 1: a video family
+    frame_step: int = 1  # a video's frame count is 1 + a multiple of it (temporal compression)
+    default_frames: int = 1  # frames when a request gives none
+    default_guidance_scale: float = 1.0  # what the family's pipeline defaults to
 
 
 class DiffusionParamsLike(Protocol):

@@ -45,6 +45,10 @@ from omnistage.models.loader import (
 )
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WEIGHTS_TAG = "weights"  # the arena tag of every weight unless components sleep apart
+# With ``component_tags``: the arena tag of each kind of component (every text encoder under
+# one tag); components of other kinds (an image encoder) sleep with the transformer.
+COMPONENT_TAGS = {"text_encoder": "text_encoders", "transformer": "transformer", "vae": "vae"}
 
 
 class LoadedPipeline:
@@ -55,6 +59,9 @@ class LoadedPipeline:
     without its tokenizer or the reverse (``text_encoder_2`` goes with ``tokenizer_2``).
     With ``load`` False the weights are adopted but not read (a restart asleep at level 2
     releases them at once; or the family checks the folder before reading them).
+    With ``component_tags`` each component is adopted under its kind's tag
+    (``COMPONENT_TAGS``: text encoders, transformer, VAE sleep and wake apart), otherwise
+    all under ``weights``; ``tags`` maps each component to its tag.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class LoadedPipeline:
         *,
         required: Iterable[str] = (),
         load: bool = True,
+        component_tags: bool = False,
     ) -> None:
         self.folder = Path(folder)
         self.device = arena.device
@@ -80,9 +88,15 @@ class LoadedPipeline:
             for spec in specs.values()
             if spec.is_torch_module
         }
+        self.tags: dict[str, str] = {
+            name: COMPONENT_TAGS.get(specs[name].kind, COMPONENT_TAGS["transformer"])
+            if component_tags
+            else WEIGHTS_TAG
+            for name in self.modules
+        }
         self.weight_bytes = 0
-        for module in self.modules.values():
-            self.weight_bytes += arena.adopt(module)
+        for name, module in self.modules.items():
+            self.weight_bytes += arena.adopt(module, self.tags[name])
             _move_derived_buffers(module, self.device)
         self.scheduler_config = load_scheduler_config(self.folder, specs["scheduler"])
         self.scheduler_class_name = specs["scheduler"].class_name
@@ -110,16 +124,24 @@ class LoadedPipeline:
 
     # -- weights --------------------------------------------------------------------------
 
-    def weight_targets(self) -> dict[str, torch.Tensor]:
-        """The live weights by '<component>.<tensor>' name (the single-file update names)."""
+    def weight_targets(self, components: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The live weights by '<component>.<tensor>' name (the single-file update names),
+        of ``components`` only when given."""
+        chosen = self.modules if components is None else set(components)
         return {
             f"{name}.{key}": tensor
             for name, module in self.modules.items()
+            if name in chosen
             for key, tensor in module_targets(module).items()
         }
 
     def load_weights(
-        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
+        self,
+        path: str | Path,
+        strict: bool = True,
+        *,
+        check_finite: bool = False,
+        components: Iterable[str] | None = None,
     ) -> int:
         """Copy a weight source (see the module docstring) into the adopted tensors in place.
 
@@ -127,12 +149,15 @@ class LoadedPipeline:
         of the weights' dtype is refused) is checked before any byte is copied, so a bad
         source leaves the weights untouched. Unknown tensors always raise
         ``CheckpointError``; missing ones only with ``strict`` (a partial update may cover
-        some components or tensors). Returns the bytes copied.
+        some components or tensors). With ``components`` only theirs are written (the
+        others may be asleep): a source's tensors of other components are skipped, and
+        ``strict`` asks only for theirs. Returns the bytes copied.
         """
         source = Path(path)
-        targets = self.weight_targets()
+        chosen = list(self.modules) if components is None else list(components)
+        targets = self.weight_targets(chosen)
         if checkpoint_is_folder(source):
-            files = self._folder_files(source, strict)
+            files = self._folder_files(source, strict, chosen)
         elif source.suffix == ".safetensors":
             files = [(source, "")]
         else:
@@ -141,13 +166,16 @@ class LoadedPipeline:
             )
         with open_files(file for file, _ in files) as mapped:
             opened = [(st, prefix) for st, (_, prefix) in zip(mapped, files, strict=True)]
-            return _plan_copies(opened, targets, strict, source, check_finite).run()
+            skipped = tuple(f"{name}." for name in self.modules if name not in chosen)
+            return _plan_copies(opened, targets, strict, source, check_finite, skipped).run()
 
-    def _folder_files(self, folder: Path, strict: bool) -> list[tuple[Path, str]]:
+    def _folder_files(
+        self, folder: Path, strict: bool, components: list[str]
+    ) -> list[tuple[Path, str]]:
         files = []
         try:
             specs = read_model_index(folder)
-            for name in self.modules:
+            for name in components:
                 if name not in specs:
                     if strict:
                         raise CheckpointError(f"{folder} has no {name!r} component")
@@ -184,11 +212,13 @@ def _plan_copies(
     strict: bool,
     source: Path,
     check_finite: bool = False,
+    skipped: tuple[str, ...] = (),
 ) -> CopyPlan:
     sources = [
         (prefix + key, st, key)
         for st, prefix in opened
         for key in st.keys()  # noqa: SIM118 - not a dict
+        if not (prefix + key).startswith(skipped)  # an empty tuple skips nothing
     ]
     return plan_copies(
         sources,

@@ -18,6 +18,7 @@ from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.diffusion.denoise import DenoiseJob, batch_key
 from omnistage.stage.diffusion.params import (
+    MAX_EMBEDDING_TOKENS,
     MAX_SEED,
     DiffusionRequest,
     PipelineLimits,
@@ -49,6 +50,14 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             native_size=own.native_size,
             max_inference_steps=min(own.max_inference_steps, config.max_inference_steps),
             max_image_pixels=config.max_image_pixels or default_max_image_pixels(config.device),
+            takes_prompt_embeds=own.takes_prompt_embeds,
+            takes_negative_prompt=own.takes_negative_prompt,
+            takes_scheduler_override=own.takes_scheduler_override,
+            max_sequence_length=min(own.max_sequence_length, MAX_EMBEDDING_TOKENS),
+            max_frames=own.max_frames,
+            frame_step=own.frame_step,
+            default_frames=own.default_frames,
+            default_guidance_scale=own.default_guidance_scale,
         )
 
     @property

@@ -97,6 +97,15 @@ class PipelineLimits(msgspec.Struct, frozen=True):
     native_size: int = 64  # height and width when a request gives none
     max_inference_steps: int = MAX_INFERENCE_STEPS
     max_image_pixels: int = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+    # What the family takes (``DiffusionLimits``); see ``validate_params``.
+    takes_prompt_embeds: bool = True
+    takes_negative_prompt: bool = True
+    takes_scheduler_override: bool = True
+    max_sequence_length: int = MAX_EMBEDDING_TOKENS
+    max_frames: int = 1
+    frame_step: int = 1
+    default_frames: int = 1
+    default_guidance_scale: float = 1.0
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -157,6 +166,10 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
         raise InvalidRequestError("guidance_scale", f"must be >= 0, got {scale}")
     if not isinstance(params.negative_prompt, str):
         raise InvalidRequestError("negative_prompt", "must be a string")
+    if params.negative_prompt and not limits.takes_negative_prompt:
+        raise InvalidRequestError(
+            "negative_prompt", "this pipeline takes no negative prompt (its guidance is distilled)"
+        )
     if params.negative_prompt and params.uses_guidance and not limits.has_text_encoder:
         raise InvalidRequestError(
             "negative_prompt",
@@ -164,13 +177,15 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
         )
     if params.seed is not None:
         _check_int("seed", params.seed, 0, MAX_SEED)
+    if params.scheduler is not None and not limits.takes_scheduler_override:
+        raise InvalidRequestError("scheduler", "this pipeline runs its own scheduler only")
     if params.scheduler is not None and params.scheduler not in SCHEDULER_NAMES:
         raise InvalidRequestError(
             "scheduler",
             f"must be one of {sorted(SCHEDULER_NAMES)} or None, got {params.scheduler!r}",
         )
     if params.max_sequence_length is not None:
-        _check_int("max_sequence_length", params.max_sequence_length, 1, MAX_EMBEDDING_TOKENS)
+        _check_int("max_sequence_length", params.max_sequence_length, 1, limits.max_sequence_length)
 
 
 def validate_request(request: DiffusionRequest, limits: PipelineLimits) -> None:
@@ -193,8 +208,15 @@ def validate_request(request: DiffusionRequest, limits: PipelineLimits) -> None:
                 f"[seq, {limits.embedding_dim}] instead",
             )
     else:
-        check_embeddings("prompt_embeds", request.prompt_embeds, limits.embedding_dim)
+        check_prompt_embeds("prompt_embeds", request.prompt_embeds, limits)
     if request.negative_prompt_embeds is not None:
-        check_embeddings(
-            "negative_prompt_embeds", request.negative_prompt_embeds, limits.embedding_dim
-        )
+        check_prompt_embeds("negative_prompt_embeds", request.negative_prompt_embeds, limits)
+
+
+def check_prompt_embeds(name: str, embeds: object, limits: PipelineLimits) -> None:
+    """Embeddings for a pipeline that takes them (``check_embeddings``); the others need a
+    text prompt (their denoiser also wants what only its own encoders give, e.g. pooled
+    embeddings)."""
+    if not limits.takes_prompt_embeds:
+        raise InvalidRequestError(name, "this pipeline takes text prompts only")
+    check_embeddings(name, embeds, limits.embedding_dim)

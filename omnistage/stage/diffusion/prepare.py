@@ -11,7 +11,11 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.models.processors import Wants
-from omnistage.stage.diffusion.params import DiffusionParams, check_embeddings, validate_params
+from omnistage.stage.diffusion.params import (
+    DiffusionParams,
+    check_prompt_embeds,
+    validate_params,
+)
 from omnistage.stage.diffusion.wire import DiffusionStageInfo, DiffusionStageRequest
 from omnistage.stage.prepare import RequestOptions, check_mapping
 
@@ -35,6 +39,7 @@ class DiffusionRequestPreparer:
                 f"{FIELD}.{unknown[0]}",
                 f"unknown parameter; known: {sorted(DiffusionParams.__struct_fields__)}",
             )
+        data.setdefault("guidance_scale", self.limits.default_guidance_scale)
         params = DiffusionParams(**data)
         validate_params(params, self.limits)
         return params
@@ -66,10 +71,10 @@ class DiffusionRequestPreparer:
                     f"[seq, {self.limits.embedding_dim}] instead",
                 )
         else:
-            check_embeddings("prompt_embeds", embeds, self.limits.embedding_dim)
+            check_prompt_embeds("prompt_embeds", embeds, self.limits)
         negative = prompt.get("negative_prompt_embeds")
         if negative is not None:
-            check_embeddings("negative_prompt_embeds", negative, self.limits.embedding_dim)
+            check_prompt_embeds("negative_prompt_embeds", negative, self.limits)
         return DiffusionStageRequest(
             prompt=text,
             prompt_embeds=embeds if isinstance(embeds, torch.Tensor) else None,

@@ -28,11 +28,26 @@ class DiffusionWorker(ArenaWorker):
         self.family = registry.family_of_folder(folder)
         self.pipeline = self.family.build(folder, self.arena, dtype, load=load_weights)
 
+    def _writable_components(self) -> list[str]:
+        """The components a weight source may write now: those whose tag is awake and,
+        while some awake tag is invalid (a level-2 wake refilling it), only those — the
+        components that kept serving are not rewritten. Components sleep apart only where
+        the family adopts them under their own tags (``LoadedPipeline.tags``)."""
+        tags = self.pipeline.tags
+        awake = [n for n in self.pipeline.modules if not self.arena.is_asleep(tags[n])]
+        invalid = [n for n in awake if not self.arena.is_valid(tags[n])]
+        return invalid or awake
+
     def load_weights(
         self, path: str | Path, strict: bool = True, *, check_finite: bool = False
     ) -> int:
-        return int(self.pipeline.load_weights(path, strict, check_finite=check_finite))
+        return int(
+            self.pipeline.load_weights(
+                path, strict, check_finite=check_finite, components=self._writable_components()
+            )
+        )
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
-        """The live weights by '<component>.<tensor>' name (the single-file update names)."""
-        return dict(self.pipeline.weight_targets())
+        """The live weights by '<component>.<tensor>' name (the single-file update names),
+        of the components a source may write now."""
+        return dict(self.pipeline.weight_targets(self._writable_components()))

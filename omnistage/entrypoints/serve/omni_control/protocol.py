@@ -36,7 +36,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stage.vocabulary import (
     ACK_STATUSES,
     DEFAULT_SLEEP_LEVEL,
-    MEMORY_TAGS,
+    KNOWN_TAGS,
     SLEEP_LEVELS,
     SLEEP_MODES,
     check_level,
@@ -69,7 +69,7 @@ SleepMode = Annotated[StrictStr, _checked(check_mode), _one_of(SLEEP_MODES)]
 MemoryTags = Annotated[
     list[StrictStr],
     _checked(check_tags),
-    Field(json_schema_extra={"items": {"enum": list(MEMORY_TAGS)}}),
+    Field(json_schema_extra={"items": {"enum": list(KNOWN_TAGS)}}),
 ]
 AckStatus = Annotated[StrictStr, _one_of(ACK_STATUSES)]
 

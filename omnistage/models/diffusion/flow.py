@@ -1,0 +1,107 @@
+"""What the flow-matching families share, written as diffusers' pipelines compute it: the
+dynamic shift ``mu`` from the image's token count, the timesteps a pipeline sets, the 2x2
+latent packing of FLUX and Qwen-Image, the VAE's scale factor, text tokenised to a fixed
+length, and the pixels of a decoded image."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.errors import CheckpointError
+from omnistage.models.diffusion.pipeline import LoadedPipeline
+
+
+def calculate_shift(
+    image_seq_len: int,
+    base_seq_len: int = 256,
+    max_seq_len: int = 4096,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+) -> float:
+    """diffusers' ``calculate_shift``: ``mu`` linear in the number of image tokens."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
+
+
+def shift_of(config: dict[str, Any], image_seq_len: int) -> float:
+    """``mu`` for a scheduler config (its base/max sequence lengths and shifts)."""
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+
+
+def set_flow_timesteps(
+    scheduler: Any, num_inference_steps: int, device: torch.device, mu: float | None
+) -> None:
+    """FLUX's and Qwen-Image's timesteps: sigmas ``linspace(1, 1/n, n)`` (unless the
+    scheduler makes its own flow sigmas), shifted by ``mu`` when the scheduler shifts
+    dynamically; the step index starts at 0 (``set_begin_index``)."""
+    sigmas: Any = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+    if getattr(scheduler.config, "use_flow_sigmas", False):
+        sigmas = None
+    kwargs = {"mu": mu} if scheduler.config.get("use_dynamic_shifting") else {}
+    if sigmas is None:
+        scheduler.set_timesteps(num_inference_steps, device=device, **kwargs)
+    else:
+        scheduler.set_timesteps(sigmas=sigmas, device=device, **kwargs)
+    scheduler.set_begin_index(0)
+
+
+def vae_scale_factor(pipeline: LoadedPipeline) -> int:
+    """An ``AutoencoderKL``'s spatial compression: 2 per down block after the first."""
+    return int(2 ** (len(pipeline.module("vae").config.block_out_channels) - 1))
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """``[B, C, H, W]`` to ``[B, (H/2)(W/2), 4C]``: 2x2 patches as tokens (FLUX, Qwen-Image)."""
+    b, c, h, w = latents.shape
+    latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(latents: torch.Tensor, latent_height: int, latent_width: int) -> torch.Tensor:
+    """The inverse of ``pack_latents`` for a latent grid of ``latent_height x latent_width``."""
+    b, _, channels = latents.shape
+    latents = latents.view(b, latent_height // 2, latent_width // 2, channels // 4, 2, 2)
+    latents = latents.permute(0, 3, 1, 4, 2, 5)
+    return latents.reshape(b, channels // 4, latent_height, latent_width)
+
+
+def image_ids(latent_height: int, latent_width: int, device: torch.device) -> torch.Tensor:
+    """FLUX's positions of the packed image tokens: ``[(h/2)(w/2), 3]`` (0, row, column)."""
+    ids = torch.zeros(latent_height // 2, latent_width // 2, 3)
+    ids[..., 1] = ids[..., 1] + torch.arange(latent_height // 2)[:, None]
+    ids[..., 2] = ids[..., 2] + torch.arange(latent_width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device)
+
+
+def tokenize(tokenizer: Any, text: str, max_length: int, device: torch.device) -> Any:
+    """One text padded and truncated to ``max_length`` (what every family's encoder takes)."""
+    return tokenizer(
+        [text],
+        padding="max_length",
+        max_length=max_length,
+        truncation=True,
+        return_tensors="pt",
+    ).to(device)
+
+
+def required_tokenizer(pipeline: LoadedPipeline, name: str) -> Any:
+    tokenizer = pipeline.tokenizers.get(name)
+    if tokenizer is None:
+        raise CheckpointError(f"{pipeline.folder} has no {name}")
+    return tokenizer
+
+
+def to_pixels(image: torch.Tensor) -> torch.Tensor:
+    """A decoded image ``[1, 3, H, W]`` in [-1, 1] to float pixels ``[H, W, 3]`` in [0, 1]
+    (diffusers' ``VaeImageProcessor.postprocess``)."""
+    return (image[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0).float().cpu()

@@ -1,0 +1,185 @@
+"""The FLUX.1 family (``FluxPipeline``), written to match diffusers' own pipeline.
+
+Components: ``text_encoder`` (CLIP: its pooled output), ``text_encoder_2`` (T5: the token
+states), their tokenizers, ``transformer`` (``FluxTransformer2DModel``), ``vae``
+(``AutoencoderKL`` with a shift factor) and a flow-matching scheduler with dynamic shift.
+Latents are 2x2-packed into tokens; the timestep goes in as ``t / 1000``; FLUX.1-dev's
+guidance is an embedding (``guidance_embeds``), one scale per row of a batch, so requests of
+any guidance share a loop. FLUX's true classifier-free guidance (``true_cfg_scale`` with a
+negative prompt) is not served: a negative prompt is refused by the stage (``limits``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.errors import CheckpointError
+from omnistage.memory import Arena
+from omnistage.models.diffusion import flow
+from omnistage.models.diffusion.family import (
+    DiffusionFamily,
+    DiffusionLimits,
+    DiffusionParamsLike,
+    DiffusionRequestLike,
+)
+from omnistage.models.diffusion.pipeline import LoadedPipeline
+from omnistage.models.family import load_template
+
+MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default and its ceiling
+DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline's default_sample_size (latent pixels)
+DEFAULT_GUIDANCE = 3.5
+
+
+@dataclass
+class FluxConditioning:
+    """T5 token states ``[seq, dim]`` and CLIP's pooled output ``[pooled_dim]``."""
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+
+
+def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
+    native = DEFAULT_SAMPLE_SIZE * flow.vae_scale_factor(pipeline)
+    return params.height or native, params.width or native
+
+
+def _latent_size(pipeline: LoadedPipeline, height: int, width: int) -> tuple[int, int]:
+    """The latent grid diffusers draws: a multiple of 2 per side for the 2x2 packing."""
+    factor = flow.vae_scale_factor(pipeline)
+    return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
+
+
+def _max_sequence_length(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> int:
+    if params.max_sequence_length is not None:
+        return params.max_sequence_length
+    limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
+    return min(MAX_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else MAX_SEQUENCE_LENGTH
+
+
+class FluxFamily:
+    name = "flux"
+
+    def build(
+        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
+    ) -> LoadedPipeline:
+        pipeline = LoadedPipeline(
+            folder,
+            arena,
+            dtype,
+            required=("transformer", "vae", "text_encoder", "text_encoder_2"),
+            load=False,
+            component_tags=True,
+        )
+        if pipeline.scheduler_class_name != "FlowMatchEulerDiscreteScheduler":
+            raise CheckpointError(
+                f"{pipeline.folder}/scheduler: FLUX needs FlowMatchEulerDiscreteScheduler, "
+                f"got {pipeline.scheduler_class_name}"
+            )
+        if load:
+            pipeline.load_weights(pipeline.folder, strict=True)
+        return pipeline
+
+    def pipeline(self) -> list[dict[str, Any]]:
+        return load_template("omnistage.models.diffusion", "image.yaml")
+
+    def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
+        config = pipeline.module("transformer").config
+        factor = flow.vae_scale_factor(pipeline)
+        limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
+        return DiffusionLimits(
+            size_multiple=factor * 2,
+            embedding_dim=int(config.joint_attention_dim),
+            has_text_encoder=True,
+            native_size=DEFAULT_SAMPLE_SIZE * factor,
+            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
+            takes_prompt_embeds=False,
+            takes_negative_prompt=False,
+            takes_scheduler_override=False,
+            max_sequence_length=min(MAX_SEQUENCE_LENGTH, limit)
+            if isinstance(limit, int)
+            else MAX_SEQUENCE_LENGTH,
+            default_guidance_scale=DEFAULT_GUIDANCE,
+        )
+
+    def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
+        params = request.params
+        height, width = _image_size(pipeline, params)
+        return height, width, params.num_inference_steps, _max_sequence_length(pipeline, params)
+
+    def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
+        """CLIP's pooled output (padded to the tokenizer's length) and T5's states (padded to
+        ``max_sequence_length``), as ``FluxPipeline.encode_prompt``."""
+        text = request.prompt or ""
+        device = pipeline.device
+        clip_tokenizer = flow.required_tokenizer(pipeline, "tokenizer")
+        clip_ids = flow.tokenize(clip_tokenizer, text, clip_tokenizer.model_max_length, device)
+        clip = pipeline.module("text_encoder")
+        pooled = clip(clip_ids.input_ids, output_hidden_states=False).pooler_output
+        t5_tokenizer = flow.required_tokenizer(pipeline, "tokenizer_2")
+        length = _max_sequence_length(pipeline, request.params)
+        t5_ids = flow.tokenize(t5_tokenizer, text, length, device)
+        embeds = pipeline.module("text_encoder_2")(t5_ids.input_ids, output_hidden_states=False)[0]
+        return FluxConditioning(embeds[0].to(pipeline.dtype), pooled[0].to(pipeline.dtype))
+
+    def set_timesteps(
+        self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
+    ) -> None:
+        height, width = _image_size(pipeline, request.params)
+        latent_height, latent_width = _latent_size(pipeline, height, width)
+        image_seq_len = (latent_height // 2) * (latent_width // 2)
+        mu = flow.shift_of(pipeline.scheduler_config, image_seq_len)
+        flow.set_flow_timesteps(scheduler, request.params.num_inference_steps, pipeline.device, mu)
+
+    def prepare_latents(
+        self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
+    ) -> torch.Tensor:
+        """diffusers' draw ``[1, C, h, w]``, kept unpacked: the scheduler's update is
+        elementwise, so packing only around the transformer gives the same numbers."""
+        height, width = _image_size(pipeline, request.params)
+        latent_height, latent_width = _latent_size(pipeline, height, width)
+        channels = int(pipeline.module("transformer").config.in_channels) // 4
+        generator = torch.Generator("cpu").manual_seed(seed)
+        shape = (1, channels, latent_height, latent_width)
+        return torch.randn(shape, generator=generator, dtype=pipeline.dtype).to(pipeline.device)
+
+    def predict_noise(
+        self,
+        pipeline: LoadedPipeline,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Sequence[Any],
+        guidance_scales: Sequence[float],
+    ) -> torch.Tensor:
+        transformer = pipeline.module("transformer")
+        rows: list[FluxConditioning] = list(conditioning)
+        device, num_rows = pipeline.device, latents.shape[0]
+        latent_height, latent_width = latents.shape[-2:]
+        guidance = None
+        if transformer.config.guidance_embeds:
+            guidance = torch.tensor(guidance_scales, dtype=torch.float32, device=device)
+        embeds = torch.stack([row.embeds for row in rows])
+        packed = flow.pack_latents(latents)
+        noise = transformer(
+            hidden_states=packed,
+            timestep=timestep.to(device).expand(num_rows).to(packed.dtype) / 1000,
+            guidance=guidance,
+            pooled_projections=torch.stack([row.pooled for row in rows]),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=pipeline.dtype),
+            img_ids=flow.image_ids(latent_height, latent_width, device).to(pipeline.dtype),
+            return_dict=False,
+        )[0]
+        return flow.unpack_latents(noise, latent_height, latent_width)
+
+    def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
+        vae = pipeline.module("vae")
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        return flow.to_pixels(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
+
+
+FAMILY: DiffusionFamily = FluxFamily()

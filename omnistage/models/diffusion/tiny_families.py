@@ -1,0 +1,91 @@
+"""Tiny random pipelines of the real image and video families, saved by diffusers itself.
+
+Each preset builds the family's diffusers pipeline object from diffusers' and transformers'
+own classes at tiny sizes (seeded; tokenizers from ``tiny_text``, nothing downloaded) and
+writes it with ``save_pretrained``: the folder is exactly what ``DiffusionPipeline
+.from_pretrained`` reads, so tests compare the stage with diffusers' ``__call__`` on it.
+
+- ``tiny-flux``: ``FluxPipeline`` (CLIP + T5, guidance-distilled transformer, dynamic shift);
+- ``tiny-sd3``: ``StableDiffusion3Pipeline`` (two CLIPs with projection + T5);
+- ``tiny-qwen-image``: ``QwenImagePipeline`` (Qwen2.5-VL text encoder, 3-D causal VAE);
+- ``tiny-wan``: ``WanPipeline`` (UMT5, Wan's 3-D VAE), text to video.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.models.diffusion.tiny_text import (
+    TEXT_DIM,
+    clip_text_encoder,
+    clip_tokenizer,
+    t5_text_encoder,
+)
+from omnistage.models.tiny_diffusion import build_char_tokenizer
+
+T5_MAX_LENGTH = 64  # the tiny T5 tokenizers' model_max_length
+
+
+def _save(pipe: Any, out: str | Path) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(out)
+    return out
+
+
+def build_flux(out: str | Path) -> Path:
+    """FLUX.1-dev's layout: latents packed 2x2, guidance embedded, dynamic shift."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(10)
+        tokenizer, tokenizer_2 = clip_tokenizer(), build_char_tokenizer(T5_MAX_LENGTH)
+        vae: Any = AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=8,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.1159,
+            scaling_factor=0.3611,
+        )
+        transformer: Any = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=TEXT_DIM,
+            pooled_projection_dim=TEXT_DIM,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),
+        )
+        pipe = FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                shift=3.0,
+                use_dynamic_shifting=True,
+                base_image_seq_len=256,
+                max_image_seq_len=4096,
+                base_shift=0.5,
+                max_shift=1.15,
+            ),
+            vae=vae.eval(),
+            text_encoder=clip_text_encoder(tokenizer),
+            tokenizer=tokenizer,
+            text_encoder_2=t5_text_encoder(tokenizer_2),
+            tokenizer_2=tokenizer_2,
+            transformer=transformer.eval(),
+        )
+    return _save(pipe, out)

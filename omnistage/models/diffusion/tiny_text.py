@@ -1,0 +1,89 @@
+"""Tiny text encoders and tokenizers for the tiny diffusion presets, built locally.
+
+Real pipelines ship CLIP's byte-level BPE, T5's and UMT5's sentencepiece and Qwen2's BPE
+vocabularies; a tiny preset cannot download them, so each gets a character-level tokenizer
+built with the ``tokenizers`` library that keeps what the pipeline relies on: CLIP's start and
+end tokens (its pooled output is read at the first end token; padding repeats it, as Stable
+Diffusion's tokenizers do), T5's end token and pad id 0, Qwen2's chat template tokens. The
+encoders are transformers' own classes at tiny sizes, seeded by the caller.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TEXT_DIM = 32  # the hidden size of every tiny text encoder
+CLIP_MAX_LENGTH = 77  # CLIP's context, as the real tokenizers say
+
+
+def _char_vocab(specials: list[str]) -> dict[str, int]:
+    vocab = {token: i for i, token in enumerate(specials)}
+    for code in range(32, 127):
+        vocab.setdefault(chr(code).lower(), len(vocab))
+    return vocab
+
+
+def clip_tokenizer() -> Any:
+    """Characters between ``<|startoftext|>`` and ``<|endoftext|>``, padded with the end
+    token (ids: unk 0, start 1, end 3; CLIP's pooling takes the first end token)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|unk|>", "<|startoftext|>", "<|pad|>", "<|endoftext|>"]
+    vocab = _char_vocab(specials)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|unk|>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A <|endoftext|>",
+        special_tokens=[("<|startoftext|>", 1), ("<|endoftext|>", 3)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<|startoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|unk|>",
+        model_max_length=CLIP_MAX_LENGTH,
+    )
+
+
+def clip_text_encoder(tokenizer: Any, *, with_projection: bool = False) -> Any:
+    """A two-layer ``CLIPTextModel`` (``CLIPTextModelWithProjection`` for SD3)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        intermediate_size=2 * TEXT_DIM,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=CLIP_MAX_LENGTH,
+        projection_dim=TEXT_DIM,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_act="gelu",
+    )
+    cls = CLIPTextModelWithProjection if with_projection else CLIPTextModel
+    return cls(config).eval()
+
+
+def t5_text_encoder(tokenizer: Any, *, umt5: bool = False) -> Any:
+    """A two-layer ``T5EncoderModel`` (``UMT5EncoderModel`` for Wan)."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config_class: Any = UMT5Config if umt5 else T5Config
+    model_class: Any = UMT5EncoderModel if umt5 else T5EncoderModel
+    config = config_class(
+        vocab_size=len(tokenizer),
+        d_model=TEXT_DIM,
+        d_kv=TEXT_DIM // 4,
+        d_ff=2 * TEXT_DIM,
+        num_layers=2,
+        num_heads=4,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return model_class(config).eval()

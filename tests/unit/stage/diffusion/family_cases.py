@@ -1,0 +1,71 @@
+"""How each real family's tiny preset is compared with diffusers: the pipeline class that
+loads its folder, the call that makes the reference, and the same request for our stage."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.models.tiny import ensure_preset
+
+
+def preset_folder(preset: str) -> Path:
+    """The preset in the shared model cache (built once per clone, as servers build it)."""
+    return ensure_preset(preset, Path(os.environ["OMNISTAGE_CACHE_DIR"]) / preset)
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    pipeline_class: str
+    prompt: str
+    params: dict[str, Any]  # DiffusionParams fields besides seed and return_pixels
+    call: dict[str, Any]  # the diffusers __call__ kwargs that mean the same
+    vary: Callable[[int], dict[str, Any]] = lambda i: {}  # batch-mates' own params
+    tolerance: float = 1e-5
+    frames: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def load_reference(self, folder: Path) -> Any:
+        import diffusers
+
+        pipe = getattr(diffusers, self.pipeline_class).from_pretrained(folder)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def reference_pixels(self, pipe: Any, seed: int) -> np.ndarray:
+        out = pipe(
+            self.prompt,
+            generator=torch.Generator().manual_seed(seed),
+            output_type="np",
+            **self.call,
+        )
+        return out.frames[0] if self.frames else out.images[0]
+
+
+CASES: dict[str, FamilyCase] = {
+    "tiny-flux": FamilyCase(
+        "FluxPipeline",
+        "a red cat",
+        params={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 48,
+            "guidance_scale": 3.5,
+            "max_sequence_length": 16,
+        },
+        call={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 48,
+            "guidance_scale": 3.5,
+            "max_sequence_length": 16,
+        },
+        vary=lambda i: {"guidance_scale": 1.0 + i},
+    ),
+}
