@@ -55,6 +55,9 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
     ),
     FamilyEntry("flux", "omnistage.models.diffusion.flux", pipeline_classes=("FluxPipeline",)),
+    FamilyEntry(
+        "sd3", "omnistage.models.diffusion.sd3", pipeline_classes=("StableDiffusion3Pipeline",)
+    ),
 )
 
 PROCESSORS: dict[str, str] = {

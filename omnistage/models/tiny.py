@@ -19,6 +19,7 @@ PRESETS: dict[str, str] = {
     "image": "omnistage.models.tiny_diffusion:build_image",
     "image-cond": "omnistage.models.tiny_diffusion:build_image_cond",
     "tiny-flux": "omnistage.models.diffusion.tiny_families:build_flux",
+    "tiny-sd3": "omnistage.models.diffusion.tiny_families:build_sd3",
     "tiny-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build",
     "tiny-qwen2.5-omni-alt": "omnistage.models.qwen2_5_omni.tiny:build_alt",
 }

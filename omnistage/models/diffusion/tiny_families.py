@@ -89,3 +89,56 @@ def build_flux(out: str | Path) -> Path:
             transformer=transformer.eval(),
         )
     return _save(pipe, out)
+
+
+def build_sd3(out: str | Path) -> Path:
+    """Stable Diffusion 3's layout: two CLIPs with projection (token states side by side,
+    padded to T5's width, then T5's states after them), classifier-free guidance."""
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
+        tokenizer_3 = build_char_tokenizer(T5_MAX_LENGTH)
+        vae: Any = AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(16, 32),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=8,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+        transformer: Any = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=2 * TEXT_DIM,
+            caption_projection_dim=32,
+            pooled_projection_dim=2 * TEXT_DIM,
+            out_channels=4,
+            pos_embed_max_size=32,
+        )
+        pipe = StableDiffusion3Pipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=vae.eval(),
+            text_encoder=clip_text_encoder(tokenizer, with_projection=True),
+            tokenizer=tokenizer,
+            text_encoder_2=clip_text_encoder(tokenizer_2, with_projection=True),
+            tokenizer_2=tokenizer_2,
+            text_encoder_3=t5_text_encoder(tokenizer_3, d_model=2 * TEXT_DIM),
+            tokenizer_3=tokenizer_3,
+            transformer=transformer.eval(),
+        )
+    return _save(pipe, out)

@@ -69,7 +69,7 @@ def clip_text_encoder(tokenizer: Any, *, with_projection: bool = False) -> Any:
     return cls(config).eval()
 
 
-def t5_text_encoder(tokenizer: Any, *, umt5: bool = False) -> Any:
+def t5_text_encoder(tokenizer: Any, *, umt5: bool = False, d_model: int = TEXT_DIM) -> Any:
     """A two-layer ``T5EncoderModel`` (``UMT5EncoderModel`` for Wan)."""
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
@@ -77,9 +77,9 @@ def t5_text_encoder(tokenizer: Any, *, umt5: bool = False) -> Any:
     model_class: Any = UMT5EncoderModel if umt5 else T5EncoderModel
     config = config_class(
         vocab_size=len(tokenizer),
-        d_model=TEXT_DIM,
-        d_kv=TEXT_DIM // 4,
-        d_ff=2 * TEXT_DIM,
+        d_model=d_model,
+        d_kv=d_model // 4,
+        d_ff=2 * d_model,
         num_layers=2,
         num_heads=4,
         pad_token_id=0,

@@ -68,4 +68,25 @@ CASES: dict[str, FamilyCase] = {
         },
         vary=lambda i: {"guidance_scale": 1.0 + i},
     ),
+    "tiny-sd3": FamilyCase(
+        "StableDiffusion3Pipeline",
+        "a red cat",
+        params={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 40,
+            "guidance_scale": 4.5,
+            "negative_prompt": "blurry",
+            "max_sequence_length": 16,
+        },
+        call={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 40,
+            "guidance_scale": 4.5,
+            "negative_prompt": "blurry",
+            "max_sequence_length": 16,
+        },
+        vary=lambda i: {"guidance_scale": 2.0 + i, "negative_prompt": f"bad {i}"},
+    ),
 }

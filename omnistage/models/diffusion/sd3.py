@@ -1,0 +1,208 @@
+"""The Stable Diffusion 3 / 3.5 family (``StableDiffusion3Pipeline``), written to match
+diffusers' own pipeline.
+
+Components: ``text_encoder`` and ``text_encoder_2`` (CLIP with projection: the penultimate
+layer's states side by side, the projected outputs joined as the pooled input),
+``text_encoder_3`` (T5, optional: zeros stand in, as diffusers does), ``transformer``
+(``SD3Transformer2DModel``), ``vae`` (``AutoencoderKL`` with a shift factor) and a
+flow-matching scheduler (SD3.5's dynamic shift included). The CLIP states are padded to T5's
+width and put before T5's. Classifier-free guidance runs batched: every request's
+unconditional row (its negative prompt, "" by default) first, then the conditional ones,
+each with its own scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omnistage.errors import CheckpointError
+from omnistage.memory import Arena
+from omnistage.models.diffusion import flow
+from omnistage.models.diffusion.family import (
+    DiffusionFamily,
+    DiffusionLimits,
+    DiffusionParamsLike,
+    DiffusionRequestLike,
+)
+from omnistage.models.diffusion.pipeline import LoadedPipeline
+from omnistage.models.family import load_template
+
+MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline's ceiling
+DEFAULT_MAX_SEQUENCE_LENGTH = 256  # and its default
+DEFAULT_GUIDANCE = 7.0
+
+
+@dataclass
+class TextInput:
+    embeds: torch.Tensor  # [clip tokens + t5 tokens, joint_attention_dim]
+    pooled: torch.Tensor  # [pooled_projection_dim]
+
+
+@dataclass
+class SD3Conditioning:
+    cond: TextInput
+    uncond: TextInput | None  # when guidance runs
+
+
+def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
+    native = int(pipeline.module("transformer").config.sample_size) * flow.vae_scale_factor(
+        pipeline
+    )
+    return params.height or native, params.width or native
+
+
+def _max_sequence_length(params: DiffusionParamsLike) -> int:
+    return params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+
+
+def _clip(pipeline: LoadedPipeline, index: str, text: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CLIP's penultimate states ``[77, dim]`` and projected output ``[proj]``."""
+    tokenizer = flow.required_tokenizer(pipeline, f"tokenizer{index}")
+    ids = flow.tokenize(tokenizer, text, tokenizer.model_max_length, pipeline.device).input_ids
+    out = pipeline.module(f"text_encoder{index}")(ids, output_hidden_states=True)
+    return out.hidden_states[-2][0], out[0][0]
+
+
+def _t5(pipeline: LoadedPipeline, text: str, length: int) -> torch.Tensor:
+    encoder = pipeline.optional_module("text_encoder_3")
+    if encoder is None:
+        dim = int(pipeline.module("transformer").config.joint_attention_dim)
+        return torch.zeros(length, dim, device=pipeline.device, dtype=pipeline.dtype)
+    tokenizer = flow.required_tokenizer(pipeline, "tokenizer_3")
+    ids = flow.tokenize(tokenizer, text, length, pipeline.device).input_ids
+    return encoder(ids)[0][0]
+
+
+def _encode_text(pipeline: LoadedPipeline, text: str, length: int) -> TextInput:
+    """``StableDiffusion3Pipeline.encode_prompt`` for one text (every encoder gets it)."""
+    states_1, pooled_1 = _clip(pipeline, "", text)
+    states_2, pooled_2 = _clip(pipeline, "_2", text)
+    t5 = _t5(pipeline, text, length)
+    clip = torch.cat([states_1, states_2], dim=-1)
+    clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+    embeds = torch.cat([clip, t5], dim=-2).to(pipeline.dtype)
+    return TextInput(embeds, torch.cat([pooled_1, pooled_2], dim=-1).to(pipeline.dtype))
+
+
+class SD3Family:
+    name = "sd3"
+
+    def build(
+        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
+    ) -> LoadedPipeline:
+        pipeline = LoadedPipeline(
+            folder,
+            arena,
+            dtype,
+            required=("transformer", "vae", "text_encoder", "text_encoder_2"),
+            load=False,
+            component_tags=True,
+        )
+        if pipeline.scheduler_class_name != "FlowMatchEulerDiscreteScheduler":
+            raise CheckpointError(
+                f"{pipeline.folder}/scheduler: Stable Diffusion 3 needs "
+                f"FlowMatchEulerDiscreteScheduler, got {pipeline.scheduler_class_name}"
+            )
+        if load:
+            pipeline.load_weights(pipeline.folder, strict=True)
+        return pipeline
+
+    def pipeline(self) -> list[dict[str, Any]]:
+        return load_template("omnistage.models.diffusion", "image.yaml")
+
+    def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
+        config = pipeline.module("transformer").config
+        factor = flow.vae_scale_factor(pipeline)
+        return DiffusionLimits(
+            size_multiple=factor * int(config.patch_size),
+            embedding_dim=int(config.joint_attention_dim),
+            has_text_encoder=True,
+            native_size=int(config.sample_size) * factor,
+            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
+            takes_prompt_embeds=False,
+            takes_scheduler_override=False,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            default_guidance_scale=DEFAULT_GUIDANCE,
+        )
+
+    def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
+        params = request.params
+        height, width = _image_size(pipeline, params)
+        steps = params.num_inference_steps
+        return height, width, steps, _max_sequence_length(params), params.uses_guidance
+
+    def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
+        params = request.params
+        length = _max_sequence_length(params)
+        cond = _encode_text(pipeline, request.prompt or "", length)
+        uncond = None
+        if params.uses_guidance:
+            uncond = _encode_text(pipeline, params.negative_prompt, length)
+        return SD3Conditioning(cond, uncond)
+
+    def set_timesteps(
+        self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
+    ) -> None:
+        """The scheduler's own timesteps; SD3.5's dynamic shift takes ``mu`` from the
+        number of image patches (with diffusers' SD3 default ``max_shift`` 1.16)."""
+        kwargs = {}
+        if pipeline.scheduler_config.get("use_dynamic_shifting"):
+            height, width = _image_size(pipeline, request.params)
+            factor = flow.vae_scale_factor(pipeline)
+            patch = int(pipeline.module("transformer").config.patch_size)
+            seq_len = (height // factor // patch) * (width // factor // patch)
+            config = {"max_shift": 1.16, **pipeline.scheduler_config}
+            kwargs["mu"] = flow.shift_of(config, seq_len)
+        scheduler.set_timesteps(
+            request.params.num_inference_steps, device=pipeline.device, **kwargs
+        )
+
+    def prepare_latents(
+        self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
+    ) -> torch.Tensor:
+        height, width = _image_size(pipeline, request.params)
+        factor = flow.vae_scale_factor(pipeline)
+        channels = int(pipeline.module("transformer").config.in_channels)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        shape = (1, channels, height // factor, width // factor)
+        return torch.randn(shape, generator=generator, dtype=pipeline.dtype).to(pipeline.device)
+
+    def predict_noise(
+        self,
+        pipeline: LoadedPipeline,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        conditioning: Sequence[Any],
+        guidance_scales: Sequence[float],
+    ) -> torch.Tensor:
+        rows: list[SD3Conditioning] = list(conditioning)
+        unconds = [row.uncond for row in rows if row.uncond is not None]
+        if unconds and len(unconds) != len(rows):
+            raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
+        inputs = [*unconds, *(row.cond for row in rows)]
+        model_input = torch.cat([latents] * 2) if unconds else latents
+        noise = pipeline.module("transformer")(
+            hidden_states=model_input,
+            timestep=timestep.to(pipeline.device).expand(model_input.shape[0]),
+            encoder_hidden_states=torch.stack([row.embeds for row in inputs]),
+            pooled_projections=torch.stack([row.pooled for row in inputs]),
+            return_dict=False,
+        )[0]
+        if not unconds:
+            return noise
+        uncond, text = noise.chunk(2)
+        scales = torch.tensor(guidance_scales, dtype=noise.dtype, device=noise.device)
+        return uncond + scales.view(-1, 1, 1, 1) * (text - uncond)
+
+    def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
+        vae = pipeline.module("vae")
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        return flow.to_pixels(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
+
+
+FAMILY: DiffusionFamily = SD3Family()
