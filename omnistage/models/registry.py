@@ -58,6 +58,11 @@ FAMILIES: tuple[FamilyEntry, ...] = (
     FamilyEntry(
         "sd3", "omnistage.models.diffusion.sd3", pipeline_classes=("StableDiffusion3Pipeline",)
     ),
+    FamilyEntry(
+        "qwen_image",
+        "omnistage.models.diffusion.qwen_image",
+        pipeline_classes=("QwenImagePipeline",),
+    ),
 )
 
 PROCESSORS: dict[str, str] = {

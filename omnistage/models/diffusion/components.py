@@ -129,3 +129,27 @@ def load_scheduler_config(folder: str | Path, spec: ComponentSpec) -> dict[str, 
     """The scheduler's saved config (``scheduler_config.json``) as a dict."""
     cls = _library_class(spec)
     return dict(cls.load_config(Path(folder) / spec.name))
+
+
+def checkpoint_renamer(module: nn.Module, spec: ComponentSpec) -> Any:
+    """For a transformers component, a function from a tensor name as saved to the module's
+    name for it (transformers 5 saves some models under their older layout, e.g. Qwen2.5-VL's
+    ``model.layers.*`` for ``model.language_model.layers.*``, and renames on load); ``None``
+    when names are the module's own. Conversions that merge or split tensors are not
+    supported (no diffusion pipeline's encoder uses one)."""
+    if spec.library != "transformers":
+        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(module)  # type: ignore[arg-type]
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return None
+    names = dict.fromkeys(module.state_dict())
+    prefix = getattr(module, "base_model_prefix", None) or None
+
+    def rename(key: str) -> str:
+        return str(rename_source_key(key, renamings, [], prefix, names)[0])
+
+    return rename

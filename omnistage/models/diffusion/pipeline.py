@@ -27,6 +27,7 @@ from omnistage.models.diffusion.components import (
     MODEL_INDEX,
     ComponentSpec,
     build_empty_module,
+    checkpoint_renamer,
     component_weight_files,
     load_scheduler_config,
     load_tokenizer,
@@ -93,6 +94,12 @@ class LoadedPipeline:
             if component_tags
             else WEIGHTS_TAG
             for name in self.modules
+        }
+        # Saved tensor name -> module tensor name, for the components that need one.
+        self._renames = {
+            name: rename
+            for name, module in self.modules.items()
+            if (rename := checkpoint_renamer(module, specs[name])) is not None
         }
         self.weight_bytes = 0
         for name, module in self.modules.items():
@@ -167,7 +174,15 @@ class LoadedPipeline:
         with open_files(file for file, _ in files) as mapped:
             opened = [(st, prefix) for st, (_, prefix) in zip(mapped, files, strict=True)]
             skipped = tuple(f"{name}." for name in self.modules if name not in chosen)
-            return _plan_copies(opened, targets, strict, source, check_finite, skipped).run()
+            return _plan_copies(
+                opened, targets, strict, source, check_finite, skipped, self._renamed
+            ).run()
+
+    def _renamed(self, name: str) -> str:
+        """'<component>.<tensor as saved>' to '<component>.<module's tensor name>'."""
+        component, _, key = name.partition(".")
+        rename = self._renames.get(component)
+        return f"{component}.{rename(key)}" if rename is not None else name
 
     def _folder_files(
         self, folder: Path, strict: bool, components: list[str]
@@ -213,9 +228,10 @@ def _plan_copies(
     source: Path,
     check_finite: bool = False,
     skipped: tuple[str, ...] = (),
+    renamed: Any = lambda name: name,
 ) -> CopyPlan:
     sources = [
-        (prefix + key, st, key)
+        (renamed(prefix + key), st, key)
         for st, prefix in opened
         for key in st.keys()  # noqa: SIM118 - not a dict
         if not (prefix + key).startswith(skipped)  # an empty tuple skips nothing

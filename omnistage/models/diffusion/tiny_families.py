@@ -142,3 +142,57 @@ def build_sd3(out: str | Path) -> Path:
             transformer=transformer.eval(),
         )
     return _save(pipe, out)
+
+
+def build_qwen_image(out: str | Path) -> Path:
+    """Qwen-Image's layout: a Qwen2.5-VL text encoder, latents packed 2x2, a causal 3-D VAE
+    (one frame), true classifier-free guidance with norm rescaling."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    from omnistage.models.diffusion.tiny_text import qwen2_5_vl_text_encoder, qwen_tokenizer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(12)
+        tokenizer = qwen_tokenizer()
+        vae: Any = AutoencoderKLQwenImage(
+            base_dim=16,
+            z_dim=4,
+            dim_mult=[1, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False],
+            latents_mean=[0.1, -0.2, 0.0, 0.3],
+            latents_std=[1.5, 0.8, 1.0, 2.0],
+        )
+        transformer: Any = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=16,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=TEXT_DIM,
+            guidance_embeds=False,
+            axes_dims_rope=(8, 4, 4),
+        )
+        pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(
+                shift=1.0,
+                use_dynamic_shifting=True,
+                base_image_seq_len=256,
+                max_image_seq_len=8192,
+                base_shift=0.5,
+                max_shift=0.9,
+                shift_terminal=0.02,
+                time_shift_type="exponential",
+            ),
+            vae=vae.eval(),
+            text_encoder=qwen2_5_vl_text_encoder(tokenizer),
+            tokenizer=tokenizer,
+            transformer=transformer.eval(),
+        )
+    return _save(pipe, out)

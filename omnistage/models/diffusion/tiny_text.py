@@ -87,3 +87,60 @@ def t5_text_encoder(tokenizer: Any, *, umt5: bool = False, d_model: int = TEXT_D
         decoder_start_token_id=0,
     )
     return model_class(config).eval()
+
+
+def qwen_tokenizer() -> Any:
+    """Characters plus Qwen2's chat tokens (``<|im_start|>``, ``<|im_end|>``), padded with
+    ``<|endoftext|>``; no start or end token is added, as Qwen2's tokenizer adds none."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = _char_vocab(specials)
+    vocab["\n"] = len(vocab)
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tokenizer.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        model_max_length=2048,
+    )
+
+
+def qwen2_5_vl_text_encoder(tokenizer: Any) -> Any:
+    """A two-layer ``Qwen2_5_VLForConditionalGeneration`` (Qwen-Image reads its last hidden
+    states; the tiny vision tower is never run)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    fields: dict[str, Any] = dict(
+        text_config={
+            "hidden_size": TEXT_DIM,
+            "intermediate_size": 2 * TEXT_DIM,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": len(tokenizer),
+            "rope_scaling": {"mrope_section": [2, 3, 3], "rope_type": "default", "type": "default"},
+            "rope_theta": 1000000.0,
+            "bos_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        },
+        vision_config={
+            "depth": 1,
+            "hidden_size": 16,
+            "intermediate_size": 16,
+            "num_heads": 2,
+            "out_hidden_size": TEXT_DIM,
+        },
+        vocab_size=len(tokenizer),
+        hidden_size=TEXT_DIM,
+        vision_start_token_id=len(tokenizer) + 1,
+        vision_end_token_id=len(tokenizer) + 2,
+        image_token_id=len(tokenizer) + 4,
+        video_token_id=len(tokenizer) + 5,
+    )
+    config = Qwen2_5_VLConfig(**fields)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()

@@ -27,6 +27,7 @@ class FamilyCase:
     params: dict[str, Any]  # DiffusionParams fields besides seed and return_pixels
     call: dict[str, Any]  # the diffusers __call__ kwargs that mean the same
     vary: Callable[[int], dict[str, Any]] = lambda i: {}  # batch-mates' own params
+    other_prompt: Callable[[int], str] = lambda i: f"other {i}"  # and their prompts
     tolerance: float = 1e-5
     frames: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
@@ -88,5 +89,26 @@ CASES: dict[str, FamilyCase] = {
             "max_sequence_length": 16,
         },
         vary=lambda i: {"guidance_scale": 2.0 + i, "negative_prompt": f"bad {i}"},
+    ),
+    "tiny-qwen-image": FamilyCase(
+        "QwenImagePipeline",
+        "a red cat",
+        params={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 48,
+            "guidance_scale": 4.0,
+            "negative_prompt": "blurry",
+        },
+        call={
+            "num_inference_steps": 3,
+            "height": 32,
+            "width": 48,
+            "true_cfg_scale": 4.0,
+            "negative_prompt": "blurry",
+        },
+        # Same token counts: Qwen-Image's prompts are not padded, so only those batch.
+        vary=lambda i: {"guidance_scale": 2.0 + i, "negative_prompt": f"blur {i}"},
+        other_prompt=lambda i: f"a red do{i}",
     ),
 }

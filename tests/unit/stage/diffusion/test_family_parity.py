@@ -53,7 +53,7 @@ def test_alone_equals_diffusers(served, expected):
 def test_batched_with_three_others_equals_alone(served, expected):
     case, _, engine = served
     others = [
-        request(case, f"other-{i}", seed=100 + i, prompt=f"other {i}", **case.vary(i))
+        request(case, f"other-{i}", seed=100 + i, prompt=case.other_prompt(i), **case.vary(i))
         for i in range(3)
     ]
     got = pixels(engine, [request(case, "mine", 7), *others])
