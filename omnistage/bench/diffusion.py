@@ -92,9 +92,20 @@ def bench_model(folder: Path, name: str, device: str, repeats: int) -> list[dict
 
 
 def run(out_dir: str, device: str = "cpu", repeats: int = 5) -> str:
+    """The PixArt presets' table, then the real families' against diffusers and their
+    per-component sleep and wake (``bench/diffusion_families.py``)."""
+    from omnistage.bench.diffusion_families import SLEEP_COLUMNS, THROUGHPUT_COLUMNS, run_families
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-diffusion-") as tmp:
         for name, spec in (("image", IMAGE), ("image-50mb", LARGE)):
             folder = build_pipeline(Path(tmp) / name, spec)
             rows += bench_model(folder, name, device, repeats)
-    return write_results(out_dir, f"diffusion-{device.replace(':', '')}", rows, COLUMNS)
+    suffix = device.replace(":", "")
+    tables = [write_results(out_dir, f"diffusion-{suffix}", rows, COLUMNS)]
+    throughput, sleep = run_families(device, repeats)
+    tables.append(
+        write_results(out_dir, f"diffusion-families-{suffix}", throughput, THROUGHPUT_COLUMNS)
+    )
+    tables.append(write_results(out_dir, f"diffusion-components-{suffix}", sleep, SLEEP_COLUMNS))
+    return "\n\n".join(tables)
