@@ -99,6 +99,24 @@ class Placement(_Frozen):
     num_gpus: float = Field(default=0, ge=0, description="GPUs per rank.")
 
 
+class StreamChunks(_Frozen):
+    """How a stage with ``stream: true`` takes its input while the stage before still
+    produces it, in that stage's tokens (a talker's codes): the first chunk is small, for a
+    fast first answer; each chunk is computed with context on both sides."""
+
+    first_chunk: int = Field(default=12, ge=1, le=4096, description="Tokens in the first chunk.")
+    chunk: int = Field(default=36, ge=1, le=4096, description="Tokens in each later chunk.")
+    left_context: int = Field(
+        default=24, ge=0, le=4096, description="Tokens before a chunk computed with it."
+    )
+    right_context: int = Field(
+        default=12,
+        ge=0,
+        le=4096,
+        description="Tokens after a chunk computed with it (a chunk waits for them).",
+    )
+
+
 class StageConfig(_Frozen):
     stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
     kind: str = Field(
@@ -178,6 +196,12 @@ class StageConfig(_Frozen):
         "tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is refused up "
         "front (400) instead of filling the server's memory with one reply.",
     )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="AR: default sampling parameters of this stage's requests over the "
+        "model's, under each request's own (vLLM's --override-generation-config), e.g. "
+        "{max_tokens: 256} to bound a speech stage's codes.",
+    )
     max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
     max_model_len: int | None = Field(
         default=None,
@@ -208,6 +232,14 @@ class StageConfig(_Frozen):
     )
     input_processor: str | None = Field(
         default=None, description="Named function turning that output into this stage's input."
+    )
+    stream: bool = Field(
+        default=False,
+        description="Take input_from's output while it is produced, chunk by chunk "
+        "(stream_chunks), instead of whole when that stage finishes.",
+    )
+    stream_chunks: StreamChunks = Field(
+        default_factory=StreamChunks, description="Chunk sizes of a streamed input."
     )
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch threads in the stage process (in each rank's)."
@@ -247,6 +279,8 @@ class StageConfig(_Frozen):
             )
         if self.input_from is not None and self.input_processor is None:
             raise ValueError("input_processor is required when input_from is set")
+        if self.stream and self.input_from is None:
+            raise ValueError("stream needs input_from: the stage whose output it streams")
         if self.idle_sleep_s is not None and not self.enable_sleep_mode:
             raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
         if self.gpu_memory_utilization is not None:

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from omnistage.config import PipelineConfig
+from omnistage.config import ConfigError, PipelineConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.control import StageControl
@@ -92,7 +92,12 @@ class AsyncOmni:
         check_kinds(config)
         for stage in config.stages:
             if stage.input_processor is not None:
-                registry.processor(stage.input_processor)  # fail early on a typo
+                processor = registry.processor(stage.input_processor)  # fail early on a typo
+                if stage.stream and processor.stream is None:
+                    raise ConfigError(
+                        f"stages.{stage.stage_id}.stream: processor {stage.input_processor!r} "
+                        "cannot stream its input; set stream: false"
+                    )
         if launcher is None:
             num_stages = len(config.stages)
             threads = lambda stage: stage_threads(stage, num_stages)  # noqa: E731

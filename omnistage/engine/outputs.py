@@ -18,7 +18,8 @@ class OmniRequestOutput:
     ``final`` is True on the last output of the whole request (all stages and all samples
     done, or ended early by abort/error); ``finished`` when this stage is done with this
     sample (``index``). ``media`` holds what a media stage produced (``OmniImage``,
-    ``OmniAudio``); ``images`` and ``audio`` pick them by type.
+    ``OmniAudio``); ``images`` and ``audio`` pick them by type, ``audio_delta`` the pieces of
+    a stage that streams its speech.
     """
 
     request_id: str
@@ -31,6 +32,9 @@ class OmniRequestOutput:
     final: bool = False
     finish_reason: str | None = None
     media: list[Any] = field(default_factory=list)
+    # A stage that streams its media (speech chunk by chunk): this update's piece. The last
+    # update carries its last piece here and the whole in ``media``.
+    media_delta: list[Any] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None  # one entry per token of the delta
@@ -44,3 +48,7 @@ class OmniRequestOutput:
     @property
     def audio(self) -> list[OmniAudio]:
         return [m for m in self.media if isinstance(m, OmniAudio)]
+
+    @property
+    def audio_delta(self) -> list[OmniAudio]:
+        return [m for m in self.media_delta if isinstance(m, OmniAudio)]

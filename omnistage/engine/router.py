@@ -23,6 +23,7 @@ from omnistage.engine import admission as adm
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
+from omnistage.engine.streamed import AudioJoin, run_streamed
 from omnistage.errors import InvalidRequestError, StageAsleepError, StageInternalError
 from omnistage.models import registry
 from omnistage.models.processors import Wants
@@ -160,51 +161,113 @@ class RequestRouter:
         # What a stage left for the next one and no stage has taken yet: (its stage, where).
         pending: list[tuple[int, HandoffRef]] = []
         try:
-            for position, stage_id in enumerate(chain):
-                stage = self.config.stages[stage_id]
-                emit = self._modality(stage_id) in wanted
-                is_last = position == len(chain) - 1
-                samples = num_samples if position == 0 else 1
-                upstream = None
-                if pending:
-                    upstream = Upstream(pending[0][1], self._processor_name(stage_id))
+            position = 0
+            while position < len(chain):
+                streamed = (
+                    position + 1 < len(chain) and self.config.stages[chain[position + 1]].stream
+                )
+                group = chain[position : position + 1 + streamed]
+                ends_chain = group[-1] == chain[-1]
+                joiner = AudioJoin()
                 try:
-                    stream = self._run_stage(
-                        stage_id, request_id, request, bound, samples, not is_last, upstream,
-                        on_submit=pending.clear,
+                    outputs = self._run_group(
+                        group, request_id, request, options, chain, bound, pending,
+                        num_samples if position == 0 else 1,
                     )  # fmt: skip
-                    async for out, is_last_sample in stream:
+                    async for stage_id, out, is_last_sample in outputs:
                         if out.error is not None:
                             raise out.error.rebuild(stage_id)
                         if is_last_sample and out.handoff is not None:
                             pending.append((stage_id, out.handoff))
-                        ends_request = is_last_sample and (is_last or out.finish_reason == "abort")
-                        if emit or ends_request:
-                            yield self._to_omni_output(request_id, stage, out, final=ends_request)
+                        ends_request = is_last_sample and (
+                            (ends_chain and stage_id == group[-1]) or out.finish_reason == "abort"
+                        )
+                        if self._modality(stage_id) in wanted or ends_request:
+                            yield self._to_omni_output(
+                                request_id,
+                                self.config.stages[stage_id],
+                                out,
+                                final=ends_request,
+                                joiner=joiner if streamed and stage_id == group[-1] else None,
+                            )
                         if is_last_sample and out.finish_reason == "abort":
                             return
-                except StageAsleepError:
+                except StageAsleepError as exc:
                     # Reaching a stage that an "abort" sleep took down while this request was
                     # upstream: the request was in flight, so it ends as aborted.
-                    if position == 0 or self.gate.stages[stage_id].sleep_mode != "abort":
+                    asleep = exc.stage_ids[0]
+                    if asleep == chain[0] or self.gate.stages[asleep].sleep_mode != "abort":
                         raise
                     yield OmniRequestOutput(
                         request_id,
-                        stage_id,
-                        self._modality(stage_id),
+                        asleep,
+                        self._modality(asleep),
                         finished=True,
                         final=True,
                         finish_reason="abort",
                     )
                     return
-                if not is_last:
+                position += len(group)
+                if position < len(chain):
                     if not pending:
-                        raise StageInternalError(f"stage {stage_id} handed nothing over")
-                    request = self._template(chain[position + 1], options, chain)
+                        raise StageInternalError(f"stage {group[-1]} handed nothing over")
+                    request = self._template(chain[position], options, chain)
         finally:
             self.gate.release_bound(bound)
             for producer, ref in pending:  # left for a stage the request never reached
                 self.clients[producer].discard(ref)
+
+    def _run_group(
+        self,
+        group: list[int],
+        request_id: str,
+        request: StageRequest,
+        options: RequestOptions,
+        chain: list[int],
+        bound: set[int],
+        pending: list[tuple[int, HandoffRef]],
+        num_samples: int,
+    ) -> AsyncIterator[tuple[int, OutputMessage, bool]]:
+        """One stage's outputs, or two stages' joined by a streamed edge (``streamed.py``),
+        as ``(stage_id, output, ends_that_stage)``."""
+        first = group[0]
+        upstream = Upstream(pending[0][1], self._processor_name(first)) if pending else None
+        kwargs: dict[str, Any] = {
+            "stage_id": first,
+            "request_id": request_id,
+            "request": request,
+            "bound": bound,
+            "num_samples": num_samples,
+            "forward": len(group) == 1 and first != chain[-1],
+            "upstream": upstream,
+            "on_submit": pending.clear,
+        }
+        if len(group) == 1:
+            return self._tagged(first, self._run_stage(**kwargs))
+        later = group[1]
+        client = self.clients[later]
+        later_kwargs = {
+            "stage_id": later,
+            "request_id": request_id,
+            "request": self._template(later, options, chain),
+            "bound": bound,
+            "forward": later != chain[-1],
+            "stream": self._processor_name(later),
+        }
+        return run_streamed(
+            self._run_stage,
+            lambda token_ids, final: client.append_input(request_id, token_ids, final),
+            lambda: client.abort([request_id]),
+            (first, kwargs),
+            (later, later_kwargs),
+        )
+
+    @staticmethod
+    async def _tagged(
+        stage_id: int, outputs: AsyncIterator[tuple[OutputMessage, bool]]
+    ) -> AsyncIterator[tuple[int, OutputMessage, bool]]:
+        async for out, ends in outputs:
+            yield stage_id, out, ends
 
     async def _run_stage(
         self,
@@ -216,11 +279,13 @@ class RequestRouter:
         forward: bool = False,
         upstream: Upstream | None = None,
         on_submit: Callable[[], None] = lambda: None,
+        stream: str | None = None,
     ) -> AsyncIterator[tuple[OutputMessage, bool]]:
         """Submit to one stage and stream its outputs, each with whether it ends the last of
         its ``num_samples`` samples; ``bound`` holds the stages this request has still to
         reach (this one leaves it once admitted). ``forward``: the stage hands its output to
-        the next; ``upstream``: what the stage before handed to this one."""
+        the next; ``upstream``: what the stage before handed to this one; ``stream``: its
+        input comes while the stage before produces it, through this processor's stream."""
         client = self.clients[stage_id]
         queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
@@ -230,7 +295,9 @@ class RequestRouter:
             # admission closes behind it still aborts the stage's work.
             async with self.gate.admit(stage_id, bound=stage_id in bound):
                 bound.discard(stage_id)
-                queue = client.add_request(request_id, request, forward=forward, upstream=upstream)
+                queue = client.add_request(
+                    request_id, request, forward=forward, upstream=upstream, stream=stream
+                )
                 on_submit()  # the stage takes (or refuses) what was handed to it
                 self.active[request_id] = stage_id
             timer = StageTimer(request_id, stage_id, client.kind, self.stats_listeners)
@@ -249,8 +316,21 @@ class RequestRouter:
                     client.abort([request_id])
 
     def _to_omni_output(
-        self, request_id: str, stage: StageConfig, out: OutputMessage, *, final: bool
+        self,
+        request_id: str,
+        stage: StageConfig,
+        out: OutputMessage,
+        *,
+        final: bool,
+        joiner: AudioJoin | None = None,
     ) -> OmniRequestOutput:
+        """``joiner``: the stage's media comes in pieces (a streamed edge): each output carries
+        its piece in ``media_delta`` and the last one the whole in ``media``."""
+        if joiner is not None:
+            delta = joiner.add(out.media)
+            media = joiner.whole(delta) if out.finished else []
+        else:
+            delta, media = [], [m.to_client() for m in (out.media if out.finished else [])]
         return OmniRequestOutput(
             request_id=request_id,
             stage_id=stage.stage_id,
@@ -261,7 +341,8 @@ class RequestRouter:
             finished=out.finished,
             final=final,
             finish_reason=out.finish_reason,
-            media=[m.to_client() for m in (out.media if out.finished else [])],
+            media=media,
+            media_delta=delta,
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
             logprobs=out.logprobs,

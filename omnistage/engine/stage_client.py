@@ -23,6 +23,7 @@ from omnistage.stage.control import ControlOp
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
+    AppendInput,
     ControlCall,
     ControlResult,
     DiscardHandoff,
@@ -65,7 +66,9 @@ class EngineStageClient(Protocol):
         *,
         forward: bool = False,
         upstream: Upstream | None = None,
+        stream: str | None = None,
     ) -> asyncio.Queue[OutputMessage]: ...
+    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...
     def discard(self, ref: HandoffRef) -> None: ...
     async def call(self, op: ControlOp) -> Any: ...
@@ -242,6 +245,7 @@ class StageClient:
         *,
         forward: bool = False,
         upstream: Upstream | None = None,
+        stream: str | None = None,
     ) -> asyncio.Queue[OutputMessage]:
         """Submit a request; its outputs arrive on the returned queue, the last one (of the
         last of its samples, or an error) with ``finished``. ``forward``: the stage hands its
@@ -250,7 +254,9 @@ class StageClient:
         self._attach()
         if request_id in self._queues:
             raise errors.InvalidRequestError("request_id", f"{request_id!r} is already in flight")
-        self._send(AddRequest(request_id, request, forward=forward, upstream=upstream))
+        self._send(
+            AddRequest(request_id, request, forward=forward, upstream=upstream, stream=stream)
+        )
         q: asyncio.Queue[OutputMessage] = asyncio.Queue()
         self._queues[request_id] = q
         sampling = getattr(request, "sampling_params", None)
@@ -262,6 +268,11 @@ class StageClient:
         if request_ids:
             with contextlib.suppress(errors.StageDeadError):
                 self._send(AbortRequest(request_ids=request_ids))
+
+    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        """More input for a streamed request (best effort: a gone stage fails the request)."""
+        with contextlib.suppress(errors.StageDeadError):
+            self._send(AppendInput(request_id, token_ids, final))
 
     def discard(self, ref: HandoffRef) -> None:
         """Best effort: a hand-off no stage will take (a gone stage took its memory along)."""

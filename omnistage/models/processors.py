@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -47,13 +47,25 @@ class UpstreamResult:
     position_delta: int = 0  # its generated token i sat at i + position_delta
 
 
+class TokenStream(Protocol):
+    """A streamed edge's input, token by token: ``feed(token_ids, final)`` takes what the
+    stage before produced since the last call (``final`` with its last) and returns the ids
+    the next stage takes and whether its input has ended (it may end before the stage before
+    does); raises ``InvalidRequestError`` for an input the next stage cannot take."""
+
+    def feed(self, token_ids: list[int], final: bool) -> tuple[list[int], bool]: ...
+
+
 @dataclass(frozen=True)
 class InputProcessor:
     """``convert(upstream, folder)``: the prompt fields of the next stage, whose checkpoint is
-    ``folder``; ``wants(folder, params)``: what to ask of the stage before."""
+    ``folder``; ``wants(folder, params)``: what to ask of the stage before; ``stream(folder)``
+    (None: the edge cannot stream): a ``TokenStream`` for one request, when the next stage
+    takes the output while it is produced."""
 
     convert: Callable[[UpstreamResult, str], dict[str, Any]]
     wants: Callable[[str, RequestParams], Wants] = lambda folder, params: Wants()
+    stream: Callable[[str], TokenStream] | None = None
 
 
 def hidden_states_of(upstream: UpstreamResult) -> torch.Tensor:

@@ -21,8 +21,9 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from omnistage.errors import InvalidRequestError
 from omnistage.stage import control as ops
 from omnistage.stage.background import Background
 from omnistage.stage.control import Ack
@@ -30,6 +31,7 @@ from omnistage.stage.handoff import Handoffs, SharedMemoryTransport, Transport
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
+    AppendInput,
     ControlCall,
     ControlResult,
     DiscardHandoff,
@@ -43,6 +45,9 @@ from omnistage.stage.messages import (
     WireError,
 )
 from omnistage.stage.types import StageOutput
+
+if TYPE_CHECKING:
+    from omnistage.models.processors import TokenStream
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +157,20 @@ def failed_request(request_id: str, exc: BaseException) -> OutputBatch:
     )
 
 
+def open_stream(engine: Any, processor: str) -> TokenStream:
+    """The ``TokenStream`` of a streamed request's processor, if the engine takes streams."""
+    from omnistage.models import registry
+
+    if not hasattr(engine, "add_streamed_request"):
+        raise InvalidRequestError(
+            "stream", f"a {engine.config.kind!r} stage takes no streamed input"
+        )
+    make = registry.processor(processor).stream
+    if make is None:
+        raise InvalidRequestError("stream", f"processor {processor!r} cannot stream its input")
+    return make(engine.config.model)
+
+
 class StageCore:
     """``transport``: where this stage leaves what it hands the next stage (default: shared
     memory, for stages on one host)."""
@@ -166,6 +185,7 @@ class StageCore:
         self._waiting: list[tuple[int, Any]] = []  # ACKED calls held until that work ends
         self._handlers = control_handlers(engine)
         self.handoffs = Handoffs(transport or SharedMemoryTransport(), engine.config.model)
+        self._streams: dict[str, TokenStream] = {}  # streamed requests' input, by request
 
     def has_work(self) -> bool:
         return (
@@ -177,10 +197,13 @@ class StageCore:
     def handle(self, msg: ToStage) -> list[FromStage]:
         if isinstance(msg, AddRequest):
             return self._add(msg)
+        if isinstance(msg, AppendInput):
+            return self._append(msg)
         if isinstance(msg, AbortRequest):
             for request_id in msg.request_ids:
                 self.engine.abort(request_id)
                 self.handoffs.aborted(request_id)
+                self._streams.pop(request_id, None)
             return []  # the aborted outputs come out with the next step
         if isinstance(msg, ControlCall):
             return self._control(msg.call_id, msg.op)
@@ -194,11 +217,32 @@ class StageCore:
             request = msg.request
             if msg.upstream is not None:
                 request = self.handoffs.resolve(request, msg.upstream)
-            self.engine.add_wire_request(msg.request_id, request)
+            if msg.stream is not None:
+                stream = open_stream(self.engine, msg.stream)
+                self.engine.add_streamed_request(msg.request_id, request)
+                self._streams[msg.request_id] = stream
+            else:
+                self.engine.add_wire_request(msg.request_id, request)
         except Exception as exc:  # the request fails; the stage keeps serving
             return [failed_request(msg.request_id, exc)]
         if msg.forward:
             self.handoffs.forward(msg.request_id)
+        return []
+
+    def _append(self, msg: AppendInput) -> list[FromStage]:
+        """Input for a streamed request, through its processor's stream; an input that ends
+        it badly fails the request. Input for a request no longer here is dropped."""
+        stream = self._streams.get(msg.request_id)
+        if stream is None:
+            return []
+        try:
+            token_ids, ended = stream.feed(list(msg.token_ids), msg.final)
+            if ended:
+                del self._streams[msg.request_id]
+            self.engine.append_input(msg.request_id, token_ids, ended)
+        except Exception as exc:
+            self._streams.pop(msg.request_id, None)
+            self.engine.fail_request(msg.request_id, exc)
         return []
 
     def _control(self, call_id: int, op: Any) -> list[FromStage]:
@@ -273,6 +317,9 @@ class StageCore:
         outputs = self.engine.step()
         if not outputs:
             return []
+        for out in outputs:
+            if out.finished:  # a streamed request that ended early takes no more input
+                self._streams.pop(out.request_id, None)
         return [OutputBatch([to_output_message(o, self.handoffs.observe(o)) for o in outputs])]
 
     def serve(self, channel: Channel, should_stop: Callable[[], bool] = lambda: False) -> None:

@@ -22,6 +22,10 @@ after a wake. Weights discarded and not reloaded: ``add_request`` raises
 
 A job that fails fails its requests, not the stage; a process fault (out of memory, a CUDA
 error) propagates and ends the process, which the server restarts.
+
+Streamed input (a kind that takes it implements ``_append``): a job may wait for input
+(``is_ready`` False: it is skipped until ``append_input`` brings more) and may hand out results
+before it is done (``take_partial``: unfinished outputs, delivered by the next step).
 """
 
 from __future__ import annotations
@@ -68,6 +72,11 @@ class StepJob(Protocol):
     def finish(self) -> Sequence[tuple[Any, Any]]: ...
 
 
+def _is_ready(job: StepJob) -> bool:
+    """Whether a job can step now (one fed a streamed input may wait for more)."""
+    return bool(getattr(job, "is_ready", True))
+
+
 R = TypeVar("R", bound=QueuedRequest)
 
 
@@ -106,6 +115,11 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
     def _status_fields(self) -> dict[str, Any]:
         return {}
 
+    def _append(self, request_id: str, token_ids: list[int], final: bool) -> bool:
+        """Give a streamed request more input (queued or in its job); False if it is not
+        here. Kinds that take streamed input implement it."""
+        raise InvalidRequestError("stream", "this stage kind takes no streamed input")
+
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, request: R) -> None:
@@ -133,13 +147,32 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
                 if not job.request_ids:
                     self._jobs.remove(job)
 
+    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        """More input for a streamed request (dropped if the request has ended)."""
+        self._append(request_id, token_ids, final)
+
+    def fail_request(self, request_id: str, exc: Exception) -> None:
+        """End a request with ``exc`` (its streamed input was refused)."""
+        for request in list(self._waiting):
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+        for job in list(self._jobs):
+            if job.drop(request_id) is not None and not job.request_ids:
+                self._jobs.remove(job)
+        self._drain_ids.discard(request_id)
+        self._finished.append(
+            StageOutput(request_id, finished=True, finish_reason="error", error=exc)
+        )
+
     def step(self) -> list[StageOutput]:
         """Deliver queued outputs, start a job if there is room, then advance one job by one
         step (jobs take turns)."""
         if self.sleep_control.weights_valid:  # asleep, or not reloaded: never run on garbage
             if len(self._jobs) < self.max_active_jobs:
                 self._start_job()
-            runnable = [job for job in self._jobs if self._may_run(job.request_ids)]
+            runnable = [
+                job for job in self._jobs if _is_ready(job) and self._may_run(job.request_ids)
+            ]
             if runnable:
                 self._advance(runnable[self.num_steps % len(runnable)])
         outputs, self._finished = self._finished, []
@@ -154,9 +187,11 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
             return True
         if not self.sleep_control.weights_valid:
             return False
-        return any(self._may_run(job.request_ids) for job in self._jobs) or any(
+        if len(self._jobs) < self.max_active_jobs and any(
             self._may_run([r.request_id]) for r in self._waiting
-        )
+        ):
+            return True
+        return any(_is_ready(job) and self._may_run(job.request_ids) for job in self._jobs)
 
     def _may_run(self, request_ids: list[str]) -> bool:
         if self._pause_mode is None:
@@ -183,6 +218,8 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         self.num_steps += 1
         try:
             job.advance()
+            for request, media in getattr(job, "take_partial", list)():
+                self._finished.append(StageOutput(request.request_id, media=[media]))
             if not job.is_done:
                 return
             self._jobs.remove(job)

@@ -25,6 +25,7 @@ class KindSpec:
     of the kind's wire structs (``REQUEST``, ``INFO`` and ``OUTPUT``: its media, None when it
     returns tokens); ``modality`` is what it outputs; ``has_prefix_cache`` whether it keeps
     one (``reset_prefix_cache``); ``tensor_parallel`` whether its model splits over ranks;
+    ``takes_stream`` whether it can take its input while the stage before produces it;
     ``preflight`` checks a stage config before any stage starts. Everything is named by import
     path and loaded when used: a server reads the map before it imports torch."""
 
@@ -35,6 +36,7 @@ class KindSpec:
     modality: str
     has_prefix_cache: bool = False
     tensor_parallel: bool = False
+    takes_stream: bool = False
     preflight: str | None = None
 
     def build_engine(self, config: StageConfig, **options: Any) -> Any:
@@ -87,6 +89,7 @@ STAGE_KINDS: dict[str, KindSpec] = {
             preparer="omnistage.stage.code2wav.prepare:Code2WavRequestPreparer",
             wire="omnistage.stage.code2wav.wire",
             modality="audio",
+            takes_stream=True,
         ),
     )
 }
@@ -125,6 +128,12 @@ def check_kinds(pipeline: PipelineConfig) -> PipelineConfig:
             raise ConfigError(
                 f"{key}.tensor_parallel_size: a {stage.kind!r} stage runs on one rank; "
                 f"tensor parallelism applies to {tensor_parallel_kinds()} stages"
+            )
+        if stage.stream and not STAGE_KINDS[stage.kind].takes_stream:
+            takers = [name for name, spec in STAGE_KINDS.items() if spec.takes_stream]
+            raise ConfigError(
+                f"{key}.stream: a {stage.kind!r} stage takes its input whole; {takers} "
+                "stages take it streamed"
             )
     return pipeline
 

@@ -85,12 +85,23 @@ class Upstream(msgspec.Struct, frozen=True):
 class AddRequest(msgspec.Struct, tag=True):
     """A request for the stage. ``forward``: hand its finished output to the next stage
     (a ``HandoffRef`` comes back instead of the data); ``upstream``: its prompt is what the
-    stage before handed over, through the processor named there."""
+    stage before handed over, through the processor named there; ``stream``: its input comes
+    later, in ``AppendInput`` messages, through the stream of the processor named here."""
 
     request_id: str
     request: StageRequest
     forward: bool = False
     upstream: Upstream | None = None
+    stream: str | None = None
+
+
+class AppendInput(msgspec.Struct, tag=True):
+    """More input for a streamed request: what the stage before produced since the last
+    (``final`` with its last)."""
+
+    request_id: str
+    token_ids: list[int]
+    final: bool = False
 
 
 class DiscardHandoff(msgspec.Struct, tag=True):
@@ -114,7 +125,7 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToStage = AddRequest | AbortRequest | ControlCall | DiscardHandoff | Shutdown
+ToStage = AddRequest | AppendInput | AbortRequest | ControlCall | DiscardHandoff | Shutdown
 
 
 # -- stage -> API process -------------------------------------------------------------------

@@ -29,7 +29,17 @@ class RequestOptions:
 
     @classmethod
     def of(cls, **params: Mapping[str, Any] | None) -> RequestOptions:
-        return cls({name: value for name, value in params.items() if value is not None})
+        """The request's ``seed`` (its ``sampling_params``') seeds every stage whose own
+        parameters name none, so one seed makes the whole answer reproducible."""
+        given: dict[str, Mapping[str, Any]] = {}
+        sampling = params.get("sampling_params")
+        seed = sampling.get("seed") if isinstance(sampling, Mapping) else None
+        for name, value in params.items():
+            if seed is not None and isinstance(value, Mapping | None):
+                value = {"seed": seed, **(value or {})}
+            if value is not None:
+                given[name] = value
+        return cls(given)
 
 
 class RequestPreparer(Protocol):

@@ -2,7 +2,9 @@
 ``Qwen2_5OmniForConditionalGeneration.generate`` on tiny random checkpoints that transformers
 builds and saves (two configurations, three prompts each): the thinker's token ids, the
 talker's codes and the waveform are the same, also after the three stages slept (levels 2, 1,
-2) and woke; concurrent audio requests give what each gives alone.
+2) and woke; concurrent audio requests give what each gives alone. (Speech is synthesised in
+one piece here, ``stream=False``; the chunked synthesis is tested against it in
+tests/unit/models/test_qwen_omni_streaming.py and over HTTP in tests/e2e/test_speech_streaming.py.)
 
 The talker's prefill adds the codec pad/bos embeddings to its last two positions as the
 original Qwen code and transformers 4.x do (transformers 5.x as shipped loses them for an
@@ -28,8 +30,8 @@ TALKER = {"temperature": 0.0, "max_tokens": TALKER_TOKENS}  # rep. penalty 1.05 
 def served(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"qwen-omni-{request.param}")
     tiny_qwen_omni.build_tiny_qwen_omni(folder, tiny_qwen_omni.TINY_QWEN_OMNI_SPECS[request.param])
-    omni = Omni.from_model(
-        str(folder), in_process=True, enable_sleep_mode=True, kv_cache_bytes=8 << 20
+    omni = Omni.from_model(  # speech in one piece, as transformers speaks it
+        str(folder), in_process=True, enable_sleep_mode=True, kv_cache_bytes=8 << 20, stream=False
     )
     yield str(folder), omni
     omni.shutdown()

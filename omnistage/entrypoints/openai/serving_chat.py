@@ -15,8 +15,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from omnistage.engine.outputs import OmniAudio, OmniImage
+from omnistage.engine.outputs import OmniImage
 from omnistage.entrypoints.media import MediaPolicy, has_media_parts, load_messages
+from omnistage.entrypoints.openai.audio_deltas import AudioDeltas, audio_reply
 from omnistage.entrypoints.openai.chat_prompt import check_tools, needs_rendering, render_chat
 from omnistage.entrypoints.openai.choices import (
     Collected,
@@ -28,7 +29,6 @@ from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import ChatCompletionRequest
 from omnistage.entrypoints.openai.replies import (
     AssistantMessage,
-    AudioReply,
     ChatChoice,
     ChatCompletionResponse,
     new_id,
@@ -52,20 +52,6 @@ from omnistage.errors import InvalidRequestError
 from omnistage.models.media import MediaItem
 
 router = APIRouter(tags=["openai"])
-
-AUDIO_CHUNK_CHARS = 64 * 1024  # base64 characters per streamed delta.audio chunk
-AUDIO_TTL_S = 3600  # OpenAI's expires_at: how long a client may refer to the audio
-
-
-def audio_reply(audio: OmniAudio, transcript: str, audio_format: str) -> AudioReply:
-    """OpenAI's ``message.audio``: WAV (or raw pcm16) bytes, base64."""
-    raw = audio.wav_bytes() if audio_format == "wav" else audio.pcm16()
-    return AudioReply(
-        id=new_id("audio"),
-        data=base64.b64encode(raw).decode("ascii"),
-        expires_at=now() + AUDIO_TTL_S,
-        transcript=transcript,
-    )
 
 
 def image_part(image: OmniImage) -> dict[str, Any]:
@@ -214,6 +200,7 @@ async def _chat_events(
 
     async def events() -> AsyncIterator[str]:
         collected = Collected()
+        speech = AudioDeltas(reply.audio_format)
         try:
             async for out in started:
                 if out.index not in collected.by_index:
@@ -225,15 +212,13 @@ async def _chat_events(
                     delta["content"] = out.text_delta
                 if out.images:
                     delta["images"] = [image_part(img) for img in out.images]
+                text = collected.choice(out.index).text
+                for audio in out.audio_delta:  # speech chunk by chunk, as soon as it exists
+                    for part in speech.piece(out.index, audio, text):
+                        yield chunk(out.index, {"audio": part})
                 for audio in out.audio:  # as OpenAI streams it: transcript, data, expiry
-                    text = collected.choice(out.index).text
-                    answer = audio_reply(audio, text, reply.audio_format)
-                    yield chunk(out.index, {"audio": {"id": answer.id, "transcript": text}})
-                    for start in range(0, len(answer.data), AUDIO_CHUNK_CHARS):
-                        data = answer.data[start : start + AUDIO_CHUNK_CHARS]
-                        yield chunk(out.index, {"audio": {"id": answer.id, "data": data}})
-                    expiry = {"id": answer.id, "expires_at": answer.expires_at}
-                    yield chunk(out.index, {"audio": expiry})
+                    for part in speech.finished(out.index, audio, text):
+                        yield chunk(out.index, {"audio": part})
                 extra: dict[str, Any] = {}
                 if out.logprobs:
                     extra["logprobs"] = reply.logprobs(out.logprobs)

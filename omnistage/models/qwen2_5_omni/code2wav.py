@@ -52,7 +52,14 @@ class Token2WavSynthesis:
     ``sway_coefficient``."""
 
     @torch.inference_mode()
-    def __init__(self, pipeline: Any, codes: list[int], params: Any, seed: int) -> None:
+    def __init__(
+        self,
+        pipeline: Any,
+        codes: list[int],
+        params: Any,
+        seed: int,
+        noise: torch.Tensor | None = None,
+    ) -> None:
         self.pipeline = pipeline
         self.guidance_scale = float(params.guidance_scale)
         device = pipeline.device
@@ -63,11 +70,12 @@ class Token2WavSynthesis:
         # sample(): ``conditioning_vector.unsqueeze(1).repeat(1, maximum_duration, 1)``
         self.speaker = voice.cond.unsqueeze(1).repeat(1, frames, 1)
         self.ref_mel = voice.ref_mel
-        noise = torch.randn(
-            [1, frames, pipeline.mel_dim],
-            generator=torch.Generator("cpu").manual_seed(seed),
-            dtype=torch.float32,
-        )
+        if noise is None:  # a window of a streamed utterance brings its slice of the draw
+            noise = torch.randn(
+                [1, frames, pipeline.mel_dim],
+                generator=torch.Generator("cpu").manual_seed(seed),
+                dtype=torch.float32,
+            )
         self.value = noise.to(device)
         self.times = time_points(params.num_steps, params.sway_coefficient, device)
         self.step_index = 0  # RK4 steps done
@@ -125,16 +133,17 @@ class Token2WavSynthesis:
         self.value = y_next
         self.step_index += 1
 
+    def mel(self) -> torch.Tensor:
+        """The final mel ``[1, frames, mel_dim]``: the solver's last solution entry; where a
+        time grid that is not increasing (a large ``sway_coefficient``) leaves that entry
+        unset — transformers then returns uninitialised memory — the last step's value."""
+        return self._result if self._result is not None else self.value
+
     @torch.inference_mode()
     def waveform(self) -> torch.Tensor:
         """The BigVGAN on the final mel (it clamps to [-1, 1] and returns the samples on the
-        CPU), flattened to 1-D float32.
-
-        The final mel is the solver's last solution entry; where a time grid that is not
-        increasing (a large ``sway_coefficient``) leaves that entry unset — transformers then
-        returns uninitialised memory — it is the last step's value."""
-        final = self._result if self._result is not None else self.value
-        return self.pipeline.vocoder(final.permute(0, 2, 1)).reshape(-1).float()
+        CPU), flattened to 1-D float32."""
+        return self.pipeline.vocoder(self.mel().permute(0, 2, 1)).reshape(-1).float()
 
 
 def synthesize(pipeline: Any, codes: list[int], params: Any, seed: int) -> torch.Tensor:

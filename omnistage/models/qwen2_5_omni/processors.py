@@ -97,5 +97,27 @@ def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     return {"codes": codes[:cut]}
 
 
+class TalkerCodes:
+    """The talker's codes as they come, up to (without) its first end code: the streamed
+    form of ``talker_to_code2wav``."""
+
+    def __init__(self, folder: str) -> None:
+        tokens, _ = checkpoint_tokens(folder)
+        self.ends = {tokens.codec_eos, tokens.codec_pad}
+        self.num_codes = 0
+        self.ended = False
+
+    def feed(self, token_ids: list[int], final: bool) -> tuple[list[int], bool]:
+        if self.ended:
+            return [], True
+        cut = next((i for i, c in enumerate(token_ids) if c in self.ends), None)
+        codes = list(token_ids if cut is None else token_ids[:cut])
+        self.num_codes += len(codes)
+        self.ended = final or cut is not None
+        if self.ended and self.num_codes == 0:
+            raise InvalidRequestError("talker_params", "the talker produced no speech codes")
+        return codes, self.ended
+
+
 THINKER_TO_TALKER = InputProcessor(thinker_to_talker, talker_wants)
-TALKER_TO_CODE2WAV = InputProcessor(talker_to_code2wav)
+TALKER_TO_CODE2WAV = InputProcessor(talker_to_code2wav, stream=TalkerCodes)

@@ -185,6 +185,13 @@ class Token2WavPipeline:
 
         return Token2WavSynthesis(self, codes, params, seed)
 
+    def streaming_synthesis(self, params: Any, seed: int, chunks: Any) -> Any:
+        """One utterance spoken chunk by chunk as its codes arrive
+        (``streaming.Token2WavStream``; ``chunks``: first_chunk, chunk, left/right context)."""
+        from omnistage.models.qwen2_5_omni.streaming import Token2WavStream
+
+        return Token2WavStream(self, params, seed, chunks)
+
     # -- weights --------------------------------------------------------------------------
 
     def weight_targets(self) -> dict[str, torch.Tensor]:

@@ -115,6 +115,10 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
         """What the API process needs to validate requests before they reach this stage, as
         the stage's model family sets requests up (``request_setup``)."""
         family = registry.family(self.model_config.family)
+        setup = family.request_setup(self.model_config, self.config.model)
+        overrides = self.config.override_generation_config
+        if overrides:  # the stage's defaults over the model's, under each request's own
+            setup["param_defaults"] = {**setup.get("param_defaults", {}), **overrides}
         return ARStageInfo(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
@@ -122,7 +126,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
             embedding_size=self.embedding_size,
             emits_text=self.model_config.emits_text,
             multi_modal=list(self.requests.multi_modal),
-            **family.request_setup(self.model_config, self.config.model),
+            **setup,
         )
 
     @property

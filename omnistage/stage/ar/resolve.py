@@ -33,9 +33,31 @@ def resolve_ar_stage(stage: StageConfig, model: ARModelConfig) -> StageConfig:
     )
 
 
+def check_generation_config(stage: StageConfig) -> None:
+    """``override_generation_config`` holds sampling parameters (``ConfigError`` naming the
+    key otherwise)."""
+    from omnistage.errors import InvalidRequestError
+    from omnistage.stage.ar.sampling import SamplingParams
+
+    key = f"stages.{stage.stage_id}.override_generation_config"
+    overrides = stage.override_generation_config
+    unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
+    if unknown:
+        raise ConfigError(
+            f"{key}.{unknown[0]}: not a sampling parameter; known: "
+            f"{sorted(SamplingParams.__struct_fields__)}"
+        )
+    try:
+        SamplingParams(**overrides)
+    except (InvalidRequestError, TypeError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 def check_limits(stage: StageConfig) -> None:
     """Fail early (``ConfigError``, before any stage starts) on a ``max_model_len`` the
-    checkpoint cannot serve; an unreadable checkpoint is left for the stage to report."""
+    checkpoint cannot serve or sampling defaults that are not; an unreadable checkpoint is
+    left for the stage to report."""
+    check_generation_config(stage)
     if stage.max_model_len is None:
         return
     try:

@@ -16,9 +16,9 @@ from typing import Any
 
 from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.code2wav.job import Code2WavJob
+from omnistage.stage.code2wav.job import Code2WavJob, StreamingCode2WavJob
 from omnistage.stage.code2wav.params import Code2WavLimits
-from omnistage.stage.code2wav.request import Code2WavRequest, validate_request
+from omnistage.stage.code2wav.request import Code2WavRequest, check_codes, validate_request
 from omnistage.stage.code2wav.wire import KIND, Code2WavStageInfo, Code2WavStageRequest
 from omnistage.stage.code2wav.worker import Code2WavWorker
 from omnistage.stage.jobs import JobEngine, StepJob
@@ -56,15 +56,51 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
             )
         self.add_request(Code2WavRequest(request_id, codes=request.codes, params=request.params))
 
+    def add_streamed_request(self, request_id: str, request: object) -> None:
+        """A request whose codes arrive later (``append_input``), spoken chunk by chunk as
+        the stage config's ``stream_chunks`` say."""
+        if not isinstance(request, Code2WavStageRequest):
+            raise InvalidRequestError(
+                "request",
+                f"a code2wav stage takes 'code2wav' requests, got {type(request).__name__}",
+            )
+        self.add_request(
+            Code2WavRequest(
+                request_id,
+                codes=list(request.codes),
+                params=request.params,
+                streamed=True,
+                input_ended=False,
+            )
+        )
+
+    def _append(self, request_id: str, token_ids: list[int], final: bool) -> bool:
+        for request in self._waiting:
+            if request.request_id == request_id and request.streamed:
+                if token_ids:
+                    check_codes(token_ids, self.limits, before=len(request.codes))
+                request.codes.extend(token_ids)
+                request.input_ended = final
+                return True
+        for job in self._jobs:
+            if isinstance(job, StreamingCode2WavJob) and request_id in job.request_ids:
+                if token_ids:
+                    check_codes(token_ids, self.limits, before=len(job.request.codes))
+                job.add_input(token_ids, final)
+                return True
+        return False
+
     def _check_request(self, request: Code2WavRequest) -> None:
         validate_request(request, self.limits)
 
     def _make_job(self, requests: list[Code2WavRequest]) -> StepJob:
         (request,) = requests
         seed = request.params.seed
-        return Code2WavJob(
-            self.vocoder, request, seed if seed is not None else secrets.randbelow(MAX_SEED)
-        )
+        if seed is None:
+            seed = secrets.randbelow(MAX_SEED)
+        if request.streamed:
+            return StreamingCode2WavJob(self.vocoder, request, seed, self.config.stream_chunks)
+        return Code2WavJob(self.vocoder, request, seed)
 
     def _status_fields(self) -> dict[str, Any]:
         return {

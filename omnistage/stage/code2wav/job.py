@@ -56,3 +56,69 @@ def synthesize(vocoder: Any, request: Code2WavRequest, seed: int) -> AudioOutput
     while not job.is_done:
         job.advance()
     return job.finish()[0][1]
+
+
+class StreamingCode2WavJob:
+    """A streamed request's utterance, spoken chunk by chunk as its codes arrive (the
+    vocoder's ``streaming_synthesis``): it waits while a chunk's codes are not all in
+    (``is_ready``), hands out each chunk's samples when they are done (``take_partial``), and
+    its last output carries the rest with the utterance's seed, voice and codes."""
+
+    def __init__(self, vocoder: Any, request: Code2WavRequest, seed: int, chunks: Any) -> None:
+        self.vocoder = vocoder
+        self.request = request
+        self.seed = seed
+        self._dropped = False
+        self.stream = vocoder.streaming_synthesis(request.params, seed, chunks)
+        self.stream.add_codes(list(request.codes))
+        if request.input_ended:
+            self.stream.end_input()
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [] if self._dropped else [self.request.request_id]
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._dropped and bool(self.stream.is_ready)
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.stream.is_done)
+
+    def drop(self, request_id: str) -> Code2WavRequest | None:
+        if self._dropped or request_id != self.request.request_id:
+            return None
+        self._dropped = True
+        return self.request
+
+    def add_input(self, codes: list[int], final: bool) -> None:
+        self.stream.add_codes(codes)
+        self.request.codes.extend(codes)
+        if final:
+            self.request.input_ended = True
+            self.stream.end_input()
+
+    def advance(self) -> None:
+        self.stream.advance()
+
+    def _output(self, samples: torch.Tensor, *, last: bool) -> AudioOutput:
+        return AudioOutput(
+            samples=samples,
+            sample_rate=self.vocoder.sample_rate,
+            voice=self.stream.voice,
+            seed=self.seed,
+            codes=list(self.request.codes) if last else [],
+        )
+
+    def take_partial(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
+        if self.is_done:
+            return []  # ``finish`` hands out the rest
+        samples = self.stream.take_audio()
+        return [] if samples is None else [(self.request, self._output(samples, last=False))]
+
+    def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
+        samples = self.stream.take_audio()
+        if samples is None:
+            samples = torch.zeros(0, dtype=torch.float32)
+        return [(self.request, self._output(samples, last=True))]

@@ -23,20 +23,26 @@ class Code2WavRequest:
     params: Code2WavParams = field(default_factory=Code2WavParams)
     arrival_time: float = field(default_factory=time.monotonic)
     queue_time_s: float | None = None  # set when its job starts
+    streamed: bool = False  # its codes arrive while the stage before still speaks
+    input_ended: bool = True  # a streamed request's last codes are in
 
 
-def check_codes(codes: Any, limits: Code2WavLimits, name: str = "codes") -> list[int]:
+def check_codes(
+    codes: Any, limits: Code2WavLimits, name: str = "codes", *, before: int = 0
+) -> list[int]:
     """``codes`` as a list of ints, or ``InvalidRequestError`` naming ``name``: a non-empty
-    list of at most ``max_codes`` integers in ``[0, codebook_size)``."""
+    list of at most ``max_codes`` integers in ``[0, codebook_size)`` (``before``: codes of the
+    same utterance already taken; a streamed piece may then be empty)."""
     if not isinstance(codes, list | tuple) or not all(
         isinstance(c, int) and not isinstance(c, bool) for c in codes
     ):
         raise InvalidRequestError(name, "must be a list of integers (speech-codec tokens)")
-    if not codes:
+    if not codes and not before:
         raise InvalidRequestError(name, "must not be empty")
-    if len(codes) > limits.max_codes:
+    if before + len(codes) > limits.max_codes:
         raise InvalidRequestError(
-            name, f"{len(codes)} codes exceed this stage's limit of {limits.max_codes}"
+            name,
+            f"{before + len(codes)} codes exceed this stage's limit of {limits.max_codes}",
         )
     bad = next((c for c in codes if not 0 <= c < limits.codebook_size), None)
     if bad is not None:
@@ -62,4 +68,5 @@ def validate_request(request: Code2WavRequest, limits: Code2WavLimits) -> None:
     if not isinstance(request.params, Code2WavParams):
         raise InvalidRequestError("params", "must be Code2WavParams")
     check_voice(request.params.voice, limits)
-    check_codes(request.codes, limits)
+    if not (request.streamed and not request.codes):  # a stream's codes come later
+        check_codes(request.codes, limits)

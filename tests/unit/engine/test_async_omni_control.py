@@ -26,6 +26,7 @@ from omnistage.stage.diffusion.wire import DiffusionStageInfo
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
+    AppendInput,
     ControlCall,
     DiscardHandoff,
     OutputMessage,
@@ -80,16 +81,27 @@ class FakeStage:
     def shutdown(self) -> None: ...
 
     def add_request(
-        self, request_id: str, request: StageRequest, *, forward: bool = False, upstream: Any = None
+        self,
+        request_id: str,
+        request: StageRequest,
+        *,
+        forward: bool = False,
+        upstream: Any = None,
+        stream: str | None = None,
     ) -> asyncio.Queue[OutputMessage]:
         if self.is_dead:
             raise StageDeadError(self.stage_id, self.death_reason)
-        self.sent.append(AddRequest(request_id, request, forward=forward, upstream=upstream))
+        self.sent.append(
+            AddRequest(request_id, request, forward=forward, upstream=upstream, stream=stream)
+        )
         self.queues[request_id] = asyncio.Queue()
         return self.queues[request_id]
 
     def abort(self, request_ids: list[str]) -> None:
         self.sent.append(AbortRequest(request_ids=request_ids))
+
+    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        self.sent.append(AppendInput(request_id, token_ids, final))
 
     def discard(self, ref: Any) -> None:
         self.sent.append(DiscardHandoff(ref))
