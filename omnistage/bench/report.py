@@ -1,18 +1,21 @@
-"""Writing benchmark results: one JSON file and a Markdown table per benchmark."""
+"""Writing benchmark results: one JSON file and a Markdown table per benchmark, each table
+followed by a legend of its columns (``omnistage.bench.legend``)."""
 
 from __future__ import annotations
 
 import json
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from omnistage.bench.legend import legend
 
 
 def environment() -> dict[str, Any]:
+    import torch  # here, not at the top: `omnistage bench serve` needs no torch
+
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -23,13 +26,19 @@ def environment() -> dict[str, Any]:
     }
 
 
-def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+def markdown_table(
+    rows: Sequence[dict[str, Any]],
+    columns: Sequence[str],
+    extra_legend: Mapping[str, str] | None = None,
+) -> str:
+    """The table, a blank line, then the legend of its columns (and ``extra_legend``)."""
+
     def fmt(v: Any) -> str:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + legend(columns, extra_legend)
 
 
 def write_results(

@@ -252,3 +252,21 @@ def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
     r = httpx.post(plain_server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert "takes no image input" in r.json()["error"]["message"]
+
+
+def test_bench_serve_times_the_first_audio(server, tmp_path):
+    """``omnistage bench serve --modalities text,audio`` on this server: TTFA per request."""
+    import json
+
+    from omnistage import cli
+
+    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2"]
+    argv += ["--max-concurrency", "1", "--modalities", "text,audio", "--audio-voice", "Chelsie"]
+    argv += ["--random-input-len", "4", "--random-output-len", "6", "--disable-progress"]
+    argv += ["--extra-body", json.dumps({**EXTRA, "seed": 5}), "--save-result"]
+    argv += ["--result-dir", str(tmp_path), "--result-filename", "run.json"]
+    assert cli.main(argv) == 0
+    result = json.loads((tmp_path / "run.json").read_text())
+    assert (result["completed"], result["n_ttfa"], result["model"]) == (2, 2, MODEL)
+    assert 0 < result["mean_ttfa_ms"] <= result["mean_e2el_ms"]
+    assert result["audio_out_s"] > 0  # read from the WAV headers of the streamed chunks
