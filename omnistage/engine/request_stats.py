@@ -3,7 +3,9 @@
 ``StageTimer`` follows one request through one stage: from its admission (submit) to its
 first token (time to first token, AR stages), between tokens (inter-token latency), to the
 end of each sample (end-to-end latency), plus the stage's own report of how long the request
-waited to be scheduled (queue time). When a sample finishes, listeners receive a
+waited to be scheduled (queue time); for a stage that speaks, the time from the request's
+start (its arrival in the pipeline) to its first audio, the seconds of audio made and the
+stage's compute time for them. When a sample finishes, listeners receive a
 ``StageRequestStats`` (the metrics subscribe; nothing is kept).
 """
 
@@ -36,6 +38,9 @@ class StageRequestStats:
     num_prompt_tokens: int
     num_output_tokens: int
     streams_tokens: bool = True  # a token stage (TTFT, inter-token latency, token counts)
+    first_audio_s: float | None = None  # request start to its first audio from this stage
+    audio_s: float = 0.0  # seconds of audio this stage made for the request
+    audio_compute_s: float = 0.0  # the stage's compute time for that audio
 
 
 StatsListener = Callable[[StageRequestStats], None]
@@ -46,17 +51,26 @@ class _Sample:
     first_token: float | None = None
     last_token: float | None = None
     inter_token: list[float] = field(default_factory=list)
+    first_audio: float | None = None
+    audio_s: float = 0.0
+    audio_compute_s: float = 0.0
 
 
 class StageTimer:
     def __init__(
-        self, request_id: str, stage_id: int, kind: str, listeners: list[StatsListener]
+        self,
+        request_id: str,
+        stage_id: int,
+        kind: str,
+        listeners: list[StatsListener],
+        request_start: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.stage_id = stage_id
         self.kind = kind
         self.listeners = listeners
         self.start = time.monotonic()
+        self.request_start = self.start if request_start is None else request_start
         self.queue_s: float | None = None
         self.samples: dict[int, _Sample] = {}
 
@@ -73,6 +87,12 @@ class StageTimer:
             else:
                 sample.inter_token.append(now - sample.last_token)
             sample.last_token = now
+        for media in out.media:  # a waveform (samples at a rate) is audio
+            rate = getattr(media, "sample_rate", 0)
+            if rate and media.samples.numel():
+                sample.first_audio = sample.first_audio or now
+                sample.audio_s += media.samples.numel() / rate
+                sample.audio_compute_s += float(getattr(media, "compute_s", 0.0))
         if out.finished:
             self._emit(out, sample, now)
 
@@ -90,6 +110,11 @@ class StageTimer:
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
             streams_tokens=stage_kind(self.kind).output_type is None,
+            first_audio_s=(
+                None if sample.first_audio is None else sample.first_audio - self.request_start
+            ),
+            audio_s=sample.audio_s,
+            audio_compute_s=sample.audio_compute_s,
         )
         for listener in self.listeners:
             try:

@@ -14,6 +14,7 @@ those treats them by its mode when they arrive.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -141,6 +142,7 @@ class RequestRouter:
         every stage asleep) if a needed stage is asleep; waits while one is paused.
         """
         request_id = request_id or uuid.uuid4().hex
+        started = time.monotonic()
         wanted = list(modalities) if modalities else self.output_modalities()
         chain = self.plan(wanted)
         fields = prompt_fields(prompt, self.preparer(chain[0]).PROMPT_FIELDS)
@@ -172,7 +174,7 @@ class RequestRouter:
                 try:
                     outputs = self._run_group(
                         group, request_id, request, options, chain, bound, pending,
-                        num_samples if position == 0 else 1,
+                        num_samples if position == 0 else 1, started,
                     )  # fmt: skip
                     async for stage_id, out, is_last_sample in outputs:
                         if out.error is not None:
@@ -227,6 +229,7 @@ class RequestRouter:
         bound: set[int],
         pending: list[tuple[int, HandoffRef]],
         num_samples: int,
+        started: float,
     ) -> AsyncIterator[tuple[int, OutputMessage, bool]]:
         """One stage's outputs, or two stages' joined by a streamed edge (``streamed.py``),
         as ``(stage_id, output, ends_that_stage)``."""
@@ -241,6 +244,7 @@ class RequestRouter:
             "forward": len(group) == 1 and first != chain[-1],
             "upstream": upstream,
             "on_submit": pending.clear,
+            "request_start": started,
         }
         if len(group) == 1:
             return self._tagged(first, self._run_stage(**kwargs))
@@ -253,6 +257,7 @@ class RequestRouter:
             "bound": bound,
             "forward": later != chain[-1],
             "stream": self._processor_name(later),
+            "request_start": started,
         }
         return run_streamed(
             self._run_stage,
@@ -280,6 +285,7 @@ class RequestRouter:
         upstream: Upstream | None = None,
         on_submit: Callable[[], None] = lambda: None,
         stream: str | None = None,
+        request_start: float | None = None,
     ) -> AsyncIterator[tuple[OutputMessage, bool]]:
         """Submit to one stage and stream its outputs, each with whether it ends the last of
         its ``num_samples`` samples; ``bound`` holds the stages this request has still to
@@ -300,7 +306,9 @@ class RequestRouter:
                 )
                 on_submit()  # the stage takes (or refuses) what was handed to it
                 self.active[request_id] = stage_id
-            timer = StageTimer(request_id, stage_id, client.kind, self.stats_listeners)
+            timer = StageTimer(
+                request_id, stage_id, client.kind, self.stats_listeners, request_start
+            )
             while True:
                 out = await queue.get()
                 timer.observe(out)

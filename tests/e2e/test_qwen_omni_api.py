@@ -6,7 +6,12 @@ working while the talker sleeps, and bad requests are 400s naming the field."""
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
+import json
+import os
+import signal
+import time
 import wave
 
 import httpx
@@ -41,7 +46,9 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def wav_of(data: str) -> tuple[int, int, bytes]:
+def wav_of(data: str | bytes) -> tuple[int, int, bytes]:
+    """A WAV's rate, channels and frames (a streamed one's sizes say "unknown": read to the
+    end)."""
     with wave.open(io.BytesIO(base64.b64decode(data))) as w:
         return w.getframerate(), w.getnchannels(), w.readframes(w.getnframes())
 
@@ -98,7 +105,8 @@ def test_streaming_sends_the_same_audio_as_delta_audio(client, server):
     parts = [c.choices[0].delta.audio for c in chunks if c.choices and c.choices[0].delta.audio]
     assert len({p.id for p in parts}) == 1
     assert parts[0].transcript == whole["transcript"] and parts[-1].expires_at > 0
-    assert "".join(p.data or "" for p in parts) == whole["data"]
+    streamed = b"".join(base64.b64decode(p.data) for p in parts if p.data)
+    assert wav_of(base64.b64encode(streamed))[2] == wav_of(whole["data"])[2]
 
 
 def test_pcm16_is_raw_samples(server):
@@ -254,19 +262,143 @@ def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
     assert "takes no image input" in r.json()["error"]["message"]
 
 
-def test_bench_serve_times_the_first_audio(server, tmp_path):
-    """``omnistage bench serve --modalities text,audio`` on this server: TTFA per request."""
-    import json
+# -- speech streamed while the talker speaks (the pipeline's code2wav edge has stream: true) --
 
-    from omnistage import cli
+LONG = {"talker_params": {"temperature": 0.9, "max_tokens": 160}, "audio_params": {"num_steps": 2}}
 
-    argv = ["bench", "serve", "--base-url", server.url, "--num-prompts", "2"]
-    argv += ["--max-concurrency", "1", "--modalities", "text,audio", "--audio-voice", "Chelsie"]
-    argv += ["--random-input-len", "4", "--random-output-len", "6", "--disable-progress"]
-    argv += ["--extra-body", json.dumps({**EXTRA, "seed": 5}), "--save-result"]
-    argv += ["--result-dir", str(tmp_path), "--result-filename", "run.json"]
-    assert cli.main(argv) == 0
-    result = json.loads((tmp_path / "run.json").read_text())
-    assert (result["completed"], result["n_ttfa"], result["model"]) == (2, 2, MODEL)
-    assert 0 < result["mean_ttfa_ms"] <= result["mean_e2el_ms"]
-    assert result["audio_out_s"] > 0  # read from the WAV headers of the streamed chunks
+
+def stream_speech(server, extra: dict = LONG, seed: int = 5, stop_after: int | None = None):
+    """A streamed speech request: ``(pcm bytes of the decoded pieces, data pieces, finish
+    reason, error)``; ``stop_after``: leave after that many data pieces."""
+    body = {"messages": MESSAGES, **SPEAK, **extra, "seed": seed, "stream": True}
+    body["audio"] = {"voice": "Chelsie", "format": "pcm16"}
+    pcm, pieces, reason, error = b"", 0, None, None
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            error = error or event.get("error")
+            for choice in event.get("choices", []):
+                reason = choice.get("finish_reason") or reason
+                data = (choice["delta"].get("audio") or {}).get("data")
+                if data:
+                    pcm, pieces = pcm + base64.b64decode(data), pieces + 1
+            if stop_after is not None and pieces >= stop_after:
+                break
+    return pcm, pieces, reason, error
+
+
+def stages(server) -> list[dict]:
+    return httpx.get(server.url + "/v1/omni/stages", timeout=30).json()["stages"]
+
+
+def wait_for_work(server, stage_id: int, counter: str, more: int) -> None:
+    """Until the stage's ``counter`` grew by ``more`` (a request is under way there)."""
+    start = stages(server)[stage_id][counter]
+    deadline = time.monotonic() + 30
+    while stages(server)[stage_id][counter] < start + more:
+        assert time.monotonic() < deadline, f"stage {stage_id} did no work"
+        time.sleep(0.01)
+
+
+def wait_idle(server, deadline_s: float = 5.0) -> list[dict]:
+    """The stages' status once none has a request in flight (``deadline_s`` at most)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        now = stages(server)
+        busy = [s for s in now if s["in_flight"] or s.get("num_running") or s.get("num_waiting")]
+        if not busy or time.monotonic() > deadline:
+            assert not busy, busy
+            return now
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def long_speech(server):
+    return stream_speech(server)
+
+
+def test_speech_comes_in_pieces_and_equals_the_unstreamed_answer(server, long_speech):
+    pcm, pieces, reason, error = long_speech
+    assert error is None and reason in ("stop", "length") and pieces >= 4  # 12, then 36 each
+    body = {"messages": MESSAGES, **SPEAK, **LONG, "audio": {"format": "pcm16"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"]) == pcm
+
+
+def test_metrics_time_the_first_audio_and_count_its_seconds(server, long_speech):
+    from tests.e2e.test_metrics import SPEECH_FAMILIES, scrape, value
+
+    samples = scrape(server)
+    code2wav = {"stage": "2", "model_name": MODEL}
+    assert value(samples, "omnistage:time_to_first_audio_seconds_count", **code2wav) >= 1
+    ttfa = value(samples, "omnistage:time_to_first_audio_seconds_sum", **code2wav)
+    e2e = value(samples, "omnistage:e2e_request_latency_seconds_sum", **code2wav)
+    assert 0 < ttfa
+    assert value(samples, "omnistage:audio_seconds_total", **code2wav) > 0
+    assert value(samples, "omnistage:audio_real_time_factor_count", **code2wav) >= 1
+    assert value(samples, "omnistage:request_generation_tokens_count", stage="1") >= 1
+    assert {name for name, _ in samples} >= {f + "_count" for f in SPEECH_FAMILIES} - {
+        "omnistage:audio_seconds_total_count"
+    }
+    assert e2e > 0
+
+
+def test_the_same_seed_gives_the_same_bytes_under_load(server, long_speech):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        runs = [pool.submit(stream_speech, server, LONG, seed) for seed in (5, 6, 7, 5)]
+        results = [run.result() for run in runs]
+    assert results[0][0] == long_speech[0] and results[3][0] == long_speech[0]
+    assert results[1][0] != long_speech[0]
+
+
+def test_a_client_that_leaves_mid_stream_stops_every_stage(server):
+    pcm, pieces, _, _ = stream_speech(
+        server, {**LONG, "talker_params": {"max_tokens": 1500}}, stop_after=1
+    )
+    assert pieces == 1
+    before = wait_idle(server)
+    time.sleep(0.3)
+    after = stages(server)
+    for key in ("num_generated_tokens", "num_synthesis_steps", "num_prefill_tokens"):
+        assert [s.get(key) for s in after] == [s.get(key) for s in before], key
+    talker = after[1]
+    assert talker["num_free_kv_blocks"] == talker["num_kv_blocks"]  # its KV cache is free
+
+
+@pytest.mark.parametrize("mode", ["abort", "keep"])
+def test_a_code2wav_sleep_mid_stream_follows_its_mode(server, long_speech, mode):
+    # Aborted: a reply long enough to be surely mid-way; kept: the one heard alone before.
+    extra = {**LONG, "talker_params": {"max_tokens": 1500}} if mode == "abort" else LONG
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run = pool.submit(stream_speech, server, extra)
+        wait_for_work(server, 2, "num_synthesis_steps", 1)
+        body = {"stage_ids": [2], "level": 1, "mode": mode}
+        r = httpx.post(server.url + "/v1/omni/sleep", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [2]}, timeout=60)
+        assert r.status_code == 200, r.text
+        pcm, _, reason, error = run.result()
+    if mode == "abort":
+        assert reason == "abort" or error is not None
+    else:
+        assert (pcm, error) == (long_speech[0], None)  # kept, then finished as alone
+    wait_idle(server)
+
+
+def test_a_killed_talker_ends_the_stream_with_an_error_and_comes_back(server, long_speech):
+    """Last in the module: the talker's process is killed and restarted."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        run = pool.submit(stream_speech, server, {**LONG, "talker_params": {"max_tokens": 4000}})
+        wait_for_work(server, 2, "num_synthesis_steps", 1)  # speech on its way
+        os.kill(stages(server)[1]["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        _, _, reason, error = run.result()
+        assert time.monotonic() - killed < 2.0
+    assert error is not None or reason == "error"
+    deadline = time.monotonic() + 60
+    while stages(server)[1]["state"] != "awake" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stream_speech(server)[0] == long_speech[0]

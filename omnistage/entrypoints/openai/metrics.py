@@ -35,6 +35,9 @@ _TOKEN_BUCKETS = (
     0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
     0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+# vLLM's request_prompt_tokens / request_generation_tokens buckets (1-2-5 steps).
+_LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+_RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0)
 _CONTROL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # vLLM's engine_sleep_state values for the levels.
 SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
@@ -80,6 +83,31 @@ class ServerMetrics:
             _REQUEST_BUCKETS,
             [],
         )
+        self.ttfa = histogram(
+            "time_to_first_audio_seconds",
+            "Time from a request's arrival to its first audio samples (speech stages; with a "
+            "streamed edge, the first chunk's).",
+            _REQUEST_BUCKETS,
+            [],
+        )
+        self.audio_seconds = counter(
+            "audio_seconds", "Seconds of audio produced (speech stages).", stage
+        )
+        self.real_time_factor = histogram(
+            "audio_real_time_factor",
+            "A speech stage's compute seconds per second of audio it made, per request.",
+            _RTF_BUCKETS,
+            [],
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request (AR stages).", _LENGTH_BUCKETS, []
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens",
+            "Tokens generated per sample (AR stages).",
+            _LENGTH_BUCKETS,
+            [],
+        )
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of finished requests (AR stages).", stage
         )
@@ -114,6 +142,11 @@ class ServerMetrics:
         self.request_success.labels(*labels, stats.finish_reason or "unknown").inc()
         if stats.queue_s is not None:
             self.queue_time.labels(*labels).observe(stats.queue_s)
+        if stats.first_audio_s is not None:
+            self.ttfa.labels(*labels).observe(stats.first_audio_s)
+        if stats.audio_s > 0:
+            self.audio_seconds.labels(*labels).inc(stats.audio_s)
+            self.real_time_factor.labels(*labels).observe(stats.audio_compute_s / stats.audio_s)
         if not stats.streams_tokens:
             return
         if stats.ttft_s is not None:
@@ -122,7 +155,9 @@ class ServerMetrics:
             self.inter_token.labels(*labels).observe(gap)
         if stats.index == 0:  # the n samples of a request share one prompt
             self.prompt_tokens.labels(*labels).inc(stats.num_prompt_tokens)
+            self.request_prompt_tokens.labels(*labels).observe(stats.num_prompt_tokens)
         self.generation_tokens.labels(*labels).inc(stats.num_output_tokens)
+        self.request_generation_tokens.labels(*labels).observe(stats.num_output_tokens)
 
     def observe_control(self, operation: str, acks: list[dict[str, Any]]) -> None:
         for ack in acks:
@@ -204,6 +239,9 @@ class StageStateCollector(Collector):
             "stage_released_bytes", "Memory a stage's arena has released (asleep tags)."
         )
         restarts = counter("stage_restarts", "Times the server restarted a stage's process.")
+        preemptions = counter(
+            "num_preemptions", "Sequences an AR stage preempted (KV cache full), as vLLM's."
+        )
         queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in an AR stage's prefix cache."
         )
@@ -226,6 +264,8 @@ class StageStateCollector(Collector):
             if "num_running" in row:
                 running.add_metric(ids, row["num_running"])
                 waiting.add_metric(ids, row["num_waiting"])
+            if "num_preemptions" in row:
+                preemptions.add_metric(ids, row["num_preemptions"])
             blocks = row.get("num_kv_blocks")
             if blocks:
                 kv_usage.add_metric(ids, 1.0 - row["num_free_kv_blocks"] / blocks)
@@ -243,4 +283,4 @@ class StageStateCollector(Collector):
                 encoder_queries.add_metric(ids, encoders.get("queries", 0))
                 encoder_hits.add_metric(ids, encoders.get("hits", 0))
         yield from (state, sleep, running, waiting, in_flight, kv_usage, resident, released)
-        yield from (restarts, queries, hits, encoder_queries, encoder_hits)
+        yield from (restarts, preemptions, queries, hits, encoder_queries, encoder_hits)

@@ -85,6 +85,13 @@ class ServerConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to listen on.")
     port: int = Field(default=8000, ge=0, le=65535, description="Port to listen on.")
     enable_sleep_mode: bool = Field(default=False, description="Allow sleep/wake of every stage.")
+    stream: bool | None = Field(
+        default=None,
+        description="--no-stream: hand every stage's output to the next whole, also where the "
+        "pipeline streams it (speech is then synthesised in one piece, equal to the model's "
+        "reference bit for bit, and its first audio comes after the whole reply); default: "
+        "as the pipeline says (stream: true edges take their input chunk by chunk).",
+    )
     auto_wake: bool = Field(
         default=False, description="Wake an asleep stage when a request needs it (instead of 503)."
     )
@@ -355,6 +362,8 @@ class ServerConfig(BaseModel):
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True
+        if self.stream is False:
+            overrides["stream"] = False
         return {k: v for k, v in overrides.items() if v is not None}
 
     def pipeline_config(self, on_build: object = None) -> PipelineConfig:

@@ -110,6 +110,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
         )
         self._closed = False
         self.num_prefill_tokens = 0  # tokens computed by prefills (not taken from the cache)
+        self.num_generated_tokens = 0  # tokens sampled (a stopped request adds none)
 
     def info(self) -> ARStageInfo:
         """What the API process needs to validate requests before they reach this stage, as
@@ -248,6 +249,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                     seq.params.logprobs or 0,
                     self.decode_token,
                 )
+            self.num_generated_tokens += 1
             self._queued_outputs.append(
                 append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
             )
@@ -339,6 +341,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
             "num_running": len(self.scheduler.running),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_prefill_tokens": self.num_prefill_tokens,
+            "num_generated_tokens": self.num_generated_tokens,
             "num_kv_blocks": self.worker.num_kv_blocks,
             "num_free_kv_blocks": self.block_manager.num_free_blocks,
             "prefix_cache": self.block_manager.cache_status(),

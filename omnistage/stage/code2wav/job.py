@@ -5,6 +5,7 @@ aborts between steps. ``finish()`` hands back the request's ``AudioOutput``."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ class Code2WavJob:
         self.request = request
         self.seed = seed
         self._dropped = False
+        self.compute_s = 0.0  # time spent synthesising
         self.synthesis = vocoder.synthesis(request.codes, request.params, seed)
 
     @property
@@ -37,15 +39,20 @@ class Code2WavJob:
         return self.request
 
     def advance(self) -> None:
+        started = time.perf_counter()
         self.synthesis.advance()
+        self.compute_s += time.perf_counter() - started
 
     def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
+        started = time.perf_counter()
+        samples = self.synthesis.waveform()
         output = AudioOutput(
-            samples=self.synthesis.waveform(),
+            samples=samples,
             sample_rate=self.vocoder.sample_rate,
             voice=self.synthesis.voice,
             seed=self.seed,
             codes=list(self.request.codes),
+            compute_s=self.compute_s + time.perf_counter() - started,
         )
         return [(self.request, output)]
 
@@ -69,6 +76,7 @@ class StreamingCode2WavJob:
         self.request = request
         self.seed = seed
         self._dropped = False
+        self.compute_s = 0.0  # synthesis time not yet reported with samples
         self.stream = vocoder.streaming_synthesis(request.params, seed, chunks)
         self.stream.add_codes(list(request.codes))
         if request.input_ended:
@@ -100,15 +108,19 @@ class StreamingCode2WavJob:
             self.stream.end_input()
 
     def advance(self) -> None:
+        started = time.perf_counter()
         self.stream.advance()
+        self.compute_s += time.perf_counter() - started
 
     def _output(self, samples: torch.Tensor, *, last: bool) -> AudioOutput:
+        compute_s, self.compute_s = self.compute_s, 0.0
         return AudioOutput(
             samples=samples,
             sample_rate=self.vocoder.sample_rate,
             voice=self.stream.voice,
             seed=self.seed,
             codes=list(self.request.codes) if last else [],
+            compute_s=compute_s,
         )
 
     def take_partial(self) -> list[tuple[Code2WavRequest, AudioOutput]]:

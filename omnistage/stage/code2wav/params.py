@@ -69,6 +69,7 @@ class AudioOutput(msgspec.Struct, tag="audio"):
     voice: str
     seed: int | None = None
     codes: list[int] = []  # the speech codes it speaks (what the upstream stage produced)
+    compute_s: float = 0.0  # the stage's synthesis time for these samples
 
     def to_client(self) -> OmniAudio:
         return OmniAudio(
