@@ -23,6 +23,7 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.openai.served import accepted_model_names
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
+    from omnistage.entrypoints.serve.omni_control.journal import ControlJournal
     from omnistage.entrypoints.serve.stage_states import stage_states
 
     state.engine_client = engine_client
@@ -36,8 +37,10 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.log_requests = not config.disable_log_requests
     state.media_policy = MediaPolicy.from_config(config)
     state.metrics = ServerMetrics(config.model_name)
+    state.control_journal = ControlJournal()  # GET /v1/omni/acks
     if hasattr(engine_client, "add_control_listener"):
         engine_client.add_control_listener(state.metrics.observe_control)
+        engine_client.add_control_listener(state.control_journal.record)
     if hasattr(engine_client, "add_request_listener"):
         engine_client.add_request_listener(state.metrics.observe_request)
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Body, Depends, Query, Request
 
 from omnistage.entrypoints.serve.auth import require_control_key
 from omnistage.entrypoints.serve.deps import EngineClientDep, StageStatesDep
+from omnistage.entrypoints.serve.omni_control.journal import JOURNAL_LENGTH, OmniAcksResponse
 from omnistage.entrypoints.serve.omni_control.operations import (
     pause_stages,
     resume_stages,
@@ -80,6 +81,18 @@ async def omni_wakeup(
 async def omni_stages(engine_client: EngineClientDep) -> OmniStagesResponse:
     """Per-stage state, level, sleeping tags, paused flag, in-flight counts and memory."""
     return OmniStagesResponse(stages=await stage_statuses(engine_client))
+
+
+@router.get("/acks", response_model=OmniAcksResponse)
+async def omni_acks(
+    request: Request,
+    limit: int = Query(default=JOURNAL_LENGTH, ge=1, le=JOURNAL_LENGTH),
+    after: int = Query(default=0, ge=0),
+) -> OmniAcksResponse:
+    """The last control operations (sleep, wake_up, update_weights) with their ACKs, oldest
+    first, whatever started them; ``after``: only those with a greater ``seq``."""
+    journal = getattr(request.app.state, "control_journal", None)
+    return OmniAcksResponse(operations=journal.entries(limit, after) if journal else [])
 
 
 @router.post("/pause", response_model_exclude_none=True)

@@ -12,6 +12,7 @@ CONTROL_ROUTES = [
     ("POST", "/v1/omni/sleep", {"stage_ids": [0]}),
     ("POST", "/v1/omni/wakeup", {"stage_ids": [0]}),
     ("GET", "/v1/omni/stages", None),
+    ("GET", "/v1/omni/acks", None),
     ("POST", "/v1/omni/pause", None),
     ("POST", "/v1/omni/resume", None),
     ("POST", "/v1/omni/update_weights", {"stage_id": 0, "path": "/ckpt"}),
