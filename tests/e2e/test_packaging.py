@@ -67,3 +67,6 @@ def test_a_plain_install_serves_the_image_pipeline(clean_venv, tmp_path):
         assert r.status_code == 200, r.text
         png = base64.b64decode(r.json()["data"][0]["b64_json"])
         assert png.startswith(b"\x89PNG")
+        page = httpx.get(server.url + "/ui/")  # the console's files are package data
+        assert page.status_code == 200 and "static/app.js" in page.text
+        assert httpx.get(server.url + "/ui/static/console.js").status_code == 200

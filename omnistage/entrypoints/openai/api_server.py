@@ -148,6 +148,10 @@ def build_app(
     app.include_router(vllm_compat.router)
     app.include_router(rl_routes.router)
     app.include_router(vllm_dev.router)
+    if not config.no_ui:
+        from omnistage.entrypoints.serve.ui import mount_ui
+
+        mount_ui(app)
     return app
 
 
@@ -163,6 +167,8 @@ def ready_banner(config: ServerConfig, port: int) -> str:
         control = ' -H "Authorization: Bearer $OMNISTAGE_CONTROL_API_KEY"'
     json_body = "-H 'Content-Type: application/json'"
     lines = [f"omnistage is ready at {base} (model {config.model_name!r})"]
+    if not config.no_ui:
+        lines.append(f"console and playground: {base}/ui")
     if data or control:
         lines.append("keys are not shown: the lines below read them from your shell's variables")
     return "\n".join(

@@ -215,6 +215,11 @@ class ServerConfig(BaseModel):
     disable_log_requests: bool = Field(
         default=False, description="No log line per request (errors are still logged)."
     )
+    no_ui: bool = Field(
+        default=False,
+        description="Do not serve the operator console and playground at /ui (the page calls "
+        "the routes with the keys its user types; see docs/ui.md).",
+    )
     allowed_local_media_path: str | None = Field(
         default=None,
         description="Folder whose files a request may name as file:// media URLs (symlinks "

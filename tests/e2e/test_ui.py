@@ -1,0 +1,228 @@
+"""The console and playground at /ui, in a real headless Chromium (the DevTools protocol over a
+pipe, ``tests/e2e/browser.py``) on one ``tiny-omni`` server with an API key and a control key:
+without the key the page shows its login prompt and no data; signed in, both stages awake;
+sleep stage 1 at level 2 and see its state and released memory within 2 s, wake it; a level
+typed by hand that the server refuses shows the server's 400; a chat gets its reply, and its
+picture. A screenshot of each step goes to ``$OMNISTAGE_UI_SCREENSHOTS`` (else pytest's temp
+folder; the path is printed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.browser import Browser, Page, ensure_chromium
+from tests.e2e.server import Server, running_server
+
+API_KEY = "ui-data-key"
+CONTROL_KEY = "ui-control-key"
+STAGE_1 = '.stage[data-stage-id="1"]'
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    with running_server(
+        "--pipeline",
+        "tiny-omni",
+        "--enable-sleep-mode",
+        "--api-key",
+        API_KEY,
+        "--control-api-key",
+        CONTROL_KEY,
+    ) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    browser = Browser(ensure_chromium(), tmp_path_factory.mktemp("chromium"))
+    try:
+        yield browser
+    finally:
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def shots(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get("OMNISTAGE_UI_SCREENSHOTS")
+    folder = Path(given) if given else tmp_path_factory.mktemp("ui-screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\nUI screenshots: {folder}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def page(browser: Browser, server: Server, shots: Path) -> Iterator[Page]:
+    """A tab signed in with both keys; it must end without a JavaScript error."""
+    page = browser.page()
+    page.goto(server.url + "/ui")
+    page.wait_for("document.querySelector('#login').open")
+    page.type("#api-key", API_KEY)
+    page.type("#control-key", CONTROL_KEY)
+    page.click("#login-submit")
+    page.wait_for("document.querySelectorAll('.stage').length === 2")
+    yield page
+    assert page.errors() == []
+
+
+def text(page: Page, selector: str) -> str:
+    return str(page.eval(f"document.querySelector({json.dumps(selector)})?.textContent ?? ''"))
+
+
+def test_without_the_key_the_page_shows_its_login_prompt_and_no_data(
+    browser: Browser, server: Server, shots: Path
+) -> None:
+    page = browser.page()  # a tab of its own: no key in its session storage
+    try:
+        page.goto(server.url + "/ui")
+        page.wait_for("document.querySelector('#login').open")
+        assert "401" in text(page, "#login-reason")
+        page.type("#api-key", "wrong")
+        page.click("#login-submit")
+        page.wait_for("document.querySelector('#login').open")
+        page.screenshot(shots / "01-login.png")
+        shown = str(page.eval("document.body.innerText"))
+        assert page.eval("document.querySelectorAll('.stage, .msg, #acks tbody tr').length") == 0
+        assert "thinker" not in shown and "tiny-omni" not in shown, shown
+        assert page.errors() == []
+    finally:
+        page.close()
+
+
+def test_signed_in_the_pipeline_shows_both_stages_awake(page: Page, shots: Path) -> None:
+    page.wait_for("document.querySelectorAll('.stage[data-state=awake]').length === 2")
+    assert text(page, '.stage[data-stage-id="0"] h3') == "0 · thinker"
+    assert text(page, f"{STAGE_1} h3") == "1 · image-decoder"
+    assert text(page, f"{STAGE_1} .released").startswith("0 B")
+    page.wait_for("document.querySelectorAll('.memory-chart polyline').length >= 4")
+    page.screenshot(shots / "02-both-awake.png")
+
+
+def test_sleep_stage_1_at_level_2_and_wake_it(page: Page, server: Server, shots: Path) -> None:
+    page.type(f"{STAGE_1} input.level", "2")
+    pressed = time.monotonic()
+    page.click(f"{STAGE_1} button.sleep")
+    page.wait_for(
+        f"""document.querySelector('{STAGE_1}').dataset.state === 'asleep'
+            && document.querySelector('{STAGE_1} .state').textContent.includes('level 2')
+            && !document.querySelector('{STAGE_1} .released').textContent.startsWith('0 B')"""
+    )
+    assert time.monotonic() - pressed < 2.0
+    stages = httpx.get(server.url + "/v1/omni/stages", headers=server.control_headers()).json()
+    released = stages["stages"][1]["memory"]["reserved_bytes"]
+    assert released > 0 and stages["stages"][1]["memory"]["resident_bytes"] == 0
+    assert text(page, f"{STAGE_1} .released") == f"{released / 2**20:.1f} MiB released"
+    page.wait_for("document.querySelector('#acks tbody tr')?.textContent.includes('sleep')")
+    page.screenshot(shots / "03-stage-1-asleep.png")
+
+    page.click(f"{STAGE_1} button.wake")
+    page.wait_for(
+        f"""document.querySelector('{STAGE_1}').dataset.state === 'awake'
+            && document.querySelector('{STAGE_1} .released').textContent.startsWith('0 B')"""
+    )
+    page.wait_for("document.querySelector('#acks tbody tr')?.textContent.includes('wake_up')")
+    assert "HTTP 200" in text(page, "#answer")
+    page.screenshot(shots / "04-stage-1-awake-again.png")
+
+
+def test_a_level_the_server_refuses_shows_its_400(page: Page, server: Server, shots: Path) -> None:
+    page.type(f"{STAGE_1} input.level", "7")
+    page.click(f"{STAGE_1} button.sleep")
+    page.wait_for("document.querySelector('#answer').dataset.status === '400'")
+    said = httpx.post(
+        server.url + "/v1/omni/sleep",
+        json={"stage_ids": [1], "level": 7},
+        headers=server.control_headers(),
+    )
+    assert said.status_code == 400
+    answer = text(page, "#answer")
+    assert "HTTP 400" in answer and json.dumps(said.json(), indent=2) in answer
+    assert said.json()["error"]["message"] in text(page, f"{STAGE_1} .reply")
+    assert page.eval(f"document.querySelector('{STAGE_1}').dataset.state") == "awake"
+    page.screenshot(shots / "05-level-7-refused.png")
+    page.type(f"{STAGE_1} input.level", "2")
+
+
+def test_a_chat_in_the_playground_gets_the_servers_reply(
+    page: Page, server: Server, shots: Path
+) -> None:
+    page.type("#temperature", "0")
+    page.type("#max-tokens", "8")
+    page.type("#chat-input", "Hello")
+    page.click("#send")
+    page.wait_for("!!document.querySelector('.msg.assistant[data-done]')")
+    reply = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+        headers=server.data_headers(),
+        timeout=60,
+    ).json()
+    assert text(page, ".msg.assistant .text") == reply["choices"][0]["message"]["content"]
+    assert "finish: length" in text(page, ".msg.assistant .meta")
+
+    page.click("#modalities input[value=image]")  # the image decoder draws the reply
+    page.type("#chat-input", "Draw it")
+    page.click("#send")
+    page.wait_for("document.querySelectorAll('.msg.assistant[data-done]').length === 2")
+    page.wait_for("document.querySelector('.reply-image')?.naturalWidth > 0")
+    assert page.eval("document.querySelectorAll('.msg.error').length") == 0
+    page.screenshot(shots / "06-chat.png")
+
+
+def test_speech_plays_from_pieces_cut_anywhere(page: Page) -> None:
+    """The playground's decoder of streamed speech (delta.audio): a WAV cut at odd places in
+    its base64 and its bytes, with known or unknown sizes, and raw pcm16 give back every
+    sample at the audio's rate."""
+    result = page.eval(
+        """(async () => {
+          const { PcmStream, encodeWav } = await import("./static/audio.js");
+          const rate = 24000, n = 4801;
+          const wave = Float32Array.from({ length: n }, (_, i) => 0.5 * Math.sin(i / 7));
+          const wav = encodeWav(wave, rate);
+          const unknown = wav.slice();
+          new DataView(unknown.buffer).setUint32(4, 0xffffffff, true);
+          new DataView(unknown.buffer).setUint32(40, 0xffffffff, true);
+          const b64 = (bytes) => btoa(String.fromCharCode(...bytes));
+          const run = (format, pieces) => {
+            const pcm = new PcmStream(format);
+            const got = [];
+            let rateSeen = 0;
+            for (const piece of pieces) {
+              const out = pcm.push(piece);
+              if (out) { got.push(...out.data[0]); rateSeen = out.rate; }
+            }
+            const err = Math.max(...got.map((v, i) => Math.abs(v - wave[i])));
+            return { n: got.length, rate: rateSeen, err };
+          };
+          const text = b64(wav);
+          const cuts = [];  // base64 cut at 1, 2, 3, 5, ... characters: inside quanta too
+          for (let at = 0, step = 1; at < text.length; at += step, step = step % 13 + 1) {
+            cuts.push(text.slice(at, at + step));
+          }
+          const byBytes = [];  // each piece its own base64, cut inside the header and samples
+          for (const [a, b] of [[0, 7], [7, 45], [45, 46], [46, 2001], [2001, wav.length]]) {
+            byBytes.push(b64(unknown.slice(a, b)));
+          }
+          const raw = wav.slice(44);
+          return {
+            chars: run("wav", cuts),
+            bytes: run("wav", byBytes),
+            pcm16: run("pcm16", [b64(raw.slice(0, 301)), b64(raw.slice(301))]),
+          };
+        })()"""
+    )
+    for name, got in result.items():
+        assert got["n"] == 4801 and got["rate"] == 24000, (name, got)
+        assert got["err"] <= 1 / 32767, (name, got)
