@@ -115,6 +115,17 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
     def _status_fields(self) -> dict[str, Any]:
         return {}
 
+    def _companions(self, job: StepJob, runnable: list[StepJob]) -> list[StepJob]:
+        """Jobs that take their next step together with ``job`` (a kind that batches steps
+        of separate jobs says which; by default none)."""
+        return []
+
+    def _advance_together(self, jobs: list[StepJob]) -> None:
+        """One step of each of ``jobs`` at once (for the kinds whose ``_companions`` may
+        name some)."""
+        for job in jobs:
+            job.advance()
+
     def _append(self, request_id: str, token_ids: list[int], final: bool) -> bool:
         """Give a streamed request more input (queued or in its job); False if it is not
         here. Kinds that take streamed input implement it."""
@@ -174,7 +185,8 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
                 job for job in self._jobs if _is_ready(job) and self._may_run(job.request_ids)
             ]
             if runnable:
-                self._advance(runnable[self.num_steps % len(runnable)])
+                job = runnable[self.num_steps % len(runnable)]
+                self._advance([job, *self._companions(job, runnable)])
         outputs, self._finished = self._finished, []
         return outputs
 
@@ -214,10 +226,25 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         except Exception as exc:
             self._fail([r.request_id for r in requests], exc)
 
-    def _advance(self, job: StepJob) -> None:
+    def _advance(self, jobs: list[StepJob]) -> None:
         self.num_steps += 1
         try:
-            job.advance()
+            if len(jobs) == 1:
+                jobs[0].advance()
+            else:
+                self._advance_together(jobs)
+        except Exception as exc:
+            for job in jobs:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+            self._fail([r for job in jobs for r in job.request_ids], exc)
+            return
+        for job in jobs:
+            self._after_step(job)
+
+    def _after_step(self, job: StepJob) -> None:
+        """Hand out what a stepped job has ready: partial results, or its outputs when done."""
+        try:
             for request, media in getattr(job, "take_partial", list)():
                 self._finished.append(StageOutput(request.request_id, media=[media]))
             if not job.is_done:

@@ -12,7 +12,8 @@ noise ``[1, len(codes) * repeats, mel_dim]`` from a CPU generator seeded with th
 same draw as the global CPU generator), the voice's ``cond`` repeated along time as the
 speaker embedding, its ``ref_mel`` as the reference, time points ``linspace(0, 1, num_steps)``
 swayed by ``sway_coefficient``. The arithmetic is transformers', term by term, so the
-waveform equals its output; a job's result never depends on the jobs beside it.
+waveform equals its output; a job's result never depends on the jobs beside it, also when
+its steps share DiT forwards with theirs (``advance_together``, ``dit_batch``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from omnistage.models.qwen2_5_omni.dit_batch import DiTRows, guided_velocity
 
 # RungeKutta4ODESolver's constants (Python floats, as there)
 ONE_THIRD = 1 / 3
@@ -82,6 +85,7 @@ class Token2WavSynthesis:
         # integrate(): the solution entry to fill next; the last entry is the result
         self._solution_index = 1
         self._result: torch.Tensor | None = None
+        self._rows: DiTRows | None = None
 
     @property
     def is_done(self) -> bool:
@@ -112,18 +116,42 @@ class Token2WavSynthesis:
         guided, null = torch.chunk(output, 2, dim=0)
         return guided + (guided - null) * guidance
 
-    @torch.inference_mode()
-    def advance(self) -> None:
-        """One step of ``RungeKutta4ODESolver.integrate``."""
+    @property
+    def batch_key(self) -> tuple[int, int] | None:
+        """Syntheses with equal keys can take their steps together (``advance_together``):
+        guided ones of as many frames. None: alone (unguided)."""
+        if self.guidance_scale < NO_GUIDANCE_BELOW:
+            return None
+        return int(self.value.shape[1]), int(self.value.shape[2])
+
+    def rows(self) -> DiTRows:
+        if self._rows is None:
+            self._rows = DiTRows.of(
+                self.pipeline.dit, self.codes, self.speaker, self.ref_mel, self.guidance_scale
+            )
+        return self._rows
+
+    def stage_point(self, stage: int, ks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where RK4's ``stage``-th velocity (0-3) of the next step is taken, given the ones
+        before (``RungeKutta4ODESolver._rk4_step``'s terms)."""
+        times, i, y = self.times, self.step_index, self.value
+        t0, t1 = times[i], times[i + 1]
+        dt = t1 - t0
+        if stage == 0:
+            return t0, y
+        if stage == 1:
+            return t0 + dt * ONE_THIRD, y + dt * ks[0] * ONE_THIRD
+        if stage == 2:
+            return t0 + dt * TWO_THIRDS, y + dt * (ks[1] - ks[0] * ONE_THIRD)
+        return t1, y + dt * (ks[0] - ks[1] + ks[2])
+
+    def complete_step(self, ks: list[torch.Tensor]) -> None:
+        """The step from its four velocities (``RungeKutta4ODESolver.integrate``)."""
         times, i = self.times, self.step_index
         t0, t1 = times[i], times[i + 1]
         dt = t1 - t0
         y = self.value
-        f = self._velocity
-        k1 = f(t0, y)
-        k2 = f(t0 + dt * ONE_THIRD, y + dt * k1 * ONE_THIRD)
-        k3 = f(t0 + dt * TWO_THIRDS, y + dt * (k2 - k1 * ONE_THIRD))
-        k4 = f(t1, y + dt * (k1 - k2 + k3))
+        k1, k2, k3, k4 = ks
         y_next = y + (k1 + 3 * (k2 + k3) + k4) * dt / 8
         last = len(times) - 1
         while self._solution_index <= last and t1 >= times[self._solution_index]:
@@ -132,6 +160,20 @@ class Token2WavSynthesis:
             self._solution_index += 1
         self.value = y_next
         self.step_index += 1
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """One step of ``RungeKutta4ODESolver.integrate``."""
+        ks: list[torch.Tensor] = []
+        for stage in range(4):
+            ks.append(self._velocity(*self.stage_point(stage, ks)))
+        self.complete_step(ks)
+
+    def current(self) -> Token2WavSynthesis:
+        return self
+
+    def settle(self) -> None:
+        pass
 
     def mel(self) -> torch.Tensor:
         """The final mel ``[1, frames, mel_dim]``: the solver's last solution entry; where a
@@ -144,6 +186,35 @@ class Token2WavSynthesis:
         """The BigVGAN on the final mel (it clamps to [-1, 1] and returns the samples on the
         CPU), flattened to 1-D float32."""
         return self.pipeline.vocoder(self.mel().permute(0, 2, 1)).reshape(-1).float()
+
+
+@torch.inference_mode()
+def advance_together(items: list[Any]) -> None:
+    """One step of each of ``items`` (``Token2WavSynthesis`` or a stream, whose ``current()``
+    synthesis steps and which ``settle()`` afterwards): those with the same ``batch_key``
+    share each DiT forward (``dit_batch``), each getting the values it gets alone."""
+    syntheses = [item.current() for item in items]
+    groups: dict[Any, list[Token2WavSynthesis]] = {}
+    for synthesis in syntheses:
+        key = synthesis.batch_key
+        groups.setdefault(key if key is not None else id(synthesis), []).append(synthesis)
+    for group in groups.values():
+        if len(group) == 1:
+            group[0].advance()
+            continue
+        ks: list[list[torch.Tensor]] = [[] for _ in group]
+        dit = group[0].pipeline.dit
+        for stage in range(4):
+            points = [s.stage_point(stage, k) for s, k in zip(group, ks, strict=True)]
+            velocities = guided_velocity(
+                dit, [s.rows() for s in group], [t for t, _ in points], [y for _, y in points]
+            )
+            for k, v in zip(ks, velocities, strict=True):
+                k.append(v)
+        for synthesis, k in zip(group, ks, strict=True):
+            synthesis.complete_step(k)
+    for item in items:
+        item.settle()
 
 
 def synthesize(pipeline: Any, codes: list[int], params: Any, seed: int) -> torch.Tensor:

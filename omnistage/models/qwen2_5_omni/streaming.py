@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from omnistage.models.qwen2_5_omni.code2wav import Token2WavSynthesis
+from omnistage.models.qwen2_5_omni.code2wav import NO_GUIDANCE_BELOW, Token2WavSynthesis
 
 ACTIVATION_REACH = 6  # samples either side of an anti-aliased activation (12-tap filters at 2x)
 
@@ -134,12 +134,13 @@ class Token2WavStream:
     def is_done(self) -> bool:
         return self.ended and self._window is None and self.done_codes >= len(self.codes)
 
-    @torch.inference_mode()
-    def advance(self) -> None:
+    def current(self) -> Token2WavSynthesis:
+        """The window to step next (started from the next chunk's span if none is under way;
+        only when ``is_ready``)."""
         if self._window is None:
             span = self._next_span()
             if span is None:
-                return
+                raise RuntimeError("no chunk is ready to synthesise")
             self._span = span
             start, end = span[0], span[3]
             frames = slice(start * self.repeats, end * self.repeats)
@@ -147,10 +148,31 @@ class Token2WavStream:
                 self.pipeline, self.codes[start:end], self.params, 0, noise=self._noise[:, frames]
             )
             self.num_windows += 1
-        self._window.advance()
-        if self._window.is_done:
+        return self._window
+
+    @property
+    def batch_key(self) -> Any:
+        """The next step's ``Token2WavSynthesis.batch_key`` (streams with equal keys step
+        together); None when not ready."""
+        if self._window is not None:
+            return self._window.batch_key
+        span = self._next_span()
+        if span is None or self.params.guidance_scale < NO_GUIDANCE_BELOW:
+            return None
+        return (span[3] - span[0]) * self.repeats, int(self.pipeline.mel_dim)
+
+    def settle(self) -> None:
+        """After a step of the current window: a finished window's chunk is spoken."""
+        if self._window is not None and self._window.is_done:
             self._vocode(self._window.mel())
             self._window = None
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        if not self.is_ready:
+            return
+        self.current().advance()
+        self.settle()
 
     def _vocode(self, mel: torch.Tensor) -> None:
         """Keep the chunk's mel and speak it, between the final frames before it and the

@@ -185,6 +185,13 @@ class Token2WavPipeline:
 
         return Token2WavSynthesis(self, codes, params, seed)
 
+    def advance_together(self, items: list[Any]) -> None:
+        """One step of each synthesis or stream, sharing DiT forwards where shapes match
+        (``code2wav.advance_together``)."""
+        from omnistage.models.qwen2_5_omni.code2wav import advance_together
+
+        advance_together(items)
+
     def streaming_synthesis(self, params: Any, seed: int, chunks: Any) -> Any:
         """One utterance spoken chunk by chunk as its codes arrive
         (``streaming.Token2WavStream``; ``chunks``: first_chunk, chunk, left/right context)."""

@@ -12,6 +12,7 @@ without a seed draws one, reported in its ``AudioOutput``.
 from __future__ import annotations
 
 import secrets
+import time
 from typing import Any
 
 from omnistage.config import StageConfig
@@ -34,6 +35,7 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
             raise ValueError(f"Code2WavStageEngine needs kind {KIND!r}, got {config.kind!r}")
         super().__init__(config, Code2WavWorker(config, load_weights=load_weights))
         self.limits: Code2WavLimits = self.worker.limits
+        self.num_batched_steps = 0  # steps several utterances took together
 
     @property
     def vocoder(self) -> Any:
@@ -90,6 +92,23 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
                 return True
         return False
 
+    def _companions(self, job: StepJob, runnable: list[StepJob]) -> list[StepJob]:
+        """Utterances whose next step has the same shape share its DiT forwards (each still
+        gets the samples it gets alone: ``advance_together``)."""
+        key = getattr(job, "batch_key", None)
+        if key is None:
+            return []
+        same = [j for j in runnable if j is not job and getattr(j, "batch_key", None) == key]
+        return same[: self.config.max_num_seqs - 1]
+
+    def _advance_together(self, jobs: list[StepJob]) -> None:
+        started = time.perf_counter()
+        self.vocoder.advance_together([job.target for job in jobs])  # type: ignore[attr-defined]
+        share = (time.perf_counter() - started) / len(jobs)
+        for job in jobs:
+            job.compute_s += share  # type: ignore[attr-defined]
+        self.num_batched_steps += 1
+
     def _check_request(self, request: Code2WavRequest) -> None:
         validate_request(request, self.limits)
 
@@ -106,6 +125,7 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
         return {
             "num_requests_started": self.num_jobs,
             "num_synthesis_steps": self.num_steps,
+            "num_batched_steps": self.num_batched_steps,
             "weight_bytes": self.vocoder.weight_bytes,
             "voices": list(self.limits.voices),
             "default_voice": self.limits.default_voice,

@@ -32,6 +32,15 @@ class Code2WavJob:
     def is_done(self) -> bool:
         return bool(self.synthesis.is_done)
 
+    @property
+    def target(self) -> Any:
+        """What the vocoder's ``advance_together`` steps for this job."""
+        return self.synthesis
+
+    @property
+    def batch_key(self) -> Any:
+        return None if self._dropped else self.synthesis.batch_key
+
     def drop(self, request_id: str) -> Code2WavRequest | None:
         if self._dropped or request_id != self.request.request_id:
             return None
@@ -93,6 +102,14 @@ class StreamingCode2WavJob:
     @property
     def is_done(self) -> bool:
         return bool(self.stream.is_done)
+
+    @property
+    def target(self) -> Any:
+        return self.stream
+
+    @property
+    def batch_key(self) -> Any:
+        return None if self._dropped else self.stream.batch_key
 
     def drop(self, request_id: str) -> Code2WavRequest | None:
         if self._dropped or request_id != self.request.request_id:

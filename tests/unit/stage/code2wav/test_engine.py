@@ -233,3 +233,25 @@ def test_the_stage_process_imports_no_diffusers(omni_folder):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_utterances_of_one_length_share_forwards_and_each_equals_itself_alone(engine):
+    requests = [
+        Code2WavRequest(
+            f"b{i}",
+            codes_of(12, 20 + i),
+            Code2WavParams(
+                seed=200 + i,
+                num_steps=3 + i % 2,  # rows at other time points share a forward too
+                voice=("Chelsie", "Ethan")[i % 2],
+                guidance_scale=(0.5, 1.5, 0.0)[i % 3],  # unguided ones step alone
+            ),
+        )
+        for i in range(6)
+    ]
+    alone = {r.request_id: one(engine, r.request_id, r.codes, r.params) for r in requests}
+    batched = engine.num_batched_steps
+    together = run_all(engine, requests)
+    assert engine.num_batched_steps > batched
+    for request_id, samples in alone.items():
+        assert torch.equal(samples_of(together[request_id]), samples), request_id

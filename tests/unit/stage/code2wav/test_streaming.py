@@ -137,3 +137,22 @@ def test_an_aborted_stream_stops_and_later_input_is_dropped(engine):
     outputs = drain(engine)
     assert [o.finish_reason for o in outputs if o.finished] == ["abort"]
     assert engine.num_steps <= steps + 1 and not engine.has_unfinished_requests()
+
+
+def test_streams_share_forwards_and_each_gets_its_audio_alone(engine):
+    def run(request_ids: list[str]) -> dict[str, torch.Tensor]:
+        for request_id in request_ids:
+            engine.add_streamed_request(request_id, Code2WavStageRequest(codes=[], params=PARAMS))
+        audio: dict[str, list[torch.Tensor]] = {r: [] for r in request_ids}
+        for start in range(0, len(CODES), 6):
+            for request_id in request_ids:
+                engine.append_input(request_id, CODES[start : start + 6], start + 6 >= len(CODES))
+            for out in drain(engine):
+                audio[out.request_id].append(out.media[0].samples)
+        return {r: torch.cat(pieces) for r, pieces in audio.items()}
+
+    alone = run(["alone"])["alone"]
+    batched = engine.num_batched_steps
+    together = run([f"t{i}" for i in range(4)])
+    assert engine.num_batched_steps > batched
+    assert all(torch.equal(audio, alone) for audio in together.values())

@@ -1,0 +1,81 @@
+"""The DiT's classifier-free-guided velocity for several utterances in one forward.
+
+``Qwen2_5OmniToken2WavDiTModel.forward`` runs the speaker encoder (ECAPA, convolutions) on
+the reference mel inside every call, and oneDNN's convolutions round differently per batch
+size; everything else in the DiT is row-wise (linear layers, made row-invariant by MKL's
+strict reproducibility mode, see ``omnistage.batch_invariance``; attention per row; norms
+and activations per frame). So ``DiTRows`` runs the speaker encoder once per utterance, on
+the same two rows ``forward`` gives it (the reference and zeros), and ``guided_velocity``
+runs the rest of ``forward`` term by term on the rows of several utterances — each its own
+codes, state and time point — giving each utterance the velocity it gets alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DiTRows:
+    """One utterance's (or window's) constant inputs of the guided DiT call."""
+
+    codes: torch.Tensor  # [1, codes]
+    speaker: torch.Tensor  # [1, frames, enc_emb_dim]: the voice's cond along time
+    ref_vectors: torch.Tensor  # [2, enc_dim]: the speaker encoder on (ref_mel, zeros)
+    guidance_scale: float
+
+    @classmethod
+    @torch.inference_mode()
+    def of(
+        cls,
+        dit: Any,
+        codes: torch.Tensor,
+        speaker: torch.Tensor,
+        ref_mel: torch.Tensor,
+        scale: float,
+    ) -> DiTRows:
+        refs = torch.cat([ref_mel, torch.zeros_like(ref_mel)], dim=0)
+        return cls(codes, speaker, dit.input_embed.spk_encoder(refs), float(scale))
+
+    @property
+    def frames(self) -> int:
+        return int(self.speaker.shape[1])
+
+
+@torch.inference_mode()
+def guided_velocity(
+    dit: Any, rows: list[DiTRows], times: list[torch.Tensor], states: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``guided + (guided - null) * scale`` per utterance, as ``sample()``'s ``ode_function``
+    computes it with ``apply_cfg=True``, for utterances of the same number of frames."""
+    n = len(rows)
+    y = torch.cat(states, dim=0)
+    hidden = torch.cat([y, y], dim=0)  # guided rows, then null rows
+    time_step = torch.stack([t.reshape(()) for t in times])
+    time_embedding = dit.time_embed(torch.cat([time_step, time_step], dim=0))
+    codes = torch.cat([r.codes for r in rows], dim=0)
+    code_embed = torch.cat(
+        [dit.text_embed(codes, drop_code=False), dit.text_embed(codes, drop_code=True)], dim=0
+    )
+    speaker = torch.cat([r.speaker for r in rows], dim=0)
+    speaker = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
+    ref = torch.cat([r.ref_vectors[:1] for r in rows] + [r.ref_vectors[1:] for r in rows], dim=0)
+    ref = ref.unsqueeze(1).repeat(1, hidden.size(1), 1)
+    hidden = dit.input_embed.proj(torch.cat((hidden, ref, code_embed, speaker), dim=-1))
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device)
+    position_ids = position_ids[None, :].repeat(hidden.shape[0], 1)
+    position_embeddings = dit.rotary_embed(hidden, position_ids)
+    block_diff = dit._create_block_diff(hidden)
+    for block in dit.transformer_blocks:
+        hidden = block(
+            hidden, time_embedding, position_embeddings=position_embeddings, block_diff=block_diff
+        )
+    hidden = dit.norm_out(hidden, time_embedding)
+    output = dit.proj_out(hidden)
+    return [
+        output[i : i + 1] + (output[i : i + 1] - output[n + i : n + i + 1]) * rows[i].guidance_scale
+        for i in range(n)
+    ]
