@@ -8,9 +8,11 @@ Plain torch and httpx — no server code — so a training process imports it ch
     assert sender.remote_checksum() == weights_checksum(model.state_dict().items())
 
 Backends: ``nccl`` — a process group with the stage (NCCL on CUDA, gloo on CPU) where the
-trainer is rank 0 and broadcasts each tensor; ``ipc`` — same host: tensors go into
-shared-memory segments (CPU) or are shared as CUDA IPC handles (GPU) and the stage reads
-them directly, nothing crosses a socket. Every update announces its tensors first
+trainer is rank 0 and broadcasts each tensor (every broadcast of a chunk in flight at once);
+``ipc`` — same host, nothing crosses a socket: CPU tensors are written once, straight into
+the stage's own shared-memory staging (``start`` says where), the stage checking one chunk
+while the next is written; a stage that offers no shared staging gets them in segments of
+this process it copies out of; GPU tensors are shared as CUDA IPC handles. Every update announces its tensors first
 (``start``), so a name, shape or dtype the stage does not have fails before anything moves,
 and the stage applies nothing unless every announced tensor arrived.
 
@@ -26,6 +28,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import mmap
+import os
 import socket
 import threading
 from collections.abc import Iterable, Iterator
@@ -36,9 +40,13 @@ import httpx
 import torch
 
 from omnistage.rl.bounds import check_timeout, check_weight_version
-from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, weights_checksum
+from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, memcopy, weights_checksum
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
+STAGED_CHUNK_BYTES = (
+    64 * 1024 * 1024
+)  # ipc into the stage's staging: checked while the next is written
+MAPPED_SEGMENTS = 4  # the stage's staging segments kept mapped here
 HTTP_MARGIN_S = 30.0  # an update answers at most the transfer's timeout after it was asked
 
 
@@ -83,6 +91,7 @@ class WeightSender:
         self._group: Any = None
         self._store: Any = None
         self._segment: shared_memory.SharedMemory | None = None  # ipc: reused, faulted in once
+        self._mapped: dict[str, StagingSegment] = {}  # the stage's staging, mapped
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -144,14 +153,15 @@ class WeightSender:
         if weight_version is not None:
             check_weight_version(weight_version)  # before anything moves
         tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
-        start = {
-            "update_info": _describe(tensors).to_json(),
-            "require_session": True,
-            "abort_open": abort_open,
-        }
-        self._session = str(self._post("/v1/omni/weights/start", start)["session"])
+        info = _describe(tensors)
+        info.shared_staging = self.backend == "ipc" and not any(t.is_cuda for _, t in tensors)
+        start = {"update_info": info.to_json(), "require_session": True, "abort_open": abort_open}
+        started = self._post("/v1/omni/weights/start", start)
+        self._session = str(started["session"])
         try:
-            for chunk in self._chunks(tensors):
+            if "staging" in started:
+                self._send_staged(tensors, started["staging"])
+            for chunk in [] if "staging" in started else self._chunks(tensors):
                 if self.backend == "ipc":
                     self._send_shared(chunk)
                 else:
@@ -185,18 +195,47 @@ class WeightSender:
             )
 
     def _chunks(
-        self, tensors: list[tuple[str, torch.Tensor]]
+        self, tensors: list[tuple[str, torch.Tensor]], limit: int | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
+        size, limit = 0, limit or self.chunk_bytes
         for name, tensor in tensors:
             chunk.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
-            if size >= self.chunk_bytes:
+            if size >= limit:
                 yield chunk
                 chunk, size = [], 0
         if chunk:
             yield chunk
+
+    def _send_staged(
+        self, tensors: list[tuple[str, torch.Tensor]], places: list[dict[str, Any]]
+    ) -> None:
+        """Write each tensor once into the stage's staging where ``start`` said; each
+        chunk's ``update`` (the stage checks it) runs while the next chunk is written."""
+        where = dict(zip((name for name, _ in tensors), places, strict=True))
+        self._map_only({str(place["shm"]) for place in places})
+        pending = _Pending.done()
+        try:
+            for chunk in self._chunks(tensors, min(self.chunk_bytes, STAGED_CHUNK_BYTES)):
+                for name, tensor in chunk:
+                    place = where[name]
+                    _write(self._mapped[str(place["shm"])], int(place["offset"]), tensor)
+                pending.result()  # one receive at a time on the stage
+                info = _describe(chunk)
+                info.staged = True
+                pending = self._in_background(lambda info=info: self._update(info))
+            pending.result()
+        finally:
+            pending.wait()  # failed here: the abort that follows must find the stage idle
+
+    def _map_only(self, names: set[str]) -> None:
+        """Map the stage's staging segments ``names`` (kept for the next updates; those of
+        updates before are dropped beyond ``MAPPED_SEGMENTS``)."""
+        for name in names - set(self._mapped):
+            self._mapped[name] = StagingSegment(name)
+        for name in [n for n in self._mapped if n not in names][: -MAPPED_SEGMENTS or None]:
+            self._mapped.pop(name).close()
 
     def _send_broadcast(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
         import torch.distributed as dist
@@ -207,8 +246,9 @@ class WeightSender:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        for _, tensor in chunk:
-            self._group.broadcast([tensor.to(device)], opts).wait()
+        works = [self._group.broadcast([tensor.to(device)], opts) for _, tensor in chunk]
+        for work in works:  # all in flight: no round trip per tensor
+            work.wait()
         reply.result()
 
     def _send_shared(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
@@ -223,10 +263,7 @@ class WeightSender:
         handles, offset = [], 0
         for _, tensor in chunk:
             nbytes = tensor.numel() * tensor.element_size()
-            if nbytes:
-                view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-                view.copy_(tensor.cpu().reshape(-1).view(torch.uint8))
-                del view
+            _write(segment, offset, tensor)
             handles.append({"shm": segment.name, "offset": offset})
             offset += nbytes
         info.ipc_handles = handles
@@ -254,6 +291,9 @@ class WeightSender:
 
     def close(self) -> None:
         self._release_segment()
+        for segment in self._mapped.values():
+            segment.close()
+        self._mapped.clear()
         self._group = None
         self._store = None
         self._http.close()
@@ -281,11 +321,56 @@ class _Pending:
         finally:
             self._done.set()
 
+    @classmethod
+    def done(cls) -> _Pending:
+        pending = cls()
+        pending._done.set()
+        return pending
+
+    def wait(self) -> None:
+        self._done.wait()
+
     def result(self) -> Any:
         self._done.wait()
         if self._error is not None:
             raise self._error
         return self._value
+
+
+class StagingSegment:
+    """A stage's staging segment, mapped in this process: never registered with this
+    process's resource tracker (which could share the stage's) nor removed here."""
+
+    def __init__(self, name: str) -> None:
+        if not name or "/" in name:
+            raise WeightSyncError(f"the stage named no staging segment: {name!r:.80}")
+        fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR)
+        try:
+            self.buf: mmap.mmap | None = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.size = len(self.buf)
+
+    def close(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None
+
+
+def _write(segment: Any, offset: int, tensor: torch.Tensor) -> None:
+    """``tensor``'s bytes into ``segment`` at ``offset`` (a host tensor by ``memmove``,
+    glibc's copy without the GIL)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if segment.buf is None or offset < 0 or offset + nbytes > segment.size:
+        raise WeightSyncError("the stage's staging place does not fit the tensor")
+    if not nbytes:
+        return
+    view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+    if tensor.device.type == "cpu":
+        memcopy(view.data_ptr(), tensor.data_ptr(), nbytes)
+    else:
+        view.view(tensor.dtype).copy_(tensor.reshape(-1))
+    del view
 
 
 def _describe(tensors: list[tuple[str, torch.Tensor]]) -> UpdateInfo:

@@ -69,8 +69,9 @@ class StageEngineBase(Generic[W]):
         self._asleep_at_level0 = False
         self.weight_version: str | None = None  # set by a trainer's weight sync
         self.weight_sync = WeightSync(
-            self.stage_id, worker.weight_targets, self._apply_synced, worker.arena.device
-        )
+            self.stage_id, worker.weight_targets, self._apply_synced, worker.arena.device,
+            shared=True if config.tensor_parallel_size > 1 else None,  # the ranks read it
+        )  # fmt: skip
 
     # -- the kind's part ------------------------------------------------------------------
 
@@ -204,8 +205,13 @@ class StageEngineBase(Generic[W]):
         return ack
 
     def _apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
-        """A trainer's checked weights into the live ones, in place."""
-        ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
+        """A trainer's checked weights into the live ones, in place (every rank's slices
+        of them on a tensor-parallel stage: its worker's ``apply_synced``)."""
+        apply = getattr(self.worker, "apply_synced", None)
+        if apply is not None:
+            ack: Ack = apply(tensors, version)
+        else:
+            ack = self.sleep_control.apply_synced(tensors, self.worker.weight_targets, version)
         self._after_weights_changed()
         self.weight_version = version or None  # finished without a version: none
         return ack

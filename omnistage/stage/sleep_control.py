@@ -22,6 +22,7 @@ from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvali
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
 from omnistage.stage.control import SYNC_PREFIX, Ack, make_ack
 from omnistage.stage.vocabulary import KV_CACHE, WEIGHTS, check_tags
+from omnistage.stage.weight_checks import copy_into
 
 __all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
 
@@ -83,7 +84,7 @@ class SyncedSource:
                 )
         with torch.no_grad():
             for name, tensor in self.tensors.items():
-                targets[name].copy_(tensor)
+                copy_into(targets[name], tensor)
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def missing(self) -> list[str]:

@@ -1,7 +1,9 @@
 """How a stage reads tensors a trainer on the same host shared (the ``ipc`` backend):
 shared-memory segments on CPU (``{"shm", "offset"}``), CUDA IPC handles on GPU
-(``{"cuda": {...}}``). Everything is copied into the stage's own host buffer before the
-call answers, so the trainer may reuse its segment as soon as it has the reply.
+(``{"cuda": {...}}``). Everything is copied into the stage's own host buffer, its values
+checked in the same pass, before the call answers, so the trainer may reuse its segment as
+soon as it has the reply. (A trainer that writes into the stage's own shared staging instead
+saves this copy: see ``omnistage.stage.weight_sync``.)
 """
 
 from __future__ import annotations
@@ -12,17 +14,20 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
+from omnistage.stage.weight_checks import copy_checked
 
 
-def _copy_out(buffer: memoryview, offset: int, host: torch.Tensor) -> torch.Tensor:
-    """``host`` filled from ``buffer`` at ``offset``; no view outlives the call (the segment
-    can then be closed)."""
+def _copy_out(buffer: memoryview, offset: int, host: torch.Tensor) -> bool:
+    """``host`` filled from ``buffer`` at ``offset``, its values checked in the same pass
+    (False: NaN or Inf); no view outlives the call (the segment can then be closed)."""
     nbytes = host.numel() * host.element_size()
-    if nbytes:
-        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
-        host.reshape(-1).view(torch.uint8).copy_(flat)
+    if not nbytes:
+        return True
+    flat = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset)
+    try:
+        return copy_checked(host, flat.view(host.dtype).view(host.shape))
+    finally:
         del flat
-    return host
 
 
 class SharedSegments:
@@ -52,11 +57,10 @@ class SharedSegments:
         self._open.clear()
 
 
-def from_ipc_handle(
-    handle: dict[str, Any], host: torch.Tensor, segments: SharedSegments
-) -> torch.Tensor:
-    """``host`` filled from a tensor the trainer shared (the handle's shape was checked by
-    ``UpdateInfo.from_json``; a CUDA handle reaches here only on a GPU stage)."""
+def from_ipc_handle(handle: dict[str, Any], host: torch.Tensor, segments: SharedSegments) -> bool:
+    """``host`` filled from a tensor the trainer shared and checked (False: NaN or Inf; the
+    handle's shape was checked by ``UpdateInfo.from_json``; a CUDA handle reaches here only
+    on a GPU stage)."""
     dtype, shape = host.dtype, list(host.shape)
     nbytes = host.numel() * host.element_size()
     if "shm" in handle:
@@ -88,4 +92,4 @@ def from_ipc_handle(
     tensor = torch.empty(0, dtype=dtype, device=f"cuda:{args[0]}")
     strides = torch.empty(shape).stride()  # contiguous, as the trainer sends them
     tensor.set_(storage, tensor_offset, shape, strides)
-    return host.copy_(tensor)
+    return copy_checked(host, tensor)

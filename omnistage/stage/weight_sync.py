@@ -15,12 +15,22 @@ without its id; one started with it may not. Any failed ``update`` or ``finish``
 session (start again), as does its owner's ``abort``; a refused conflict never touches it.
 
 Tensors are staged in host memory as they arrive and checked (names, shapes and dtypes
-against the live weights and what ``start`` announced, finite values); only ``finish``
-copies them into the live weights, in place, and only when every announced tensor arrived.
-A failed or interrupted update leaves the previous weights (and version) serving, and the
-device never holds the weights twice. The host buffers are reused: the last update's
-tensors stay as the level-2 reload source, the ones before them stage the next update (two
-host copies at most, faulted in once).
+against the live weights and what ``start`` announced, finite values — checked as they
+land, beside the next tensors' receive, or in the same pass as the copy out of a trainer's
+segment); only ``finish`` copies them into the live weights, in place, and only when every
+announced tensor arrived. A failed or interrupted update leaves the previous weights (and
+version) serving, and the device never holds the weights twice. The host buffers
+(``weight_staging``: shared memory on a host stage) are reused: the last update's tensors
+stay as the level-2 reload source, the ones before them stage the next update (two host
+copies at most, faulted in once).
+
+``ipc`` with shared staging (``start`` announcing every tensor with ``shared_staging``):
+the stage answers where each tensor goes in its staging, the trainer writes each one there
+once and calls ``update`` with ``staged`` for each chunk it wrote; the stage checks the
+values in place. From trainer to live weights that is two copies: the trainer's write,
+and ``finish``'s copy into the live weights, which the all-or-nothing rule keeps apart
+(nothing is live before every tensor arrived and was checked, and the stage serves on the
+old weights meanwhile); the staged tensors then are the reload source without a copy.
 
 The blocking parts — the ``nccl`` rendezvous of ``init`` and every chunk's receive — run on
 a thread of the stage process (a ``Background`` the stage loop answers when it is done), so
@@ -45,26 +55,39 @@ from omnistage.rl.protocol import BACKENDS, InitInfo, UpdateInfo, weights_checks
 from omnistage.stage.background import Background
 from omnistage.stage.weight_checks import Session, all_finite, check_handles, check_tensors
 from omnistage.stage.weight_ipc import SharedSegments, from_ipc_handle
+from omnistage.stage.weight_staging import Layout, StagingSet, layout_of
 
 logger = logging.getLogger(__name__)
 
 Targets = Callable[[], Mapping[str, torch.Tensor]]  # live weights by checkpoint name
 Apply = Callable[[dict[str, torch.Tensor], str], Any]  # staged tensors, version -> ACK
 MISSING_SHOWN = 8  # missing tensors a refused finish names
+SPARE_SETS = 4  # staging sets kept for the next updates (beyond, they are freed)
+AHEAD = 2  # tensors a gloo receive posts ahead of the one being checked
 
 
 class WeightSync:
-    def __init__(self, stage_id: int, targets: Targets, apply: Apply, device: torch.device) -> None:
+    def __init__(
+        self,
+        stage_id: int,
+        targets: Targets,
+        apply: Apply,
+        device: torch.device,
+        *,
+        shared: bool | None = None,
+    ) -> None:
+        """``shared``: stage in shared memory (default: on a host stage)."""
         self.stage_id = stage_id
         self._targets = targets
         self._apply = apply
         self.device = device
+        self.shared = device.type == "cpu" if shared is None else shared
         self.backend: str | None = None
         self._group: Any = None
         self._session: Session | None = None
         self._busy: str | None = None  # "init" or "receive" while its thread runs
-        self._live: dict[str, torch.Tensor] = {}  # the last applied update's host tensors
-        self._spare: dict[str, torch.Tensor] = {}  # host buffers to stage the next one in
+        self._live: list[StagingSet] = []  # the sets of the updates a reload replays
+        self._spare: list[StagingSet] = []  # sets to stage the next updates in
 
     # -- init --------------------------------------------------------------------------
 
@@ -139,13 +162,23 @@ class WeightSync:
                 "backend", "call init_weight_transfer (init_weight_transfer_engine) first"
             )
         self._check_takeover(abort_open)
-        announced = None
+        announced, share = None, False
         if update_info is not None:
             info = UpdateInfo.from_json(update_info)
             announced = check_tensors(info, self._targets(), None, gloo=self._gloo)
+            share = info.shared_staging and self.backend == "ipc" and self.shared
         self._abort_open()
-        self._session = Session(secrets.token_hex(16), require_session, announced)
-        return {"started": True, "session": self._session.id}
+        session = Session(secrets.token_hex(16), require_session, announced)
+        reply: dict[str, Any] = {"started": True, "session": session.id}
+        if announced is not None:  # one staging set for the whole update
+            staging = self._take(layout_of(announced))
+            session.sets.append(staging)
+            session.buffers = dict(staging.tensors)
+            if share:
+                reply["staging"] = staging.locations(list(announced))
+                session.shared = True
+        self._session = session
+        return reply
 
     @property
     def _gloo(self) -> bool:
@@ -176,11 +209,22 @@ class WeightSync:
             self._end(self._session)
 
     def _end(self, session: Session) -> None:
-        """Close ``session``; what it staged becomes spare host buffers again."""
-        self._spare.update(session.staged)
-        session.staged = {}
+        """Close ``session``; its staging sets become spare again."""
+        self._keep_spare(session.sets)
+        session.sets, session.staged, session.buffers = [], {}, {}
         if self._session is session:
             self._session = None
+
+    def _take(self, layout: Layout) -> StagingSet:
+        """A spare staging set of ``layout``, else a new one."""
+        for i, spare in enumerate(self._spare):
+            if spare.layout == layout:
+                return self._spare.pop(i)
+        pinned = self.device.type == "cuda" and not self.shared
+        return StagingSet(layout, shared=self.shared, pinned=pinned)
+
+    def _keep_spare(self, sets: list[StagingSet]) -> None:
+        self._spare = [*sets, *self._spare][:SPARE_SETS]
 
     def _owned(self, session: str | None) -> Session:
         """The open session, if the caller may act on it (see the module docstring)."""
@@ -221,12 +265,22 @@ class WeightSync:
         try:
             info = UpdateInfo.from_json(update_info)
             specs = check_tensors(info, self._targets(), current, gloo=self._gloo)
-            check_handles(info, self.backend, self.device)
+            if info.staged and not current.shared:
+                raise InvalidRequestError(
+                    "update_info.staged",
+                    "needs a session started with shared_staging (and its staging answer)",
+                )
+            if not info.staged:
+                check_handles(info, self.backend, self.device)
         except InvalidRequestError:
             self._end(current)
             raise
-        buffers = [self._buffer(name, *specs[name]) for name in info.names]
-        group, backend = self._group, self.backend
+        if not all(name in current.buffers for name in info.names):  # unannounced: a set
+            staging = self._take(layout_of(specs))
+            current.sets.append(staging)
+            current.buffers.update(staging.tensors)
+        buffers = [current.buffers[name] for name in info.names]
+        group, backend = self._group, "staged" if info.staged else self.backend
         self._busy = "receive"
         return Background(
             f"stage {self.stage_id}: receive weights",
@@ -234,46 +288,53 @@ class WeightSync:
             lambda received, error: self._received(current, info, buffers, received, error),
         ).start()
 
-    def _buffer(self, name: str, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-        """A host tensor to stage ``name`` in: a spare one of that shape, else a new one."""
-        spare = self._spare.pop(name, None)
-        if spare is not None and spare.dtype == dtype and list(spare.shape) == shape:
-            return spare
-        pinned = self.device.type == "cuda"
-        return torch.empty(shape, dtype=dtype, pin_memory=pinned)
-
     def _transfer(
         self, info: UpdateInfo, buffers: list[torch.Tensor], group: Any, backend: str | None
     ) -> int:
         """On the transfer's thread: fill ``buffers`` (only they, and the group, are used
-        here); the bytes received."""
-        segments = SharedSegments()
-        try:
-            for i, (name, host) in enumerate(zip(info.names, buffers, strict=True)):
-                if backend == "nccl":
-                    self._broadcast_into(group, host)
-                else:
+        here) and check them; the bytes received."""
+        torch.set_num_threads(1)  # this thread's checks; the stage's loop keeps its threads
+        named = list(zip(info.names, buffers, strict=True))
+        if backend == "nccl":
+            self._receive_all(group, named)
+        elif backend == "staged":  # the trainer wrote them into the staging: check in place
+            for name, host in named:
+                _refuse_nonfinite(name, all_finite(host))
+        else:
+            segments = SharedSegments()
+            try:
+                for i, (name, host) in enumerate(named):
                     assert info.ipc_handles is not None  # checked on the loop
-                    from_ipc_handle(info.ipc_handles[i], host, segments)
-                if not all_finite(host):
-                    raise InvalidRequestError(
-                        f"update_info.names.{name}", "has NaN or infinite values"
-                    )
-        finally:
-            segments.close()
+                    _refuse_nonfinite(name, from_ipc_handle(info.ipc_handles[i], host, segments))
+            finally:
+                segments.close()
         return sum(t.numel() * t.element_size() for t in buffers)
 
-    def _broadcast_into(self, group: Any, host: torch.Tensor) -> None:
+    def _receive_all(self, group: Any, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast receives posted ``AHEAD`` of the tensor being checked: the check of one
+        tensor overlaps the receive of the next ones."""
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        if self.device.type != "cuda":  # gloo receives straight into host memory
-            group.broadcast([host], opts).wait()
-            return
-        buffer = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        group.broadcast([buffer], opts).wait()
-        host.copy_(buffer)
+        pending: list[tuple[str, torch.Tensor, torch.Tensor, Any]] = []
+
+        def settle() -> None:
+            name, host, landing, work = pending.pop(0)
+            work.wait()
+            if landing is not host:  # a GPU stage receives on the device
+                host.copy_(landing)
+            _refuse_nonfinite(name, all_finite(landing))
+
+        for name, host in named:
+            landing = host  # gloo receives straight into host memory
+            if self.device.type == "cuda":  # never run on a GPU yet
+                landing = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            pending.append((name, host, landing, group.broadcast([landing], opts)))
+            if len(pending) > AHEAD:
+                settle()
+        while pending:
+            settle()
 
     def _received(
         self,
@@ -289,7 +350,6 @@ class WeightSync:
             session.staged.update(zip(info.names, buffers, strict=True))
             session.received_bytes += nbytes
             return {"received_tensors": len(info.names), "received_bytes": session.received_bytes}
-        self._spare.update(zip(info.names, buffers, strict=True))
         self._end(session)
         if isinstance(error, InvalidRequestError):
             raise error
@@ -314,7 +374,8 @@ class WeightSync:
         current = self._owned(session)
         version = "" if weight_version is None else check_weight_version(weight_version)
         self._session = None
-        staged, current.staged = current.staged, {}
+        staged, sets = current.staged, current.sets
+        current.staged, current.sets, current.buffers = {}, [], {}
         try:
             if not staged:
                 raise InvalidRequestError("update_info", "the update carried no tensors")
@@ -328,15 +389,15 @@ class WeightSync:
                 )
             ack = self._apply(staged, version)
         except BaseException:
-            self._spare.update(staged)
+            self._keep_spare(sets)
             raise
         # The applied tensors are now a reload source. When they replaced the whole history,
         # the previous ones are nobody's source any more: they stage the next update.
         sources = getattr(getattr(ack, "metadata", None), "weight_sources", None)
         if sources is not None and len(sources) == 1:
-            self._spare.update(self._live)
-            self._live = {}
-        self._live.update(staged)
+            self._keep_spare(self._live)
+            self._live = []
+        self._live.extend(sets)
         return ack
 
     def abort_weight_update(self, session: str | None = None) -> dict[str, Any]:
@@ -347,4 +408,14 @@ class WeightSync:
         return {"aborted": True}
 
     def weights_checksum(self) -> str:
-        return weights_checksum(self._targets().items())
+        targets = self._targets()
+        if any(t.is_meta for t in targets.values()):
+            raise InvalidRequestError(
+                "stage_id", "the weights checksum of a tensor-parallel stage is not available"
+            )
+        return weights_checksum(targets.items())
+
+
+def _refuse_nonfinite(name: str, finite: bool) -> None:
+    if not finite:
+        raise InvalidRequestError(f"update_info.names.{name}", "has NaN or infinite values")

@@ -2,7 +2,8 @@
 that transformers built (one kv head for two ranks): greedy ids and logprobs equal
 transformers'; sleep level 1 and 2 and wake on both ranks, bit-exact (identical logprobs),
 with one ACK per rank whose freed bytes match the rank's measured memory; an update reaches
-both shards; a killed rank restarts the whole stage instead of hanging it."""
+both shards, and so does a trainer's weight sync (each rank its slices, all or nothing, its
+level-2 reload source); a killed rank restarts the whole stage instead of hanging it."""
 
 from __future__ import annotations
 
@@ -135,6 +136,57 @@ async def test_an_update_reaches_both_shards(engine, checkpoints):
     assert [(a["rank"], a["status"]) for a in acks] == [(0, "SUCCESS"), (1, "SUCCESS")]
     assert_close(await generate(engine), reference(other))
     await engine.update_weights(0, str(folder))
+    assert_close(await generate(engine), reference(folder))
+
+
+async def push(engine: AsyncOmni, state: dict[str, torch.Tensor], version: str) -> list:
+    """A trainer's ipc sync: every tensor written once into the stage's shared staging."""
+    from omnistage.rl.sender import StagingSegment, _describe, _write
+
+    named = sorted(state.items())
+    info = _describe(named)
+    info.shared_staging = True
+    started = await engine.start_weight_update(0, info.to_json(), require_session=True)
+    session = started["session"]
+    for (_, tensor), place in zip(named, started["staging"], strict=True):
+        segment = StagingSegment(place["shm"])
+        _write(segment, place["offset"], tensor)
+        segment.close()
+    info.shared_staging, info.staged = False, True
+    await engine.receive_weights(0, info.to_json(), session=session)
+    return await engine.finish_weight_update(0, version, session=session)
+
+
+async def test_a_trainer_sync_reaches_every_rank_all_or_nothing(engine, checkpoints):
+    import transformers
+
+    folder, other = checkpoints
+    new = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32)
+    state = {n: t.detach().clone() for n, t in new.state_dict().items()}
+    before = await generate(engine)
+    await engine.init_weight_transfer(0, "ipc")
+    bad = dict(state)  # a NaN in a row-parallel slice: refused, no rank changes
+    name = next(n for n in sorted(bad) if n.endswith("down_proj.weight"))
+    bad[name] = bad[name].clone()
+    bad[name][0, -1] = float("nan")
+    with pytest.raises(Exception, match="NaN"):
+        await push(engine, bad, "bad")
+    assert await generate(engine) == before
+    acks = await push(engine, state, "v1")
+    assert [(a["rank"], a["status"]) for a in acks] == [(0, "SUCCESS"), (1, "SUCCESS")]
+    assert_close(await generate(engine), reference(other))
+    synced = await generate(engine)
+    await engine.sleep([0], level=2)  # each rank reloads its slices of the sync, bit for bit
+    await engine.wake_up([0])
+    await engine.resume_generation([0])
+    assert await generate(engine) == synced
+    # The checkpoint again, replacing the sync in the weights' history (a restart of the
+    # stage then comes back awake with it, as the tests after this one expect).
+    await engine.sleep([0], level=2)
+    await engine.wake_up([0], tags=["weights"], reload=False)
+    await engine.update_weights(0, str(folder))
+    await engine.wake_up([0])
+    await engine.resume_generation([0])
     assert_close(await generate(engine), reference(folder))
 
 

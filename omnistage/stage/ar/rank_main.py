@@ -13,6 +13,7 @@ import zmq
 from omnistage.config import StageConfig
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tensor_parallel import join_group
+from omnistage.stage.ar.tp_weights import RankWeights
 from omnistage.stage.ar.worker import ARWorker
 
 
@@ -82,6 +83,9 @@ def _serve_rank(
         raise
     reply(wire.RankReady(rank, worker.num_kv_blocks))
     control = rank_control(worker)
+    synced = RankWeights(worker)
+    control[wire.RankSyncPrepare] = lambda msg: synced.prepare_slices(msg.slices)
+    control[wire.RankSyncCommit] = lambda msg: synced.commit(msg.version, msg.apply)
     try:
         while True:
             msg = wire.decode_to_rank(inbox.recv())
@@ -91,9 +95,10 @@ def _serve_rank(
                 worker.embed_tokens(msg.token_ids)
             elif isinstance(msg, wire.RankCopyKV):
                 worker.copy_kv_block(msg.src, msg.dst)
-            elif isinstance(msg, wire.RankControl):
+            elif isinstance(msg, wire.RankControl | wire.RankSyncPrepare | wire.RankSyncCommit):
+                op = msg.op if isinstance(msg, wire.RankControl) else msg
                 try:
-                    reply(wire.RankReply(rank, ack=control[type(msg.op)](msg.op)))
+                    reply(wire.RankReply(rank, ack=control[type(op)](op)))
                 except Exception as exc:  # answered, like the stage channel's errors
                     reply(wire.RankReply(rank, error=WireError.from_exception(exc)))
             elif isinstance(msg, wire.RankShutdown):

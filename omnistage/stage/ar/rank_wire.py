@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.tp_weights import SyncSlice
 from omnistage.stage.ar.wire import MultiModalItem
 from omnistage.stage.control import Ack, ControlOp
 from omnistage.stage.messages import WireError, decoder, encode
@@ -102,7 +103,28 @@ class RankShutdown(msgspec.Struct, tag=True):
     pass
 
 
-ToRank = RankStep | RankEmbed | RankCopyKV | RankControl | RankShutdown
+class RankSyncPrepare(msgspec.Struct, tag=True):
+    """A trainer's update, staged whole on rank 0: take your slices (``tp_weights``)."""
+
+    slices: list[SyncSlice]
+
+
+class RankSyncCommit(msgspec.Struct, tag=True):
+    """Apply the prepared slices as ``version`` (``apply``), or drop them."""
+
+    version: str
+    apply: bool
+
+
+ToRank = (
+    RankStep
+    | RankEmbed
+    | RankCopyKV
+    | RankControl
+    | RankShutdown
+    | RankSyncPrepare
+    | RankSyncCommit
+)
 
 
 class RankReady(msgspec.Struct, tag=True):

@@ -36,7 +36,7 @@ import torch
 import zmq
 
 from omnistage.config import StageConfig
-from omnistage.errors import InvalidRequestError, StageInternalError
+from omnistage.errors import StageInternalError
 from omnistage.memory import Arena
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.tensor_parallel import join_group
@@ -53,6 +53,8 @@ from omnistage.stage.ar.rank_wire import (
     RankReply,
     RankShutdown,
     RankStep,
+    RankSyncCommit,
+    RankSyncPrepare,
     SeqView,
     ToRank,
     decode_from_rank,
@@ -60,6 +62,7 @@ from omnistage.stage.ar.rank_wire import (
 )
 from omnistage.stage.ar.ray_ranks import ActorRank, current_placement, start_rank_actor
 from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.tp_weights import RankWeights, full_targets, slices_of
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.control import Ack
 from omnistage.stage.startup import start_without_main, stop_process
@@ -136,10 +139,10 @@ class RankGroup:
         for out in self._outboxes:
             out.send(data)
 
-    def call(self, op: ops.ControlOp) -> list[Ack]:
+    def call(self, op: ops.ControlOp | RankSyncPrepare | RankSyncCommit) -> list[Ack]:
         """Every other rank's ACK for ``op`` (ranks 1..N-1, in order); a rank's error is
         raised as its own class once every rank has answered."""
-        self.send(RankControl(op))
+        self.send(op if isinstance(op, RankSyncPrepare | RankSyncCommit) else RankControl(op))
         replies: dict[int, RankReply] = {}
         while len(replies) < self.size - 1:
             msg = self._receive(CALL_TIMEOUT_S, type(op).__name__)
@@ -238,6 +241,8 @@ class TensorParallelWorker:
                 f"ranks planned different KV caches: {[self.local.num_kv_blocks, *others]} blocks"
             )
         self.dead: str | None = None
+        self._full: dict[str, torch.Tensor] | None = None
+        self._synced = RankWeights(self.local)
         if on_rank_death is None:
             on_rank_death = exit_stage_process if in_stage_process() else self._mark_dead
         self.ranks.watch(on_rank_death)
@@ -278,11 +283,26 @@ class TensorParallelWorker:
         return [p.pid for p in self.ranks.processes]
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
-        raise InvalidRequestError(
-            "update_info",
-            "weight sync into a tensor-parallel stage is not supported yet; load a checkpoint "
-            "with update_weights (every rank reads its own slices)",
-        )
+        """The weights as a trainer holds them, whole (``meta``: shapes and dtypes only)."""
+        if self._full is None:
+            self._full = full_targets(self.local)
+        return self._full
+
+    def apply_synced(self, tensors: dict[str, torch.Tensor], version: str) -> Ack:
+        """A trainer's checked whole tensors, staged in shared memory: every rank prepares
+        its slices, then, all prepared, every rank applies them (``tp_weights``)."""
+        self._check_alive()
+        slices = slices_of(tensors)
+        try:
+            self.ranks.call(RankSyncPrepare(slices))
+            self._synced.prepare(tensors)
+        except BaseException:
+            self._synced.commit(version, apply=False)
+            self.ranks.call(RankSyncCommit(version, apply=False))
+            raise
+        local = self._synced.commit(version, apply=True)
+        assert local is not None
+        return _combined(local, self.ranks.call(RankSyncCommit(version, apply=True)))
 
     # -- every rank --------------------------------------------------------------------------
 
@@ -302,8 +322,8 @@ class TensorParallelWorker:
         self.local.copy_kv_block(src, dst)
 
     def clear_encoder_cache(self) -> None:
-        # Rank 0's only: weights change on every rank together only from a file (each
-        # rank's load clears its own), and synced weights reach rank 0 alone.
+        # Rank 0's only: weights change on every rank together (each rank's load or synced
+        # update clears its own).
         self.local.clear_encoder_cache()
 
     def encoder_cache_status(self) -> dict[str, int]:

@@ -149,8 +149,44 @@ def test_vllms_transfer_protocol_over_shared_memory(llm, trainer):
     assert ack["status"] == "SUCCESS" and llm.weight_version == "ipc-1"
     assert llm.weights_checksum() == weights_checksum(named)
     assert answers(llm) == expected(trainer)
+    # Into the stage's own shared staging: each tensor written once, where start says.
+    named = sorted(nudge(trainer, 5).items())
+    first = llm.start_weight_update(describe(named, shared_staging=True))
+    write_staged(named, first["staging"])
+    (received,) = llm.update_weights({"update_info": describe(named, staged=True)})
+    assert received["received_tensors"] == len(named)
+    (ack,) = llm.finish_weight_update(weight_version="ipc-2")
+    checksum, synced = weights_checksum(named), answers(llm)
+    assert ack["status"] == "SUCCESS" and llm.weights_checksum() == checksum
+    assert synced == expected(trainer)
+    nudge(trainer, 6)  # the trainer steps on; a level-2 reload replays the staged copy
+    llm.sleep(level=2)
+    llm.wake_up()
+    assert answers(llm) == synced and llm.weights_checksum() == checksum
+    # The next update stages elsewhere: the reload source is never handed to a trainer.
+    second = llm.start_weight_update(describe(named, shared_staging=True))
+    assert not {p["shm"] for p in second["staging"]} & {p["shm"] for p in first["staging"]}
+    write_staged([(named[0][0], named[0][1] * float("nan"))], second["staging"][:1])
+    with pytest.raises(InvalidRequestError, match="NaN") as nan:
+        llm.update_weights({"update_info": describe(named[:1], staged=True)})
+    assert nan.value.field == f"update_info.names.{named[0][0]}"
+    assert llm.weights_checksum() == checksum  # refused: the session ended, nothing applied
+    llm.start_weight_update()
+    with pytest.raises(InvalidRequestError) as unshared:
+        llm.update_weights({"update_info": describe(named[:1], staged=True)})
+    assert unshared.value.field == "update_info.staged"
     llm.start_weight_update()
     assert llm.abort_weight_update() == {"aborted": True}
+
+
+def write_staged(named: list[tuple[str, torch.Tensor]], places: list[dict]) -> None:
+    """What ``WeightSender`` does: each tensor's bytes into the stage's staging segment."""
+    from omnistage.rl.sender import StagingSegment, _write
+
+    for (_, tensor), place in zip(named, places, strict=True):
+        segment = StagingSegment(place["shm"])
+        _write(segment, place["offset"], tensor.detach().contiguous())
+        segment.close()
 
 
 def test_vllms_transfer_protocol_over_gloo_from_another_trainer(llm, trainer):
