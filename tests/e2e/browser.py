@@ -43,6 +43,9 @@ FLAGS = [
     "--disable-extensions",
     "--mute-audio",
     "--autoplay-policy=no-user-gesture-required",
+    # A microphone that plays a tone, granted without asking: the playground's recorder.
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
     "--remote-debugging-pipe",
 ]
 APT_GET = [
@@ -260,6 +263,12 @@ class Page:
         self.click(selector)
         self.eval(f"document.querySelector({json.dumps(selector)}).select()")
         self.call("Input.insertText", {"text": text})
+
+    def choose_files(self, selector: str, paths: list[Path]) -> None:
+        """Pick files in a file input, as the file dialog would."""
+        root = self.call("DOM.getDocument")["root"]["nodeId"]
+        node = self.call("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+        self.call("DOM.setFileInputFiles", {"nodeId": node, "files": [str(p) for p in paths]})
 
     def screenshot(self, path: Path) -> Path:
         """The whole page (beyond the window too), as PNG."""

@@ -71,6 +71,7 @@ def page(browser: Browser, server: Server, shots: Path) -> Iterator[Page]:
     page.wait_for("document.querySelectorAll('.stage').length === 2")
     yield page
     assert page.errors() == []
+    page.close()
 
 
 def text(page: Page, selector: str) -> str:
@@ -119,7 +120,8 @@ def test_sleep_stage_1_at_level_2_and_wake_it(page: Page, server: Server, shots:
     stages = httpx.get(server.url + "/v1/omni/stages", headers=server.control_headers()).json()
     released = stages["stages"][1]["memory"]["reserved_bytes"]
     assert released > 0 and stages["stages"][1]["memory"]["resident_bytes"] == 0
-    assert text(page, f"{STAGE_1} .released") == f"{released / 2**20:.1f} MiB released"
+    shown = page.eval(f"import('./static/dom.js').then((dom) => dom.bytes({released}))")
+    assert text(page, f"{STAGE_1} .released") == f"{shown} released"
     page.wait_for("document.querySelector('#acks tbody tr')?.textContent.includes('sleep')")
     page.screenshot(shots / "03-stage-1-asleep.png")
 
@@ -179,6 +181,48 @@ def test_a_chat_in_the_playground_gets_the_servers_reply(
     page.wait_for("document.querySelector('.reply-image')?.naturalWidth > 0")
     assert page.eval("document.querySelectorAll('.msg.error').length") == 0
     page.screenshot(shots / "06-chat.png")
+
+
+def test_pictures_sounds_and_a_recording_go_to_the_server(
+    page: Page, server: Server, shots: Path, tmp_path: Path
+) -> None:
+    """Attached files and a recording from the (fake) microphone travel as OpenAI's parts;
+    tiny-omni's thinker takes neither, and the page shows the server's 400 as it came."""
+    import wave
+
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(tmp_path / "red.png")
+    with wave.open(str(tmp_path / "tone.wav"), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(b"\x00\x10" * 1600)
+    page.click("#new-chat")
+    page.choose_files("#attach", [tmp_path / "red.png", tmp_path / "tone.wav"])
+    page.wait_for("document.querySelectorAll('.attachment').length === 2")
+    page.click("#record")
+    page.wait_for("Number(document.querySelector('#record').dataset.seconds) >= 0.5")
+    page.click("#record")
+    page.wait_for("document.querySelectorAll('.attachment').length === 3")
+    kinds = page.eval("[...document.querySelectorAll('.attachment')].map((e) => e.className)")
+    assert [k.split()[-1] for k in kinds] == ["image", "audio", "audio"], kinds
+    page.type("#chat-input", "What is this?")
+    page.click("#send")
+    page.wait_for("!!document.querySelector('.msg.assistant[data-done]')")
+    sent = page.eval("document.querySelector('.msg.user img').src")  # the picture as sent
+    part = {"type": "image_url", "image_url": {"url": sent}}
+    said = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [part]}]},
+        headers=server.data_headers(),
+    )
+    assert said.status_code == 400
+    shown = page.eval("document.querySelector('.msg.assistant').dataset.error")
+    assert shown == said.json()["error"]["message"]
+    assert "HTTP 400" in text(page, ".msg.assistant .error-detail")
+    page.screenshot(shots / "07-media-refused.png")
+    page.click("#new-chat")
 
 
 def test_speech_plays_from_pieces_cut_anywhere(page: Page) -> None:

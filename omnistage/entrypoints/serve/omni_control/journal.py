@@ -36,6 +36,13 @@ class ControlJournal:
             }
         )
 
+    @property
+    def last_seq(self) -> int:
+        """The newest operation's ``seq`` (0: none yet); a client that saw a greater one talks
+        to a restarted server."""
+        entries = list(self._entries)
+        return int(entries[-1]["seq"]) if entries else 0
+
     def entries(self, limit: int = JOURNAL_LENGTH, after: int = 0) -> list[dict[str, Any]]:
         """The newest ``limit`` operations with ``seq`` above ``after``, oldest first."""
         newer = [entry for entry in list(self._entries) if entry["seq"] > after]
@@ -44,6 +51,7 @@ class ControlJournal:
 
 class OmniAcksResponse(BaseModel):
     """Reply of ``GET /v1/omni/acks``: the last control operations, oldest first, each
-    ``{"seq", "time" (Unix seconds), "operation", "acks"}``."""
+    ``{"seq", "time" (Unix seconds), "operation", "acks"}``, and the newest ``seq`` there is."""
 
     operations: list[dict[str, Any]]
+    last_seq: int = 0

@@ -92,7 +92,9 @@ async def omni_acks(
     """The last control operations (sleep, wake_up, update_weights) with their ACKs, oldest
     first, whatever started them; ``after``: only those with a greater ``seq``."""
     journal = getattr(request.app.state, "control_journal", None)
-    return OmniAcksResponse(operations=journal.entries(limit, after) if journal else [])
+    if journal is None:
+        return OmniAcksResponse(operations=[])
+    return OmniAcksResponse(operations=journal.entries(limit, after), last_seq=journal.last_seq)
 
 
 @router.post("/pause", response_model_exclude_none=True)

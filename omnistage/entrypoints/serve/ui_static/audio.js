@@ -195,6 +195,8 @@ export class StreamPlayer {
   }
 }
 
+const SLICE_MS = 250; // a recording's data arrives in pieces this long
+
 // A microphone recording (MediaRecorder); stop() gives the recorded Blob.
 export class Recorder {
   static get available() {
@@ -205,9 +207,14 @@ export class Recorder {
     this.stream = await navigator.mediaDevices.getUserMedia({ audio: true });
     this.recorder = new MediaRecorder(this.stream);
     this.parts = [];
-    this.recorder.ondataavailable = (event) => this.parts.push(event.data);
-    this.recorder.start();
+    this.recorder.ondataavailable = (event) => {
+      if (event.data.size) this.parts.push(event.data);
+      this.onpart(this.parts.length * (SLICE_MS / 1000));
+    };
+    this.recorder.start(SLICE_MS);
   }
+
+  onpart() {} // (seconds recorded so far)
 
   stop() {
     return new Promise((resolve) => {

@@ -53,7 +53,12 @@ export class Console {
     }
     this.locked.hidden = true;
     this.onStatus("live", `updated ${new Date().toLocaleTimeString([], { hour12: false })}`);
-    if (acks.ok) this.addAcks(acks.body.operations);
+    if (acks.ok && acks.body.last_seq < this.lastSeq) {
+      // A restarted server counts from 1 again: start the table over.
+      this.lastSeq = 0;
+      this.acks = [];
+      this.lastOps.clear();
+    } else if (acks.ok) this.addAcks(acks.body.operations);
     const now = Date.now();
     for (const stage of stages.body.stages) {
       this.record(stage, now);

@@ -109,28 +109,40 @@ export class Playground {
   }
 
   async toggleRecording() {
+    if (this.starting) return; // the microphone is still being opened
     if (this.recorder) {
       const recorder = this.recorder;
       this.recorder = null;
+      recorder.onpart = () => {};
       this.record.textContent = "Record";
       this.record.classList.remove("recording");
+      const blob = await recorder.stop();
       try {
-        await this.addAudio(await recorder.stop(), `recording ${new Date().toLocaleTimeString([], { hour12: false })}`);
+        await this.addAudio(blob, `recording ${new Date().toLocaleTimeString([], { hour12: false })}`);
       } catch (error) {
-        this.pending.push({ kind: "error", name: `recording: ${error.message || error}` });
+        const short = recorder.parts.length < 2 ? " (too short? record for a moment longer)" : "";
+        this.pending.push({ kind: "error", name: `recording: ${error.message || error}${short}` });
       }
+      delete this.record.dataset.seconds;
       this.drawAttachments();
       return;
     }
+    const recorder = new Recorder();
+    recorder.onpart = (seconds) => {
+      this.record.dataset.seconds = String(seconds);
+      this.record.textContent = `Stop recording (${seconds.toFixed(1)} s)`;
+    };
+    this.starting = true;
     try {
-      this.recorder = new Recorder();
-      await this.recorder.start();
+      await recorder.start();
+      this.recorder = recorder;
       this.record.textContent = "Stop recording";
       this.record.classList.add("recording");
     } catch (error) {
-      this.recorder = null;
       this.pending.push({ kind: "error", name: `microphone: ${error.message || error}` });
       this.drawAttachments();
+    } finally {
+      this.starting = false;
     }
   }
 
@@ -173,9 +185,12 @@ export class Playground {
     this.player.unlock(); // a user's gesture: speech may play
     const content = media.length ? [...media.map((item) => item.part), ...(text ? [{ type: "text", text }] : [])] : text;
     this.messages.push({ role: "user", content });
-    this.log.append(
-      h("div", { class: "msg user" }, media.map((item) => h("span", { class: "chip", text: `${item.kind}: ${item.name}` })), text ? h("div", { class: "text", text }) : null),
+    const shown = media.map((item) =>
+      item.kind === "image"
+        ? h("img", { src: item.url, alt: item.name, title: item.name, class: "sent-image" })
+        : h("audio", { src: item.url, controls: true, title: item.name }),
     );
+    this.log.append(h("div", { class: "msg user" }, h("div", { class: "media" }, shown), text ? h("div", { class: "text", text }) : null));
     this.input.value = "";
     this.pending = [];
     this.drawAttachments();

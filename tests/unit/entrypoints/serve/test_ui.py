@@ -119,6 +119,7 @@ def test_the_journal_keeps_the_last_operations_in_order() -> None:
     assert [e["acks"][0]["stage_id"] for e in entries] == [2, 3, 4]
     assert [e["seq"] for e in journal.entries(after=4)] == [5]
     assert [e["seq"] for e in journal.entries(limit=1)] == [5]
+    assert journal.last_seq == 5 and ControlJournal().last_seq == 0
 
 
 @pytest.mark.parametrize("query", ["", "?limit=1", "?after=1"])
@@ -136,4 +137,5 @@ def test_the_acks_route_serves_the_journal(client_for: ClientFactory, query: str
     expected = {"": ["sleep", "wake_up"], "?limit=1": ["wake_up"], "?after=1": ["wake_up"]}
     assert [op["operation"] for op in operations] == expected[query]
     assert operations[-1]["acks"][0]["stage_id"] == 1
+    assert reply.json()["last_seq"] == 2
     assert client.get("/v1/omni/acks?limit=0", headers=headers).status_code == 400
