@@ -15,11 +15,10 @@ shapes, so any compatible server works: omnistage, vLLM):
 from __future__ import annotations
 
 import base64
-import io
 import json
+import struct
 import sys
 import time
-import wave
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -68,7 +67,7 @@ class RequestResult:
 
     def audio_seconds(self, audio_format: str) -> float | None:
         """Seconds of the audio received (None: none, or not readable): pcm16's length (24 kHz
-        mono), or the WAV headers' (a chunk that starts with ``RIFF`` starts another WAV)."""
+        mono), or the WAVs' (a chunk that starts with ``RIFF`` starts another WAV)."""
         if not self.audio:
             return None
         if audio_format == "pcm16":
@@ -79,14 +78,8 @@ class RequestResult:
                 wavs.append(chunk)
             else:
                 wavs[-1] += chunk
-        try:
-            seconds = 0.0
-            for data in wavs:
-                with wave.open(io.BytesIO(data)) as w:
-                    seconds += w.getnframes() / w.getframerate()
-            return seconds
-        except (wave.Error, EOFError):
-            return None
+        seconds = [wav_seconds(w) for w in wavs]
+        return None if None in seconds else sum(s for s in seconds if s is not None)
 
     def detail(self) -> dict[str, Any]:
         """What ``--save-detailed`` keeps of it."""
@@ -97,6 +90,26 @@ class RequestResult:
             "text": self.text,
             "audio_bytes": sum(map(len, self.audio)),
         }
+
+
+def wav_seconds(data: bytes) -> float | None:
+    """A PCM WAV's duration from its ``fmt `` chunk and the bytes its ``data`` chunk holds; a
+    streamed WAV's sizes may say "unknown" (0 or 0xFFFFFFFF): then the data runs to the end."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return None
+    position, frame, rate = 12, 0, 0
+    while position + 8 <= len(data):
+        name, size = data[position : position + 4], struct.unpack_from("<I", data, position + 4)[0]
+        body = position + 8
+        if name == b"fmt " and body + 16 <= len(data):
+            channels, rate = struct.unpack_from("<HI", data, body + 2)
+            frame = channels * struct.unpack_from("<H", data, body + 14)[0] // 8
+        elif name == b"data":
+            available = len(data) - body
+            held = available if size in (0, 0xFFFFFFFF) or size > available else size
+            return held / frame / rate if frame and rate else None
+        position = body + size + (size & 1)
+    return None
 
 
 def take_event(result: RequestResult, event: dict[str, Any], elapsed: float) -> None:

@@ -86,6 +86,11 @@ def test_audio_is_timed_by_its_first_data_chunk():
     r.audio.append(wav_bytes(24000))  # a second WAV in the same answer
     assert r.audio_seconds("wav") == pytest.approx(1.5)
     assert RequestResult(audio=[b"\0" * 4800]).audio_seconds("pcm16") == pytest.approx(0.1)
+    streamed = bytearray(wav_bytes(0))  # a streamed WAV: its sizes say "unknown"
+    streamed[4:8] = streamed[40:44] = b"\xff\xff\xff\xff"
+    r = RequestResult(audio=[bytes(streamed), b"\0\0" * 6000, b"\0\0" * 6000])
+    assert r.audio_seconds("wav") == pytest.approx(0.5)
+    assert RequestResult(audio=[b"not a wav"]).audio_seconds("wav") is None
 
 
 @pytest.mark.parametrize(
