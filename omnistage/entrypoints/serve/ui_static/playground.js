@@ -43,7 +43,10 @@ export class Playground {
     });
     root.querySelector("#attach").addEventListener("change", (event) => this.attach(event.target));
     root.querySelector("#new-chat").addEventListener("click", () => this.reset());
-    this.stopButton.addEventListener("click", () => this.abort?.abort());
+    this.stopButton.addEventListener("click", () => {
+      this.abort?.abort();
+      this.player.stop();
+    });
     if (Recorder.available) this.record.addEventListener("click", () => this.toggleRecording());
     else {
       this.record.disabled = true;
@@ -238,7 +241,8 @@ export class Playground {
       if (data === "[DONE]") break;
       const event = JSON.parse(data);
       if (event.error) {
-        bubble.fail(describe({ status: event.error.code || "error", body: event, text: data }));
+        // A failure after the stream began, in the shape of the HTTP error reply.
+        bubble.fail(`error in the stream:\n${JSON.stringify(event, null, 2)}`, event.error.message);
         continue;
       }
       if (event.usage) bubble.usage = event.usage;
