@@ -4,9 +4,13 @@ cache, and weight-sync bandwidth per backend against an in-process copy of the s
 - Rollouts: 8 prompts that share a 512-token system prefix, ``n = 8`` sampled answers each
   (32 tokens), on the ``demo`` model in this process; the baseline is the same engine with
   ``enable_prefix_caching`` off (the ``n`` samples of one prompt share its prefill either way).
+  The seconds are split into prefill steps and decode steps (a step is one or the other).
 - Weight sync: a real server serving the ``bench`` model (391 MB), a ``WeightSender`` pushing
-  its whole state dict (gloo for ``nccl`` on CPU, shared memory for ``ipc``); the baseline is
-  copying the same tensors into same-shaped ones in one process.
+  its whole state dict (gloo for ``nccl`` on CPU, the stage's shared staging for ``ipc``); the
+  baseline is copying the same tensors into same-shaped ones in one process with torch's
+  ``copy_`` (``copy_gbps``, what ``vs_copy`` divides by), measured in the same run, beside
+  glibc's ``memmove`` of the same bytes (``memcpy_gbps``); ``apply_ms`` is the stage's copy
+  into its live weights at ``finish``.
 """
 
 from __future__ import annotations
@@ -31,11 +35,22 @@ ROLLOUT_COLUMNS = [
     "samples",
     "generated_tokens",
     "prefill_tokens",
+    "prefill_s",
+    "decode_s",
     "seconds",
     "tokens_per_s",
     "speedup",
 ]
-SYNC_COLUMNS = ["backend", "mib", "seconds", "gbps", "copy_gbps", "vs_copy"]
+SYNC_COLUMNS = [
+    "backend",
+    "mib",
+    "seconds",
+    "apply_ms",
+    "gbps",
+    "copy_gbps",
+    "memcpy_gbps",
+    "vs_copy",
+]
 PREFIX, QUESTION, PROMPTS, SAMPLES, NEW_TOKENS = 512, 16, 8, 8, 32
 
 
@@ -57,15 +72,19 @@ def _rollout(caching: bool) -> dict[str, Any]:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(ARRequest(f"p{i}", prompt, params))
-    generated = 0
+    generated, split = 0, [0.0, 0.0]  # seconds of prefill steps, of decode steps
     while engine.has_unfinished_requests():
+        step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens
         generated += sum(len(out.new_token_ids) for out in engine.step())
+        split[engine.num_prefill_tokens == prefilled] += time.perf_counter() - step_start
     seconds = time.perf_counter() - start
     row = {
         "prefix_caching": caching,
         "samples": PROMPTS * SAMPLES,
         "generated_tokens": generated,
         "prefill_tokens": engine.num_prefill_tokens,
+        "prefill_s": split[0],
+        "decode_s": split[1],
         "seconds": seconds,
         "tokens_per_s": generated / seconds,
     }
@@ -81,13 +100,19 @@ def bench_rollouts() -> list[dict[str, Any]]:
     return rows
 
 
-def _copy_gbps(state: dict[str, torch.Tensor], nbytes: int) -> float:
+def _copy_gbps(state: dict[str, torch.Tensor], nbytes: int, memmove: bool = False) -> float:
+    """In-process copy bandwidth: torch's ``copy_``, or glibc's ``memmove`` (``memcopy``)."""
+    from omnistage.rl.protocol import memcopy
+
     targets = {name: torch.empty_like(t) for name, t in state.items()}
     times = []
     for _ in range(3):
         start = time.perf_counter()
         for name, tensor in state.items():
-            targets[name].copy_(tensor)
+            if memmove:
+                memcopy(targets[name].data_ptr(), tensor.data_ptr(), tensor.nbytes)
+            else:
+                targets[name].copy_(tensor)
         times.append(time.perf_counter() - start)
     return nbytes / statistics.median(times) / 1e9
 
@@ -101,23 +126,25 @@ def bench_sync(device: str = "cpu") -> list[dict[str, Any]]:
     with SafetensorsFile(model / "model.safetensors") as st:
         state = {name: st.tensor(name).clone() for name in st.keys()}  # noqa: SIM118
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    copy_gbps = _copy_gbps(state, nbytes)
+    copy_gbps, memcpy_gbps = _copy_gbps(state, nbytes), _copy_gbps(state, nbytes, memmove=True)
     rows = []
     with Server("--model", str(model), "--device", device, "--enable-sleep-mode") as server:
         for backend in ("nccl", "ipc"):
             with WeightSender(server.url, backend=backend) as sender:
                 sender.init()
                 sender.send(state.items(), weight_version=f"{backend}-warm")
-                times = []
+                times, applies = [], []
                 for i in range(3):
                     start = time.perf_counter()
-                    sender.send(state.items(), weight_version=f"{backend}-{i}")
+                    ack = sender.send(state.items(), weight_version=f"{backend}-{i}")
                     times.append(time.perf_counter() - start)
+                    applies.append(float(ack["metadata"]["latency_ms"]))
             seconds = statistics.median(times)
             rows.append({
                 "backend": f"{backend} ({'gloo' if backend == 'nccl' and device == 'cpu' else backend})",
-                "mib": nbytes / 2**20, "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-                "copy_gbps": copy_gbps, "vs_copy": nbytes / seconds / 1e9 / copy_gbps,
+                "mib": nbytes / 2**20, "seconds": seconds, "apply_ms": statistics.median(applies),
+                "gbps": nbytes / seconds / 1e9, "copy_gbps": copy_gbps, "memcpy_gbps": memcpy_gbps,
+                "vs_copy": nbytes / seconds / 1e9 / copy_gbps,
             })  # fmt: skip
     return rows
 

@@ -160,6 +160,25 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
+    def computing(self, seq: Sequence) -> set[bytes]:
+        """Digests of the full blocks ``seq``'s coming prefill computes (just allocated, not
+        cached): what a sequence that starts alike finds cached once that prefill ran."""
+        if not (self.enable_prefix_caching and seq.may_use_prefix_cache):
+            return set()
+        num_full = (seq.num_tokens - 1) // self.block_size
+        return set(sequence_hashes(seq, self.block_size, num_full)[seq.num_hashed_blocks :])
+
+    def waits_for(self, seq: Sequence, computing: set[bytes]) -> bool:
+        """Whether ``seq``'s first block not cached is among ``computing``: prefilled a step
+        later, it computes none of the blocks another prefill of this step computes."""
+        if not (computing and self.enable_prefix_caching and seq.may_use_prefix_cache):
+            return False
+        num_full = (seq.num_tokens - 1) // self.block_size
+        for block_hash in sequence_hashes(seq, self.block_size, num_full):
+            if block_hash not in self.cached:
+                return block_hash in computing
+        return False
+
     # -- decode ------------------------------------------------------------------------
 
     def can_append(self, seq: Sequence) -> bool:

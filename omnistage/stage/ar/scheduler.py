@@ -5,6 +5,11 @@ are preempted (their blocks freed, their tokens kept) and later recomputed.
 A sequence whose request asked for ``n`` samples is scheduled with room for the ``n - 1``
 samples that fork from it after its prefill (a sequence slot and a copied block each).
 
+With prefix caching, a prompt whose next uncached block another prefill of the same step
+computes waits for the next step (and the prompts behind it, in order): it then finds those
+blocks cached instead of computing them a second time (GRPO's prompts of one system
+prefix, arriving together).
+
 Fair share: when a request with nothing running waits for room that another request holds
 beyond its share (``max_num_seqs`` over the requests running, plus the waiting one), that
 request's newest sequences are preempted — behind the newcomer — until the newcomer fits. A
@@ -43,8 +48,11 @@ class Scheduler:
         scheduled: list[Sequence] = []
         num_batched_tokens = 0
         num_slots = len(self.running)
+        computing: set[bytes] = set()  # prefix blocks this step's prefills compute
         while self.waiting:
             seq = self.waiting[0]
+            if scheduled and self.block_manager.waits_for(seq, computing):
+                break  # its prefix is computed now: a step later it is a cache hit
             forks = len(seq.pending_samples)
             fits = num_slots + 1 + forks <= self.max_num_seqs
             if not (fits and self.block_manager.can_allocate(seq, forks)):
@@ -58,6 +66,7 @@ class Scheduler:
                 break
             num_slots += 1 + forks
             self.block_manager.allocate(seq)
+            computing |= self.block_manager.computing(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.queue_time_s is None:
                 seq.queue_time_s = time.monotonic() - seq.arrival_time

@@ -1,6 +1,7 @@
 """What RL rollouts need from the AR engine: logprobs that equal transformers' log-softmax,
-``n`` reproducible samples from one prefill, and a prefix cache that hits and can never serve
-a stale prefix after the weights change or the KV cache is released."""
+``n`` reproducible samples from one prefill, and a prefix cache that hits (prompts of one
+prefix arriving together compute it once) and can never serve a stale prefix after the
+weights change or the KV cache is released."""
 
 from __future__ import annotations
 
@@ -154,6 +155,15 @@ def test_a_shared_prefix_hits_and_gives_what_no_cache_gives(qwen2):
         assert tokens(outs) == tokens(expected)
     stats = cached.status()["prefix_cache"]
     assert stats["hit_tokens"] >= 2 * 64 and 0 < stats["hit_rate"] < 1
+    # Prompts of a new prefix arriving together: one computes it, the others wait a step
+    # and find its four blocks cached (not computed three times in one step).
+    together = [SHARED[::-1] + [7, 8, 9], SHARED[::-1] + [10], SHARED[::-1] + [11, 12]]
+    before = cached.num_prefill_tokens
+    outs = run(cached, [ARRequest(f"t{i}", q, GREEDY) for i, q in enumerate(together)])
+    assert cached.num_prefill_tokens - before == 77 + (75 - 64) + (76 - 64)
+    for i, prompt in enumerate(together):
+        expected = run(plain, [ARRequest(f"q{i}", prompt, GREEDY)])[(f"q{i}", 0)]
+        assert tokens(outs[(f"t{i}", 0)]) == tokens(expected)
     cached.shutdown()
     plain.shutdown()
 
