@@ -192,15 +192,17 @@ class Token2WavSynthesis:
 def advance_together(items: list[Any]) -> None:
     """One step of each of ``items`` (``Token2WavSynthesis`` or a stream, whose ``current()``
     synthesis steps and which ``settle()`` afterwards): those with the same ``batch_key``
-    share each DiT forward (``dit_batch``), each getting the values it gets alone."""
+    share each DiT forward (``dit_batch``, which also runs the speaker encoder once per
+    utterance instead of in every call), each getting the values it gets alone."""
     syntheses = [item.current() for item in items]
     groups: dict[Any, list[Token2WavSynthesis]] = {}
     for synthesis in syntheses:
         key = synthesis.batch_key
         groups.setdefault(key if key is not None else id(synthesis), []).append(synthesis)
     for group in groups.values():
-        if len(group) == 1:
-            group[0].advance()
+        if group[0].batch_key is None:  # unguided: transformers' forward, one at a time
+            for synthesis in group:
+                synthesis.advance()
             continue
         ks: list[list[torch.Tensor]] = [[] for _ in group]
         dit = group[0].pipeline.dit

@@ -49,7 +49,7 @@ class Code2WavJob:
 
     def advance(self) -> None:
         started = time.perf_counter()
-        self.synthesis.advance()
+        self.vocoder.advance_together([self.synthesis])
         self.compute_s += time.perf_counter() - started
 
     def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
@@ -126,7 +126,8 @@ class StreamingCode2WavJob:
 
     def advance(self) -> None:
         started = time.perf_counter()
-        self.stream.advance()
+        if self.stream.is_ready:
+            self.vocoder.advance_together([self.stream])
         self.compute_s += time.perf_counter() - started
 
     def _output(self, samples: torch.Tensor, *, last: bool) -> AudioOutput:
