@@ -19,7 +19,7 @@ from typing import Any
 from omnistage.bench.report import write_results
 from omnistage.entrypoints.diffusion import Diffusion
 from omnistage.models.tiny_diffusion import IMAGE, TinyDiffusionSpec, build_pipeline
-from omnistage.stage.diffusion.params import DiffusionParams
+from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput
 
 MiB = 1024 * 1024
 LARGE = TinyDiffusionSpec(num_layers=12, num_heads=8, head_dim=32, seed=3)
@@ -50,8 +50,14 @@ def _throughput(pipe: Diffusion, batch_size: int, repeats: int) -> float:
     return batch_size / statistics.median(times)
 
 
+def _png(pipe: Diffusion) -> bytes:
+    image = pipe.generate(PROMPTS[0], DiffusionParams(seed=0))[0]
+    assert isinstance(image, ImageOutput)
+    return image.png
+
+
 def _sleep_wake(pipe: Diffusion, level: int, repeats: int) -> dict[str, Any]:
-    reference = pipe.generate(PROMPTS[0], DiffusionParams(seed=0))[0].png
+    reference = _png(pipe)
     sleep_ms, wake_ms, freed, released = [], [], [], []
     for _ in range(repeats):
         resident = pipe.memory_stats()["resident_bytes"]
@@ -63,7 +69,7 @@ def _sleep_wake(pipe: Diffusion, level: int, repeats: int) -> dict[str, Any]:
         pipe.wake_up()
         wake_ms.append((time.perf_counter() - start) * 1e3)
         freed.append(ack["freed_bytes"])
-    same = pipe.generate(PROMPTS[0], DiffusionParams(seed=0))[0].png == reference
+    same = _png(pipe) == reference
     return {
         "case": f"sleep level {level}",
         "sleep_ms": statistics.median(sleep_ms),
@@ -92,9 +98,11 @@ def bench_model(folder: Path, name: str, device: str, repeats: int) -> list[dict
 
 
 def run(out_dir: str, device: str = "cpu", repeats: int = 5) -> str:
-    """The PixArt presets' table, then the real families' against diffusers and their
-    per-component sleep and wake (``bench/diffusion_families.py``)."""
+    """The PixArt presets' table, then the real families' against diffusers (images, then
+    Wan's videos) and their per-component sleep and wake (``bench/diffusion_families.py``,
+    ``bench/diffusion_video.py``)."""
     from omnistage.bench.diffusion_families import SLEEP_COLUMNS, THROUGHPUT_COLUMNS, run_families
+    from omnistage.bench.diffusion_video import VIDEO_COLUMNS, run_video
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="omnistage-bench-diffusion-") as tmp:
@@ -107,5 +115,8 @@ def run(out_dir: str, device: str = "cpu", repeats: int = 5) -> str:
     tables.append(
         write_results(out_dir, f"diffusion-families-{suffix}", throughput, THROUGHPUT_COLUMNS)
     )
+    videos, video_sleep = run_video(device, repeats)
+    sleep += video_sleep
+    tables.append(write_results(out_dir, f"diffusion-video-{suffix}", videos, VIDEO_COLUMNS))
     tables.append(write_results(out_dir, f"diffusion-components-{suffix}", sleep, SLEEP_COLUMNS))
     return "\n\n".join(tables)

@@ -4,6 +4,8 @@
     images = pipe.generate(["a red cat"], DiffusionParams(seed=0))
     open("cat.png", "wb").write(images[0].png)
     pipe.sleep(level=2); pipe.wake_up()   # same seed -> same PNG bytes
+    # a video family (Wan): an MP4 of 1 + 4k frames
+    video = pipe.generate("a red cat", DiffusionParams(video=True, num_frames=33, seed=0))[0]
 
 Inputs are prompts (strings) or conditioning embeddings (float tensors ``[seq, dim]``, e.g. a
 thinker's final hidden states). As for every diffusion stage, ``wake_up`` resumes by itself.
@@ -23,9 +25,10 @@ from omnistage.errors import StageAsleepError
 from omnistage.stage.control import acks_of
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
 from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest, ImageOutput
+from omnistage.stage.diffusion.video import VideoOutput
 from omnistage.stage.diffusion.wire import KIND
 
-__all__ = ["Diffusion", "DiffusionParams", "ImageOutput"]
+__all__ = ["Diffusion", "DiffusionParams", "ImageOutput", "VideoOutput"]
 
 DiffusionInput = str | torch.Tensor
 
@@ -59,9 +62,10 @@ class Diffusion:
         self,
         inputs: DiffusionInput | Sequence[DiffusionInput],
         params: DiffusionParams | Sequence[DiffusionParams] | None = None,
-    ) -> list[ImageOutput]:
-        """One image per input, in input order. Raises ``InvalidRequestError`` (naming the
-        field) before anything runs, and ``RuntimeError`` if a request fails or is aborted."""
+    ) -> list[ImageOutput | VideoOutput]:
+        """One image per input (a video with ``DiffusionParams(video=True)``), in input
+        order. Raises ``InvalidRequestError`` (naming the field) before anything runs, and
+        ``RuntimeError`` if a request fails or is aborted."""
         items = [inputs] if isinstance(inputs, str | torch.Tensor) else list(inputs)
         if params is None or isinstance(params, DiffusionParams):
             per_item = [params or DiffusionParams()] * len(items)
@@ -85,7 +89,7 @@ class Diffusion:
             self._abort(added)
             raise
         pending = set(added)
-        results: dict[str, ImageOutput] = {}
+        results: dict[str, ImageOutput | VideoOutput] = {}
         while pending:
             for output in self.engine.step():
                 if output.request_id not in pending:

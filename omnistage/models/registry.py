@@ -63,6 +63,7 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         "omnistage.models.diffusion.qwen_image",
         pipeline_classes=("QwenImagePipeline",),
     ),
+    FamilyEntry("wan", "omnistage.models.diffusion.wan", pipeline_classes=("WanPipeline",)),
 )
 
 PROCESSORS: dict[str, str] = {

@@ -21,6 +21,7 @@ PRESETS: dict[str, str] = {
     "tiny-flux": "omnistage.models.diffusion.tiny_families:build_flux",
     "tiny-sd3": "omnistage.models.diffusion.tiny_families:build_sd3",
     "tiny-qwen-image": "omnistage.models.diffusion.tiny_families:build_qwen_image",
+    "tiny-wan": "omnistage.models.diffusion.tiny_families:build_wan",
     "tiny-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build",
     "tiny-qwen2.5-omni-alt": "omnistage.models.qwen2_5_omni.tiny:build_alt",
 }

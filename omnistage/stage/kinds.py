@@ -22,9 +22,10 @@ from omnistage.config import ConfigError, PipelineConfig, StageConfig
 class KindSpec:
     """``engine`` builds the stage engine from a ``StageConfig`` (in the stage process);
     ``preparer`` validates and builds wire requests in the API process; ``wire`` is the module
-    of the kind's wire structs (``REQUEST``, ``INFO`` and ``OUTPUT``: its media, None when it
-    returns tokens); ``modality`` is what it outputs; ``has_prefix_cache`` whether it keeps
-    one (``reset_prefix_cache``); ``tensor_parallel`` whether its model splits over ranks;
+    of the kind's wire structs (``REQUEST``, ``INFO`` and ``OUTPUT``: its media, a union of
+    structs when it makes several, None when it returns tokens); ``modality`` is what it
+    outputs; ``has_prefix_cache`` whether it keeps one (``reset_prefix_cache``);
+    ``tensor_parallel`` whether its model splits over ranks;
     ``takes_stream`` whether it can take its input while the stage before produces it;
     ``preflight`` checks a stage config before any stage starts. Everything is named by import
     path and loaded when used: a server reads the map before it imports torch."""

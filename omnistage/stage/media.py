@@ -1,7 +1,7 @@
-"""What a client gets from a stage kind that produces media: an image, a waveform.
+"""What a client gets from a stage kind that produces media: an image, a video, a waveform.
 
-Each kind's wire output (``ImageOutput``, ``AudioOutput``) turns into one of these with
-``to_client()`` in the API process; ``AsyncOmni.generate`` yields them.
+Each kind's wire output (``ImageOutput``, ``VideoOutput``, ``AudioOutput``) turns into one of
+these with ``to_client()`` in the API process; ``AsyncOmni.generate`` yields them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,18 @@ class OmniImage:
     png: bytes
     width: int
     height: int
+    seed: int | None = None
+
+
+@dataclass
+class OmniVideo:
+    """An MP4 (H.264) of ``num_frames`` frames of ``width`` x ``height`` at ``fps``."""
+
+    mp4: bytes
+    width: int
+    height: int
+    num_frames: int
+    fps: int
     seed: int | None = None
 
 

@@ -113,10 +113,38 @@ def build_empty_module(folder: str | Path, spec: ComponentSpec, dtype: torch.dty
             config = cls.config_class.from_pretrained(component_dir)
             module = cls(config)
     if any(p.is_floating_point() and p.dtype != dtype for p in module.parameters()):
-        module.to(dtype)
+        _cast(module, dtype, _kept_in_float32(module, spec, dtype))
     module.eval()
     module.requires_grad_(False)
     return module
+
+
+def _kept_in_float32(module: nn.Module, spec: ComponentSpec, dtype: torch.dtype) -> list[str]:
+    """The module names whose parameters the library keeps in float32 when it loads the class
+    in half precision (``_keep_in_fp32_modules``: diffusers for any dtype, transformers for
+    float16, and its ``_keep_in_fp32_modules_strict`` for bfloat16 too): the class's forward
+    expects them so."""
+    if dtype == torch.float32:
+        return []
+    names = list(getattr(module, "_keep_in_fp32_modules", None) or [])
+    if spec.library == "transformers" and dtype != torch.float16:
+        names = []
+    return names + list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+
+
+def _cast(module: nn.Module, dtype: torch.dtype, kept: list[str]) -> None:
+    """``module.to(dtype)``, except the parameters under a ``kept`` name stay float32."""
+    if not kept:
+        module.to(dtype)
+        return
+    for prefix, mod in module.named_modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_floating_point():
+                    continue
+                path = f"{prefix}.{name}".split(".") if prefix else [name]
+                wanted = torch.float32 if any(part in kept for part in path) else dtype
+                tensor.data = tensor.data.to(wanted)
 
 
 def load_tokenizer(folder: str | Path, spec: ComponentSpec) -> Any:

@@ -33,7 +33,7 @@ class DiffusionLimits:
     size_multiple: int  # height and width must be multiples of it
     embedding_dim: int  # the width of prompt embeddings ``[seq, dim]`` it takes
     has_text_encoder: bool  # whether text prompts work, or only embeddings
-    native_size: int  # height and width when a request gives none
+    native_size: int  # height (and width, unless ``native_width``) when a request gives none
     max_inference_steps: int  # the scheduler's training timesteps
     takes_prompt_embeds: bool = True  # False: text prompts only (pooled embeddings needed)
     takes_negative_prompt: bool = True  # False: guidance is distilled into the denoiser
@@ -41,7 +41,9 @@ class DiffusionLimits:
     max_sequence_length: int = 4096  # the most text tokens its encoder is given
     max_frames: int = 1  # more than 1: a video family
     frame_step: int = 1  # a video's frame count is 1 + a multiple of it (temporal compression)
-    default_frames: int = 1  # frames when a request gives none
+    default_frames: int = 1  # frames when a video request gives none
+    default_fps: int = 16  # a video's frame rate when a request gives none
+    native_width: int | None = None  # width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0  # what the family's pipeline defaults to
 
 
@@ -60,6 +62,8 @@ class DiffusionParamsLike(Protocol):
     def negative_prompt(self) -> str: ...
     @property
     def max_sequence_length(self) -> int | None: ...
+    @property
+    def num_frames(self) -> int | None: ...
     @property
     def uses_guidance(self) -> bool: ...
 
@@ -139,5 +143,5 @@ class DiffusionFamily(Protocol):
 
     def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
         """One request's final latents (batch dimension 1) to float pixels ``[H, W, 3]`` in
-        [0, 1], on the CPU."""
+        [0, 1], on the CPU; a video family's to frames ``[F, H, W, 3]``."""
         ...

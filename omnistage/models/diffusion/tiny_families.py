@@ -196,3 +196,59 @@ def build_qwen_image(out: str | Path) -> Path:
             transformer=transformer.eval(),
         )
     return _save(pipe, out)
+
+
+WAN_LATENT_CHANNELS = 16
+
+
+def build_wan(out: str | Path) -> Path:
+    """Wan 2.1 text-to-video's layout: a UMT5 text encoder, a 3-D transformer with (1, 2, 2)
+    patches, Wan's causal 3-D VAE (8x spatial, 4x temporal: three down blocks, the last two
+    also in time) and, as the released Wan 2.1 folders ship, a UniPC multistep scheduler
+    predicting flow."""
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(13)
+        tokenizer = build_char_tokenizer(T5_MAX_LENGTH)
+        vae: Any = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=WAN_LATENT_CHANNELS,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            latents_mean=[0.05 * (i - 8) for i in range(WAN_LATENT_CHANNELS)],
+            latents_std=[1.0 + 0.1 * i for i in range(WAN_LATENT_CHANNELS)],
+        )
+        transformer: Any = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=WAN_LATENT_CHANNELS,
+            out_channels=WAN_LATENT_CHANNELS,
+            text_dim=TEXT_DIM,
+            freq_dim=32,
+            ffn_dim=48,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+        pipe = WanPipeline(
+            tokenizer=tokenizer,
+            text_encoder=t5_text_encoder(tokenizer, umt5=True),
+            vae=vae.eval(),
+            scheduler=UniPCMultistepScheduler(
+                prediction_type="flow_prediction",
+                use_flow_sigmas=True,
+                flow_shift=3.0,
+                num_train_timesteps=1000,
+            ),
+            transformer=transformer.eval(),
+        )
+    return _save(pipe, out)

@@ -34,6 +34,7 @@ from omnistage.stage.diffusion.params import (
     DiffusionRequest,
     ImageOutput,
 )
+from omnistage.stage.diffusion.video import VideoOutput, quantise, to_mp4
 
 BatchKey = tuple[Hashable, str]
 
@@ -82,9 +83,11 @@ class DenoiseJob:
         self.family, self.pipeline = family, pipeline
         self.key = batch_key(family, pipeline, requests[0])
         scheduler_name = self.key[1]
-        native = family.limits(pipeline).native_size
+        limits = family.limits(pipeline)
         params = requests[0].params
-        self.height, self.width = params.height or native, params.width or native
+        self.height = params.height or limits.native_size
+        self.width = params.width or limits.native_width or limits.native_size
+        self.default_fps = limits.default_fps
         self.items: list[_Item] = []
         for request, seed in zip(requests, seeds, strict=True):
             scheduler = make_scheduler(pipeline, scheduler_name)
@@ -138,26 +141,40 @@ class DenoiseJob:
         self.step_index += 1
 
     @torch.inference_mode()
-    def finish(self) -> list[tuple[DiffusionRequest, ImageOutput]]:
-        """Decode every request's image, one at a time (VAE kernels round differently per
-        batch size, see ``batch_invariance``)."""
-        results = []
-        for item in self.items:
-            pixels = self.family.decode(self.pipeline, item.latents)
-            output = ImageOutput(
-                png=to_png(pixels),
+    def finish(self) -> list[tuple[DiffusionRequest, ImageOutput | VideoOutput]]:
+        """Decode every request's image or video, one at a time (VAE kernels round
+        differently per batch size, see ``batch_invariance``)."""
+        return [(item.request, self._output(item)) for item in self.items]
+
+    def _output(self, item: _Item) -> ImageOutput | VideoOutput:
+        params = item.request.params
+        pixels = self.family.decode(self.pipeline, item.latents)
+        if params.video:
+            frames = pixels if pixels.ndim == 4 else pixels[None]
+            fps = params.fps or self.default_fps
+            return VideoOutput(
+                mp4=to_mp4(quantise(frames), fps),
                 width=self.width,
                 height=self.height,
+                num_frames=int(frames.shape[0]),
+                fps=fps,
                 seed=item.seed,
-                pixels=pixels.clone() if item.request.params.return_pixels else None,
+                pixels=frames.clone() if params.return_pixels else None,
             )
-            results.append((item.request, output))
-        return results
+        if pixels.ndim == 4:  # one frame of a video family
+            pixels = pixels[0]
+        return ImageOutput(
+            png=to_png(pixels),
+            width=self.width,
+            height=self.height,
+            seed=item.seed,
+            pixels=pixels.clone() if params.return_pixels else None,
+        )
 
 
 def denoise_batch(
     family: Any, pipeline: Any, requests: list[DiffusionRequest], seeds: list[int]
-) -> list[ImageOutput]:
+) -> list[ImageOutput | VideoOutput]:
     """Generate one image per request, all steps at once; all must share one ``batch_key``."""
     job = DenoiseJob(family, pipeline, requests, seeds)
     while not job.is_done:

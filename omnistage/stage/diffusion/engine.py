@@ -22,6 +22,7 @@ from omnistage.stage.diffusion.params import (
     MAX_SEED,
     DiffusionRequest,
     PipelineLimits,
+    resolve_params,
     validate_request,
 )
 from omnistage.stage.diffusion.wire import DiffusionStageInfo, DiffusionStageRequest
@@ -57,6 +58,8 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             max_frames=own.max_frames,
             frame_step=own.frame_step,
             default_frames=own.default_frames,
+            default_fps=own.default_fps,
+            native_width=own.native_width,
             default_guidance_scale=own.default_guidance_scale,
         )
 
@@ -105,6 +108,7 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
 
     def _check_request(self, request: DiffusionRequest) -> None:
         validate_request(request, self.limits)
+        request.params = resolve_params(request.params, self.limits)
 
     def _take_job(self, runnable: list[DiffusionRequest]) -> list[DiffusionRequest]:
         """A batch around the oldest runnable request, of the requests that fit with it."""

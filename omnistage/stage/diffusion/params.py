@@ -2,7 +2,7 @@
 
 ``DiffusionParams`` holds the per-request knobs; ``DiffusionRequest`` adds the input (a text
 prompt, or conditioning embeddings such as a thinker stage's final hidden states);
-``ImageOutput`` is one finished image. ``validate_request`` checks a request against what the
+``ImageOutput`` is one finished image (a finished video is ``video.VideoOutput``). ``validate_request`` checks a request against what the
 loaded pipeline can do and raises ``InvalidRequestError`` naming the offending field.
 """
 
@@ -27,6 +27,7 @@ MAX_INFERENCE_STEPS = 1000
 MAX_IMAGE_SIDE = 4096
 MAX_EMBEDDING_TOKENS = 4096
 MAX_SEED = 2**63 - 1
+MAX_FPS = 120
 
 
 class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,6 +42,10 @@ class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     "flow_match_euler" or "ddim" override it. ``max_sequence_length`` None uses the family's
     default (diffusers' for the pipeline class, within the tokenizer's limit).
     ``return_pixels`` also returns the decoded float image (H, W, 3) in [0, 1].
+
+    ``video`` asks a video family for a video (``VideoOutput``: an MP4 of ``num_frames``
+    frames at ``fps``; None takes the family's defaults); without it a request makes one
+    image, one frame of a video family.
     """
 
     num_inference_steps: int = 10
@@ -52,6 +57,9 @@ class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scheduler: str | None = None
     max_sequence_length: int | None = None
     return_pixels: bool = False
+    video: bool = False
+    num_frames: int | None = None
+    fps: int | None = None
 
     @property
     def uses_guidance(self) -> bool:
@@ -105,6 +113,8 @@ class PipelineLimits(msgspec.Struct, frozen=True):
     max_frames: int = 1
     frame_step: int = 1
     default_frames: int = 1
+    default_fps: int = 16
+    native_width: int | None = None  # the width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0
 
 
@@ -152,7 +162,7 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
     _check_size("height", params.height, limits.size_multiple)
     _check_size("width", params.width, limits.size_multiple)
     height = params.height or limits.native_size
-    width = params.width or limits.native_size
+    width = params.width or limits.native_width or limits.native_size
     if height * width > limits.max_image_pixels:
         raise InvalidRequestError(
             "size",
@@ -186,6 +196,41 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
         )
     if params.max_sequence_length is not None:
         _check_int("max_sequence_length", params.max_sequence_length, 1, limits.max_sequence_length)
+    _check_frames(params, limits)
+
+
+def _check_frames(params: DiffusionParams, limits: PipelineLimits) -> None:
+    if not isinstance(params.video, bool):
+        raise InvalidRequestError("video", f"must be true or false, got {params.video!r}")
+    if params.video and limits.max_frames <= 1:
+        raise InvalidRequestError("model", "this pipeline makes images, not videos")
+    if params.num_frames is not None:
+        if not params.video and params.num_frames != 1:
+            raise InvalidRequestError(
+                "num_frames", "an image is one frame; ask for a video for more (video: true)"
+            )
+        _check_int("num_frames", params.num_frames, 1, limits.max_frames)
+        if (params.num_frames - 1) % limits.frame_step:
+            raise InvalidRequestError(
+                "num_frames",
+                f"must be 1 + a multiple of {limits.frame_step} (the VAE's temporal "
+                f"compression), got {params.num_frames}",
+            )
+    if params.fps is not None:
+        if not params.video:
+            raise InvalidRequestError("fps", "only a video has a frame rate")
+        _check_int("fps", params.fps, 1, MAX_FPS)
+
+
+def resolve_params(params: DiffusionParams, limits: PipelineLimits) -> DiffusionParams:
+    """A video request's frames and frame rate, the family's defaults where it gives none."""
+    if not params.video:
+        return params
+    return msgspec.structs.replace(
+        params,
+        num_frames=params.num_frames or limits.default_frames,
+        fps=params.fps or limits.default_fps,
+    )
 
 
 def validate_request(request: DiffusionRequest, limits: PipelineLimits) -> None:

@@ -1,5 +1,6 @@
 """What crosses the wire for a diffusion stage: its request, what it reports at start-up,
-and the image it returns (``ImageOutput``, with the parameters in ``params``)."""
+and the image or video it returns (``ImageOutput``, ``VideoOutput``; the parameters in
+``params``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import msgspec
 import torch
 
 from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput, PipelineLimits
+from omnistage.stage.diffusion.video import VideoOutput
 
 KIND = "diffusion"
 
@@ -27,6 +29,6 @@ class DiffusionStageInfo(msgspec.Struct, tag=KIND):
 
 
 # What the kinds map reads of this kind (``omnistage.stage.kinds``).
-REQUEST, INFO, OUTPUT = DiffusionStageRequest, DiffusionStageInfo, ImageOutput
+REQUEST, INFO, OUTPUT = DiffusionStageRequest, DiffusionStageInfo, ImageOutput | VideoOutput
 
-__all__ = ["KIND", "DiffusionStageInfo", "DiffusionStageRequest", "ImageOutput"]
+__all__ = ["KIND", "DiffusionStageInfo", "DiffusionStageRequest", "ImageOutput", "VideoOutput"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
-from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest
+from omnistage.stage.diffusion.params import MAX_FPS, DiffusionParams, DiffusionRequest
 from tests.unit.stage.diffusion.conftest import diffusion_config, run_all
 from tests.unit.stage.diffusion.family_cases import CASES, preset_folder
 
@@ -108,6 +108,13 @@ def bad_requests(case, limits) -> list[tuple[str, DiffusionRequest]]:
         cases.append(("negative_prompt", request(case, "r", 1, negative_prompt="blurry")))
     if not limits.takes_scheduler_override:
         cases.append(("scheduler", request(case, "r", 1, scheduler="ddim")))
+    if limits.max_frames > 1:  # a video family: too many frames, off its grid, a bad rate
+        too_many = limits.max_frames + limits.frame_step
+        cases.append(("num_frames", request(case, "r", 1, num_frames=too_many)))
+        cases.append(("num_frames", request(case, "r", 1, num_frames=limits.frame_step)))
+        cases.append(("fps", request(case, "r", 1, fps=MAX_FPS + 1)))
+    else:
+        cases.append(("model", request(case, "r", 1, video=True)))
     if not limits.takes_prompt_embeds:
         embeds = torch.zeros(4, limits.embedding_dim)
         params = DiffusionParams(**case.params)
