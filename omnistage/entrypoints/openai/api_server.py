@@ -92,7 +92,12 @@ def build_app(
     from fastapi import Depends, FastAPI
 
     from omnistage import __version__
-    from omnistage.entrypoints.openai import serving_chat, serving_completions, serving_images
+    from omnistage.entrypoints.openai import (
+        serving_chat,
+        serving_completions,
+        serving_images,
+        serving_videos,
+    )
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.http_metrics import HttpMetrics
     from omnistage.entrypoints.openai.server_routes import health_router, models_router
@@ -142,6 +147,7 @@ def build_app(
     app.include_router(serving_chat.router, dependencies=data)
     app.include_router(serving_completions.router, dependencies=data)
     app.include_router(serving_images.router, dependencies=data)
+    app.include_router(serving_videos.router, dependencies=data)
     app.include_router(models_router, dependencies=data)
     app.include_router(health_router)
     app.include_router(omni_control_router)
