@@ -23,10 +23,9 @@ Sleep: per stage and level, medians over ``repeats`` cycles of sleep → wake (+
 stages) → one audio request, end to end through ``Omni``; ``freed_mib`` from the sleep ACK;
 the baseline is the pipeline's cold start (spawn, imports, model load) to its first audio.
 
-Media (``omnistage.bench.omni_media``): the same throughput and agreement for audio-in
-requests, on the same pipeline and against the same transformers model (``processor_ms``:
-transformers' processor, inside its timed requests), the encoders' cost, and the encoder
-cache's hit speedup.
+Media (``omnistage.bench.omni_media``): audio-in requests' throughput and agreement, the
+encoders' cost, the encoder cache's hit speedup. Streamed speech (``omni_stream``): time to
+first audio and throughput over HTTP, streamed and whole.
 """
 
 from __future__ import annotations
@@ -44,6 +43,7 @@ import numpy as np
 import torch
 
 from omnistage.bench import omni_media as media
+from omnistage.bench import omni_stream
 from omnistage.bench.report import write_results
 
 PIPELINE = "tiny-qwen2.5-omni"
@@ -81,6 +81,8 @@ class Settings:
     num_steps: int = NUM_STEPS
     concurrency: tuple[int, ...] = CONCURRENCY
     repeats: int = 3
+    stream_talker_tokens: int = 256  # the streamed-speech table's replies (the tiny cap)
+    stream: bool = True  # measure streamed speech over HTTP (omni_stream)
     media: media.MediaSettings = field(default_factory=media.MediaSettings)
 
 
@@ -192,8 +194,8 @@ class OmnistageRunner:
         config = load_pipeline(PIPELINE, device=device)  # builds the checkpoint, untimed
         self.folder = Path(config.stages[0].model)
         start = time.perf_counter()
-        self.omni = Omni.from_pipeline(
-            PIPELINE, device=device, enable_sleep_mode=True, in_process=in_process
+        self.omni = Omni.from_pipeline(  # speech in one piece: comparable with transformers
+            PIPELINE, device=device, enable_sleep_mode=True, in_process=in_process, stream=False
         )
         try:
             self.stage_names = {s["stage_id"]: s["name"] for s in self.omni.stage_status()}
@@ -421,7 +423,8 @@ def run(
         compare("transformers + codec prefill embeds", alone, restored.speech),
     ]
     throughput_table = write_results(out_dir, name + "-throughput", rows, THROUGHPUT_COLUMNS)
+    stream_tables = [omni_stream.run(out_dir, name, s, device, theirs)] if s.stream else []
     audio_table = write_results(out_dir, name + "-audio", audio, AUDIO_COLUMNS)
-    tables = [throughput_table, audio_table, sleep_table]
+    tables = [throughput_table, *stream_tables, audio_table, sleep_table]
     tables += media.write_tables(out_dir, name, media_rows, encoder_rows, cache_rows)
     return "\n\n".join(tables)

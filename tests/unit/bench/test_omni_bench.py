@@ -114,6 +114,7 @@ def test_a_tiny_run_writes_the_six_tables(tmp_path):
         num_steps=2,
         concurrency=(1, 2),
         repeats=1,
+        stream=False,  # servers of its own: omni_stream's rows are checked apart
         media=media.MediaSettings(
             audio_s=1.0,
             encoder_audio_s=(1.0,),
@@ -167,3 +168,24 @@ def test_a_tiny_run_writes_the_six_tables(tmp_path):
     assert [r["medium"] for r in cache] == ["image 56x56", "audio 1 s"]
     assert all(r["encoder_queries"] == 2 and r["encoder_hits"] == 1 for r in cache)
     assert all(r["miss_ms"] > 0 and r["hit_ms"] > 0 for r in cache)
+
+
+def test_streamed_rows_compare_modes_concurrency_and_audio():
+    from omnistage.bench import omni_stream
+
+    def run(rate: float, ttfa: float, e2e: float, audio: list[bytes]) -> dict[str, Any]:
+        summary = {"request_throughput": rate}
+        return {"summary": summary, "audio": audio, "ttfa_ms": ttfa, "e2e_ms": e2e}
+
+    runs = {
+        ("streamed", 1): run(1.0, 100.0, 1000.0, [b"a", b"b"]),
+        ("streamed", 8): run(2.0, 300.0, 4000.0, [b"a", b"b", b"a", b"x"]),
+        ("whole", 1): run(1.2, 800.0, 800.0, [b"c", b"d"]),
+        ("whole", 8): run(1.5, 5000.0, 5000.0, [b"c", b"d", b"c", b"d"]),
+    }
+    rows = {(r["mode"], r["concurrency"]): r for r in omni_stream.rows(runs, 0.5)}
+    streamed = rows["streamed", 8]
+    assert (streamed["vs_concurrency_1"], streamed["vs_transformers"]) == (2.0, 4.0)
+    assert streamed["ttfa_vs_whole"] == 300.0 / 5000.0 and streamed["same_audio"] == "3/4"
+    assert rows["streamed", 1]["ttfa_vs_whole"] == 100.0 / 800.0
+    assert rows["whole", 8]["same_audio"] == "4/4"
