@@ -340,7 +340,10 @@ class LLM:
     ) -> dict[str, Any]:
         """Open an update; announcing every tensor (``update_info``) checks them now."""
         info = None if update_info is None else dict(update_info)
-        return self.engine.weight_sync.start_weight_update(info, abort_open=abort_open)
+        answer: dict[str, Any] = run_to_answer(
+            self.engine.weight_sync.start_weight_update(info, abort_open=abort_open)
+        )
+        return answer
 
     def finish_weight_update(self, weight_version: str | int | None = None) -> list[dict[str, Any]]:
         """Apply the update in place, all or nothing, as ``weight_version``."""

@@ -199,22 +199,42 @@ _helper: Any = None
 
 
 def memcopy(dst: int, src: int, nbytes: int) -> None:
-    """``nbytes`` from address ``src`` to ``dst`` (non-overlapping) with glibc's ``memmove``,
-    without the GIL; a large copy in two halves on two threads where the host has two
+    """``nbytes`` from address ``src`` to ``dst`` (non-overlapping); see ``memcopy_many``."""
+    memcopy_many([(dst, src, nbytes)])
+
+
+def memcopy_many(copies: list[tuple[int, int, int]]) -> None:
+    """Each ``(dst, src, nbytes)`` (non-overlapping) with glibc's ``memmove``, without the
+    GIL; from ``SPLIT_BYTES`` in all, in two halves on two threads where the host has two
     cores. Faster than torch's ``copy_`` of the same bytes, and it does not slow to a crawl
     when the host is busy (torch's two OpenMP threads do)."""
     global _helper
-    if nbytes < SPLIT_BYTES or (os.cpu_count() or 1) < 2:
-        ctypes.memmove(dst, src, nbytes)
+    total = sum(n for _, _, n in copies)
+    if total < SPLIT_BYTES or (os.cpu_count() or 1) < 2:
+        for dst, src, nbytes in copies:
+            ctypes.memmove(dst, src, nbytes)
         return
+    halves: list[list[tuple[int, int, int]]] = [[], []]
+    done, half = 0, total // 2
+    for dst, src, nbytes in copies:  # the first half's bytes, then the second's
+        cut = min(nbytes, max(0, half - done))
+        if cut:
+            halves[0].append((dst, src, cut))
+        if nbytes > cut:
+            halves[1].append((dst + cut, src + cut, nbytes - cut))
+        done += nbytes
     if _helper is None:
         from concurrent.futures import ThreadPoolExecutor
 
         _helper = ThreadPoolExecutor(1, thread_name_prefix="omnistage-copy")
-    half = nbytes // 2 // 64 * 64
-    other = _helper.submit(ctypes.memmove, dst + half, src + half, nbytes - half)
-    ctypes.memmove(dst, src, half)
+    other = _helper.submit(_run, halves[1])
+    _run(halves[0])
     other.result()
+
+
+def _run(copies: list[tuple[int, int, int]]) -> None:
+    for dst, src, nbytes in copies:
+        ctypes.memmove(dst, src, nbytes)
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:

@@ -40,7 +40,7 @@ import httpx
 import torch
 
 from omnistage.rl.bounds import check_timeout, check_weight_version
-from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, memcopy, weights_checksum
+from omnistage.rl.protocol import BACKENDS, UpdateInfo, dtype_name, memcopy_many, weights_checksum
 
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 STAGED_CHUNK_BYTES = (
@@ -218,9 +218,11 @@ class WeightSender:
         pending = _Pending.done()
         try:
             for chunk in self._chunks(tensors, min(self.chunk_bytes, STAGED_CHUNK_BYTES)):
-                for name, tensor in chunk:
-                    place = where[name]
-                    _write(self._mapped[str(place["shm"])], int(place["offset"]), tensor)
+                writes = [
+                    (self._mapped[str(where[name]["shm"])], int(where[name]["offset"]), tensor)
+                    for name, tensor in chunk
+                ]
+                _write_all(writes)
                 pending.result()  # one receive at a time on the stage
                 info = _describe(chunk)
                 info.staged = True
@@ -358,19 +360,26 @@ class StagingSegment:
 
 
 def _write(segment: Any, offset: int, tensor: torch.Tensor) -> None:
-    """``tensor``'s bytes into ``segment`` at ``offset`` (a host tensor by ``memmove``,
-    glibc's copy without the GIL)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    if segment.buf is None or offset < 0 or offset + nbytes > segment.size:
-        raise WeightSyncError("the stage's staging place does not fit the tensor")
-    if not nbytes:
-        return
-    view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-    if tensor.device.type == "cpu":
-        memcopy(view.data_ptr(), tensor.data_ptr(), nbytes)
-    else:
-        view.view(tensor.dtype).copy_(tensor.reshape(-1))
-    del view
+    _write_all([(segment, offset, tensor)])
+
+
+def _write_all(writes: list[tuple[Any, int, torch.Tensor]]) -> None:
+    """Each ``tensor``'s bytes into its ``segment`` at ``offset`` (host tensors by glibc's
+    ``memmove`` without the GIL, on two threads: ``memcopy_many``)."""
+    copies = []
+    for segment, offset, tensor in writes:
+        nbytes = tensor.numel() * tensor.element_size()
+        if segment.buf is None or offset < 0 or offset + nbytes > segment.size:
+            raise WeightSyncError("the stage's staging place does not fit the tensor")
+        if not nbytes:
+            continue
+        view = torch.frombuffer(segment.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+        if tensor.device.type == "cpu":
+            copies.append((view.data_ptr(), tensor.data_ptr(), nbytes))
+        else:
+            view.view(tensor.dtype).copy_(tensor.reshape(-1))
+        del view  # the segment's address stays valid: it is mapped until closed
+    memcopy_many(copies)
 
 
 def _describe(tensors: list[tuple[str, torch.Tensor]]) -> UpdateInfo:

@@ -22,7 +22,7 @@ from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvali
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
 from omnistage.stage.control import SYNC_PREFIX, Ack, make_ack
 from omnistage.stage.vocabulary import KV_CACHE, WEIGHTS, check_tags
-from omnistage.stage.weight_checks import copy_into
+from omnistage.stage.weight_checks import copy_all
 
 __all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
 
@@ -83,8 +83,7 @@ class SyncedSource:
                     f"a weight sync onto discarded weights must carry all of them; missing {missing[:8]}"
                 )
         with torch.no_grad():
-            for name, tensor in self.tensors.items():
-                copy_into(targets[name], tensor)
+            copy_all([(targets[name], tensor) for name, tensor in self.tensors.items()])
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def missing(self) -> list[str]:

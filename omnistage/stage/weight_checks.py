@@ -24,7 +24,7 @@ from omnistage.rl.protocol import (
     GLOO_UNSUPPORTED,
     UpdateInfo,
     dtype_name,
-    memcopy,
+    memcopy_many,
     parse_dtype,
 )
 
@@ -38,11 +38,11 @@ class Session:
     id: str
     required: bool  # update/finish must name it: its caller asked for that at start
     announced: dict[str, Spec] | None  # what start said the update carries, if it said
+    shared: bool = False  # the trainer writes into the staging itself (``staged`` chunks)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received_bytes: int = 0
     sets: list[Any] = field(default_factory=list)  # its staging sets (``weight_staging``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # where each one lands
-    shared: bool = False  # the trainer writes into the staging itself (``staged`` chunks)
 
 
 def check_tensors(
@@ -144,12 +144,21 @@ def _fast(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; host bytes by ``memmove`` (glibc's copy, without the GIL): one
-    thread at memory speed where torch's two-thread copy slows to a crawl on a busy host."""
-    if not _fast(dst, src):
-        dst.copy_(src)
-    elif dst.numel():
-        memcopy(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    """``dst.copy_(src)``; host bytes by ``memmove`` (``memcopy``)."""
+    copy_all([(dst, src)])
+
+
+def copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for each pair; host bytes by glibc's ``memmove`` without the GIL,
+    shared by two threads (``memcopy_many``): memory speed where torch's two-thread copy
+    slows to a crawl on a busy host."""
+    fast = []
+    for dst, src in pairs:
+        if not _fast(dst, src):
+            dst.copy_(src)
+        elif dst.numel():
+            fast.append((dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size()))
+    memcopy_many(fast)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -171,3 +180,46 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
         if not _block_finite(flat[i : i + n]):
             return False
     return True
+
+
+def refuse_nonfinite(name: str, finite: bool) -> None:
+    if not finite:
+        raise InvalidRequestError(f"update_info.names.{name}", "has NaN or infinite values")
+
+
+AHEAD = 2  # tensors a broadcast receive posts ahead of the one being checked
+
+
+def receive_checked(
+    group: Any, named: list[tuple[str, torch.Tensor]], device: torch.device
+) -> None:
+    """Receive each of ``named`` by broadcast from rank 0 and check it, the receives posted
+    ``AHEAD`` of the tensor being checked: a check overlaps the next tensors' receive. A
+    tensor with NaN or Inf is refused once the whole chunk is in (the trainer's broadcasts
+    all complete, and no receive is left writing into the staging)."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pending: list[tuple[str, torch.Tensor, torch.Tensor, Any]] = []
+    refused: list[str] = []
+
+    def settle() -> None:
+        name, host, landing, work = pending.pop(0)
+        work.wait()
+        if landing is not host:  # a GPU stage receives on the device
+            host.copy_(landing)
+        if not refused and not all_finite(landing):
+            refused.append(name)
+
+    for name, host in named:
+        landing = host  # gloo receives straight into host memory
+        if device.type == "cuda":  # never run on a GPU yet
+            landing = torch.empty(host.shape, dtype=host.dtype, device=device)
+        pending.append((name, host, landing, group.broadcast([landing], opts)))
+        if len(pending) > AHEAD:
+            settle()
+    while pending:
+        settle()
+    for name in refused:
+        refuse_nonfinite(name, False)

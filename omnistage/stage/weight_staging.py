@@ -28,6 +28,7 @@ import torch
 from omnistage.errors import InvalidRequestError
 
 ALIGN = 64  # every tensor starts on a cache line
+SPARE_SETS = 4  # staging sets a stage keeps for its next updates
 SHM = "/dev/shm"
 _POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
@@ -102,6 +103,32 @@ class StagingSet:
         if self.name is None:
             raise InvalidRequestError("update_info", "this stage's staging is not shared")
         return [{"shm": self.name, "offset": self.offsets[name]} for name in names]
+
+
+class StagingPool:
+    """A stage's spare staging sets, reused by layout; beyond ``SPARE_SETS`` they are freed."""
+
+    def __init__(self, shared: bool, *, pinned: bool) -> None:
+        self.shared, self.pinned = shared, pinned
+        self._spare: list[StagingSet] = []
+
+    def spare(self, layout: Layout) -> StagingSet | None:
+        for i, staging in enumerate(self._spare):
+            if staging.layout == layout:
+                return self._spare.pop(i)
+        return None
+
+    def new(self, layout: Layout) -> StagingSet:
+        return StagingSet(layout, shared=self.shared, pinned=self.pinned)
+
+    def take(self, layout: Layout) -> StagingSet:
+        """A spare set of ``layout``, else a new one."""
+        staging = self.spare(layout)
+        return staging if staging is not None else self.new(layout)
+
+    def keep(self, sets: list[StagingSet]) -> None:
+        """``sets`` are free to stage the next updates in (the newest kept first)."""
+        self._spare = [*sets, *self._spare][:SPARE_SETS]
 
 
 def locate(tensor: torch.Tensor) -> tuple[str, int] | None:

@@ -26,14 +26,14 @@ copies at most, faulted in once).
 
 ``ipc`` with shared staging (``start`` announcing every tensor with ``shared_staging``):
 the stage answers where each tensor goes in its staging, the trainer writes each one there
-once and calls ``update`` with ``staged`` for each chunk it wrote; the stage checks the
-values in place. From trainer to live weights that is two copies: the trainer's write,
-and ``finish``'s copy into the live weights, which the all-or-nothing rule keeps apart
-(nothing is live before every tensor arrived and was checked, and the stage serves on the
-old weights meanwhile); the staged tensors then are the reload source without a copy.
+once and calls ``update`` (``staged``) per chunk written; the stage checks it in place. So
+trainer to live weights is two copies, the trainer's write and ``finish``'s, which the
+all-or-nothing rule keeps apart (nothing is live before every tensor arrived and was
+checked; the stage serves on the old weights meanwhile); the staging is then the reload
+source without a copy.
 
-The blocking parts — the ``nccl`` rendezvous of ``init`` and every chunk's receive — run on
-a thread of the stage process (a ``Background`` the stage loop answers when it is done), so
+The blocking parts — the ``nccl`` rendezvous of ``init``, a new staging set at ``start``, and
+every chunk's receive — run on a thread of the stage process (a ``Background`` the stage loop answers when it is done), so
 the stage keeps serving on the old weights meanwhile; one runs at a time, and every wait
 is bounded by the transfer's ``timeout_s``. ``finish`` (the in-place copy) runs on the loop.
 """
@@ -53,17 +53,22 @@ from omnistage.errors import ConflictError, InvalidRequestError, WeightTransferE
 from omnistage.rl.bounds import check_weight_version
 from omnistage.rl.protocol import BACKENDS, InitInfo, UpdateInfo, weights_checksum
 from omnistage.stage.background import Background
-from omnistage.stage.weight_checks import Session, all_finite, check_handles, check_tensors
+from omnistage.stage.weight_checks import (
+    Session,
+    all_finite,
+    check_handles,
+    check_tensors,
+    receive_checked,
+    refuse_nonfinite,
+)
 from omnistage.stage.weight_ipc import SharedSegments, from_ipc_handle
-from omnistage.stage.weight_staging import Layout, StagingSet, layout_of
+from omnistage.stage.weight_staging import StagingPool, StagingSet, layout_of
 
 logger = logging.getLogger(__name__)
 
 Targets = Callable[[], Mapping[str, torch.Tensor]]  # live weights by checkpoint name
 Apply = Callable[[dict[str, torch.Tensor], str], Any]  # staged tensors, version -> ACK
 MISSING_SHOWN = 8  # missing tensors a refused finish names
-SPARE_SETS = 4  # staging sets kept for the next updates (beyond, they are freed)
-AHEAD = 2  # tensors a gloo receive posts ahead of the one being checked
 
 
 class WeightSync:
@@ -82,12 +87,12 @@ class WeightSync:
         self._apply = apply
         self.device = device
         self.shared = device.type == "cpu" if shared is None else shared
+        self._pool = StagingPool(self.shared, pinned=device.type == "cuda" and not self.shared)
         self.backend: str | None = None
         self._group: Any = None
         self._session: Session | None = None
         self._busy: str | None = None  # "init" or "receive" while its thread runs
         self._live: list[StagingSet] = []  # the sets of the updates a reload replays
-        self._spare: list[StagingSet] = []  # sets to stage the next updates in
 
     # -- init --------------------------------------------------------------------------
 
@@ -151,11 +156,13 @@ class WeightSync:
         update_info: dict[str, Any] | None = None,
         require_session: bool = False,
         abort_open: bool = False,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | Background[Any]:
         """Open an update session. ``update_info`` may announce every tensor the update will
         carry: they are checked now, before any byte moves, so a trainer learns of a bad
         name, shape or dtype before it starts broadcasting (a collective the stage would
-        not join) — and ``finish`` then refuses an update that did not carry them all."""
+        not join) — and ``finish`` then refuses an update that did not carry them all.
+        An announced update gets its staging set now; a new one is made (its memory
+        reserved and faulted in) on the transfer's thread, the stage serving meanwhile."""
         self._check_idle()
         if self.backend is None:
             raise InvalidRequestError(
@@ -168,15 +175,33 @@ class WeightSync:
             announced = check_tensors(info, self._targets(), None, gloo=self._gloo)
             share = info.shared_staging and self.backend == "ipc" and self.shared
         self._abort_open()
-        session = Session(secrets.token_hex(16), require_session, announced)
+        session = Session(secrets.token_hex(16), require_session, announced, shared=share)
+        if announced is None:
+            return self._started(session, None, None)
+        layout = layout_of(announced)  # one staging set for the whole update
+        spare = self._pool.spare(layout)
+        if spare is not None:
+            return self._started(session, spare, None)
+        self._busy = "start"
+        return Background(
+            f"stage {self.stage_id}: stage a weight update",
+            lambda: self._pool.new(layout),
+            lambda staging, error: self._started(session, staging, error),
+        ).start()
+
+    def _started(
+        self, session: Session, staging: StagingSet | None, error: BaseException | None
+    ) -> dict[str, Any]:
+        """The session open (with ``staging`` for its announced tensors, if any)."""
+        self._busy = None
+        if error is not None:
+            raise error
         reply: dict[str, Any] = {"started": True, "session": session.id}
-        if announced is not None:  # one staging set for the whole update
-            staging = self._take(layout_of(announced))
+        if staging is not None:
             session.sets.append(staging)
             session.buffers = dict(staging.tensors)
-            if share:
-                reply["staging"] = staging.locations(list(announced))
-                session.shared = True
+            if session.shared:
+                reply["staging"] = staging.locations(list(session.announced or {}))
         self._session = session
         return reply
 
@@ -189,6 +214,10 @@ class WeightSync:
         if self._busy == "init":
             raise ConflictError(
                 "backend", "the transfer is still joining the trainer; retry once init answers"
+            )
+        if self._busy == "start":
+            raise ConflictError(
+                "session", "a weight update is still being set up; retry once start answers"
             )
         if self._busy == "receive":
             raise ConflictError(
@@ -210,21 +239,10 @@ class WeightSync:
 
     def _end(self, session: Session) -> None:
         """Close ``session``; its staging sets become spare again."""
-        self._keep_spare(session.sets)
+        self._pool.keep(session.sets)
         session.sets, session.staged, session.buffers = [], {}, {}
         if self._session is session:
             self._session = None
-
-    def _take(self, layout: Layout) -> StagingSet:
-        """A spare staging set of ``layout``, else a new one."""
-        for i, spare in enumerate(self._spare):
-            if spare.layout == layout:
-                return self._spare.pop(i)
-        pinned = self.device.type == "cuda" and not self.shared
-        return StagingSet(layout, shared=self.shared, pinned=pinned)
-
-    def _keep_spare(self, sets: list[StagingSet]) -> None:
-        self._spare = [*sets, *self._spare][:SPARE_SETS]
 
     def _owned(self, session: str | None) -> Session:
         """The open session, if the caller may act on it (see the module docstring)."""
@@ -276,7 +294,7 @@ class WeightSync:
             self._end(current)
             raise
         if not all(name in current.buffers for name in info.names):  # unannounced: a set
-            staging = self._take(layout_of(specs))
+            staging = self._pool.take(layout_of(specs))
             current.sets.append(staging)
             current.buffers.update(staging.tensors)
         buffers = [current.buffers[name] for name in info.names]
@@ -296,45 +314,19 @@ class WeightSync:
         torch.set_num_threads(1)  # this thread's checks; the stage's loop keeps its threads
         named = list(zip(info.names, buffers, strict=True))
         if backend == "nccl":
-            self._receive_all(group, named)
+            receive_checked(group, named, self.device)
         elif backend == "staged":  # the trainer wrote them into the staging: check in place
             for name, host in named:
-                _refuse_nonfinite(name, all_finite(host))
+                refuse_nonfinite(name, all_finite(host))
         else:
             segments = SharedSegments()
             try:
                 for i, (name, host) in enumerate(named):
                     assert info.ipc_handles is not None  # checked on the loop
-                    _refuse_nonfinite(name, from_ipc_handle(info.ipc_handles[i], host, segments))
+                    refuse_nonfinite(name, from_ipc_handle(info.ipc_handles[i], host, segments))
             finally:
                 segments.close()
         return sum(t.numel() * t.element_size() for t in buffers)
-
-    def _receive_all(self, group: Any, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast receives posted ``AHEAD`` of the tensor being checked: the check of one
-        tensor overlaps the receive of the next ones."""
-        import torch.distributed as dist
-
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        pending: list[tuple[str, torch.Tensor, torch.Tensor, Any]] = []
-
-        def settle() -> None:
-            name, host, landing, work = pending.pop(0)
-            work.wait()
-            if landing is not host:  # a GPU stage receives on the device
-                host.copy_(landing)
-            _refuse_nonfinite(name, all_finite(landing))
-
-        for name, host in named:
-            landing = host  # gloo receives straight into host memory
-            if self.device.type == "cuda":  # never run on a GPU yet
-                landing = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            pending.append((name, host, landing, group.broadcast([landing], opts)))
-            if len(pending) > AHEAD:
-                settle()
-        while pending:
-            settle()
 
     def _received(
         self,
@@ -389,13 +381,13 @@ class WeightSync:
                 )
             ack = self._apply(staged, version)
         except BaseException:
-            self._keep_spare(sets)
+            self._pool.keep(sets)
             raise
         # The applied tensors are now a reload source. When they replaced the whole history,
         # the previous ones are nobody's source any more: they stage the next update.
         sources = getattr(getattr(ack, "metadata", None), "weight_sources", None)
         if sources is not None and len(sources) == 1:
-            self._keep_spare(self._live)
+            self._pool.keep(self._live)
             self._live = []
         self._live.extend(sets)
         return ack
@@ -414,8 +406,3 @@ class WeightSync:
                 "stage_id", "the weights checksum of a tensor-parallel stage is not available"
             )
         return weights_checksum(targets.items())
-
-
-def _refuse_nonfinite(name: str, finite: bool) -> None:
-    if not finite:
-        raise InvalidRequestError(f"update_info.names.{name}", "has NaN or infinite values")

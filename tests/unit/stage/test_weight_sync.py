@@ -68,6 +68,11 @@ def stage() -> Stage:
     return s
 
 
+def start(stage: Stage, *args: Any, **kwargs: Any) -> Any:
+    """``start_weight_update``, its answer once a new staging set is made (on a thread)."""
+    return run_to_answer(stage.sync.start_weight_update(*args, **kwargs))
+
+
 def receive(stage: Stage, info: dict[str, Any], session: str | None = None) -> Any:
     return run_to_answer(stage.sync.receive_weights(info, session))
 
@@ -82,10 +87,10 @@ def field_of(info: pytest.ExceptionInfo[Exception]) -> str:
 def test_a_session_belongs_to_its_starter_until_it_finishes(stage, shared):
     new = stage.new_weights(1)
     before = stage.checksum()
-    sid = stage.sync.start_weight_update(describe(new), require_session=True)["session"]
+    sid = start(stage, describe(new), require_session=True)["session"]
     receive(stage, shared.chunk(new[:1]), sid)
     with pytest.raises(ConflictError) as second:
-        stage.sync.start_weight_update()  # another trainer
+        start(stage)  # another trainer
     assert field_of(second) == "session" and sid not in str(second.value)  # never leaks the id
     for session in (None, "forged"):
         with pytest.raises(ConflictError):
@@ -108,11 +113,11 @@ def test_a_session_belongs_to_its_starter_until_it_finishes(stage, shared):
 
 def test_a_session_started_without_asking_for_an_id_goes_on_without_one(stage, shared):
     new = stage.new_weights(2)
-    reply = stage.sync.start_weight_update()
+    reply = start(stage)
     assert reply["started"] and reply["session"]
     receive(stage, shared.chunk(new))
     with pytest.raises(ConflictError):
-        stage.sync.start_weight_update()  # a second start is a conflict either way
+        start(stage)  # a second start is a conflict either way
     with pytest.raises(ConflictError):
         stage.sync.finish_weight_update("v2", "forged")  # a wrong id is one too
     assert stage.sync.finish_weight_update("v2").status == "SUCCESS"
@@ -122,13 +127,13 @@ def test_a_session_started_without_asking_for_an_id_goes_on_without_one(stage, s
 def test_abort_open_takes_over_and_the_old_owner_is_refused(stage, shared):
     old, new = stage.new_weights(3), stage.new_weights(4)
     before = stage.checksum()
-    first = stage.sync.start_weight_update(require_session=True)["session"]
+    first = start(stage, require_session=True)["session"]
     receive(stage, shared.chunk(old[:2]), first)
     with pytest.raises(InvalidRequestError):  # a bad announcement aborts nothing
-        stage.sync.start_weight_update(
-            {"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]}, abort_open=True
+        start(
+            stage, {"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]}, abort_open=True
         )
-    second = stage.sync.start_weight_update(require_session=True, abort_open=True)["session"]
+    second = start(stage, require_session=True, abort_open=True)["session"]
     with pytest.raises(ConflictError):
         stage.sync.finish_weight_update("old", first)
     assert stage.checksum() == before
@@ -139,11 +144,11 @@ def test_abort_open_takes_over_and_the_old_owner_is_refused(stage, shared):
 
 def test_the_owner_may_abort_its_session(stage, shared):
     before = stage.checksum()
-    sid = stage.sync.start_weight_update(require_session=True)["session"]
+    sid = start(stage, require_session=True)["session"]
     receive(stage, shared.chunk(stage.new_weights(5)), sid)
     assert stage.sync.abort_weight_update(sid) == {"aborted": True}
     assert stage.checksum() == before
-    stage.sync.start_weight_update()  # the next one starts
+    start(stage)  # the next one starts
 
 
 # -- what is checked before anything moves ---------------------------------------------------
@@ -154,10 +159,10 @@ def test_a_declared_dtype_must_be_the_weights_own(stage, shared, dtype):
     before = stage.checksum()
     bad = [("w", torch.zeros(4, 3).to(getattr(torch, dtype)))]
     with pytest.raises(InvalidRequestError) as announced:
-        stage.sync.start_weight_update(describe(bad))
+        start(stage, describe(bad))
     assert field_of(announced) == "update_info.dtype_names.w"
     assert dtype in str(announced.value) and "float32" in str(announced.value)
-    stage.sync.start_weight_update()
+    start(stage)
     with pytest.raises(InvalidRequestError) as chunk:
         receive(stage, shared.chunk(bad))
     assert field_of(chunk) == "update_info.dtype_names.w"
@@ -168,11 +173,11 @@ def test_a_declared_dtype_must_be_the_weights_own(stage, shared, dtype):
 
 def test_convert_dtypes_casts_between_floats_only(stage, shared):
     half = [("w", torch.full((4, 3), 0.5, dtype=torch.float16))]
-    stage.sync.start_weight_update()
+    start(stage)
     receive(stage, shared.chunk(half, convert_dtypes=True))
     stage.sync.finish_weight_update("half")
     assert stage.weights["w"].dtype == torch.float32 and bool((stage.weights["w"] == 0.5).all())
-    stage.sync.start_weight_update()
+    start(stage)
     with pytest.raises(InvalidRequestError):
         receive(
             stage, shared.chunk([("w", torch.ones(4, 3, dtype=torch.int8))], convert_dtypes=True)
@@ -189,12 +194,12 @@ def test_gloo_refuses_what_it_cannot_carry_before_the_broadcast():
 
 
 def test_handles_must_fit_the_backend_and_the_device(stage):
-    stage.sync.start_weight_update()
+    start(stage)
     cuda = {"cuda": {"device": 0, "handle": ""}}
     with pytest.raises(InvalidRequestError) as on_cpu:
         receive(stage, describe([("b", torch.zeros(3))], ipc_handles=[cuda]))
     assert field_of(on_cpu) == "update_info.ipc_handles" and "cpu" in str(on_cpu.value)
-    stage.sync.start_weight_update()
+    start(stage)
     with pytest.raises(InvalidRequestError) as none:
         receive(stage, describe([("b", torch.zeros(3))]))
     assert "needs handles" in str(none.value)
@@ -202,7 +207,7 @@ def test_handles_must_fit_the_backend_and_the_device(stage):
 
 def test_values_that_are_not_finite_end_the_update(stage, shared):
     before = stage.checksum()
-    stage.sync.start_weight_update()
+    start(stage)
     with pytest.raises(InvalidRequestError) as nan:
         receive(stage, shared.chunk([("b", torch.tensor([0.0, float("nan"), 1.0]))]))
     assert field_of(nan) == "update_info.names.b"
@@ -212,30 +217,30 @@ def test_values_that_are_not_finite_end_the_update(stage, shared):
 def test_a_partial_update_is_refused_and_the_old_weights_stay(stage, shared):
     new = stage.new_weights(6)
     before = stage.checksum()
-    sid = stage.sync.start_weight_update(describe(new), require_session=True)["session"]
+    sid = start(stage, describe(new), require_session=True)["session"]
     receive(stage, shared.chunk(new[:1]), sid)
     with pytest.raises(InvalidRequestError) as missing:
         stage.sync.finish_weight_update("partial", sid)
     assert field_of(missing) == "update_info.names"
     assert "2 of the 3" in str(missing.value) and "'b'" in str(missing.value)
     assert stage.checksum() == before and stage.version is None
-    stage.sync.start_weight_update()  # that session is over
+    start(stage)  # that session is over
 
 
 def test_a_chunk_may_not_repeat_or_stray_from_the_announcement(stage, shared):
     new = stage.new_weights(7)
-    stage.sync.start_weight_update(describe(new[:2]))
+    start(stage, describe(new[:2]))
     receive(stage, shared.chunk(new[:1]))
     with pytest.raises(InvalidRequestError, match="arrived twice"):
         receive(stage, shared.chunk(new[:1]))
-    stage.sync.start_weight_update(describe(new[:2]))
+    start(stage, describe(new[:2]))
     with pytest.raises(InvalidRequestError, match="not announced"):
         receive(stage, shared.chunk(new[2:]))
 
 
 @pytest.mark.parametrize("version", ["x" * 129, "has space", "", "semi;colon", "ünï", 10**200])
 def test_a_weight_version_is_short_and_plain(stage, shared, version):
-    stage.sync.start_weight_update()
+    start(stage)
     receive(stage, shared.chunk(stage.new_weights(8)))
     with pytest.raises(InvalidRequestError) as bad:
         stage.sync.finish_weight_update(version)  # type: ignore[arg-type]
@@ -296,14 +301,14 @@ def test_a_receive_runs_beside_the_caller_and_holds_off_other_transfer_calls():
     assert run_to_answer(init) == {"backend": "nccl", "rank": 1}
     trainer.joined()
     new = stage.new_weights(9)
-    sid = stage.sync.start_weight_update(describe(new), require_session=True)["session"]
+    sid = start(stage, describe(new), require_session=True)["session"]
     pending = stage.sync.receive_weights(describe(new), sid)
     assert isinstance(pending, Background)  # returned at once: the trainer has sent nothing
     assert not pending.wait(0.2)
     for call in (
         lambda: stage.sync.receive_weights(describe(new), sid),
         lambda: stage.sync.finish_weight_update("v", sid),
-        lambda: stage.sync.start_weight_update(abort_open=True),
+        lambda: start(stage, abort_open=True),
         lambda: stage.sync.init_weight_transfer("ipc", abort_open=True),
     ):
         with pytest.raises(ConflictError):
@@ -321,24 +326,24 @@ def test_a_stalled_trainer_fails_the_update_after_its_timeout_and_nothing_change
     run_to_answer(stage.sync.init_weight_transfer("nccl", trainer.init_info(timeout_s=1)))
     trainer.joined()
     before = stage.checksum()
-    stage.sync.start_weight_update()
+    start(stage)
     with pytest.raises(WeightTransferError):
         receive(stage, describe(stage.new_weights(10)))  # the trainer never broadcasts
     assert stage.checksum() == before
     assert stage.sync.backend is None  # a broken group is dropped: init again
     with pytest.raises(InvalidRequestError):
-        stage.sync.start_weight_update()
+        start(stage)
 
 
 def test_init_answers_at_once_and_a_trainer_that_is_not_there_fails_it():
     stage = Stage()
-    start = time.monotonic()
+    began = time.monotonic()
     init = stage.sync.init_weight_transfer(
         "nccl", {"master_address": "127.0.0.1", "master_port": free_port(), "timeout_s": 1}
     )
-    assert isinstance(init, Background) and time.monotonic() - start < 1
+    assert isinstance(init, Background) and time.monotonic() - began < 1
     with pytest.raises(ConflictError):
-        stage.sync.start_weight_update()  # still joining
+        start(stage)  # still joining
     with pytest.raises(WeightTransferError, match="could not join"):
         run_to_answer(init)
     assert stage.sync.backend is None
