@@ -51,8 +51,10 @@ _ORDER = (  # `all` runs them in this order
         "diffusion",
         "diffusion stage: images/s, sleep/wake per level",
         "the diffusion stage's images per second at batch 1 and 4, and sleep/wake latency, "
-        "freed memory and same image after wake per level, on two tiny image models.",
-        "about 30 s-1 minute",
+        "freed memory and same image after wake per level, on two tiny image models; then "
+        "the tiny FLUX, SD3, Qwen-Image (images/s) and Wan (videos/s) presets against "
+        "diffusers' own pipeline at 1 and 4 concurrent requests, and sleep/wake per component.",
+        "about 3-5 minutes",
     ),
     Benchmark(
         "control",

@@ -1,5 +1,6 @@
-"""The real diffusion families (tiny presets of FLUX, SD3 and Qwen-Image) against diffusers'
-own pipeline on the same folder, in the same run, and their per-component sleep and wake.
+"""The real image families (tiny presets of FLUX, SD3 and Qwen-Image) against diffusers'
+own pipeline on the same folder, in the same run, and their per-component sleep and wake
+(Wan's video preset: ``diffusion_video``).
 
 Throughput: ``concurrency`` requests at once, each its own prompt and seed. The stage batches
 them into one denoising loop; diffusers' pipeline object serves one call at a time (a server
@@ -21,6 +22,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ import torch
 
 from omnistage.entrypoints.diffusion import Diffusion
 from omnistage.models.tiny import build_preset
-from omnistage.stage.diffusion.params import DiffusionParams
+from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput
 
 MiB = 1024 * 1024
 PRESETS = {
@@ -68,7 +70,7 @@ def _reference_call(pipe: Any, class_name: str, prompts: list[str], seeds: list[
 PRESETS_BY_CLASS = {cls: params["guidance_scale"] for cls, params in PRESETS.values()}
 
 
-def _median_s(fn: Any, repeats: int) -> float:
+def median_s(fn: Any, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -103,14 +105,14 @@ def _throughput(name: str, folder: Path, pipe: Diffusion, repeats: int) -> list[
     for concurrency in (1, 4):
         prompts, seeds = PROMPTS[:concurrency], list(range(concurrency))
         params = [_params(guidance, s) for s in seeds]
-        ours_s = _median_s(lambda p=prompts, q=params: pipe.generate(p, q), repeats)
+        ours_s = median_s(lambda p=prompts, q=params: pipe.generate(p, q), repeats)
 
         def sequential(p: list[str] = prompts, q: list[int] = seeds) -> None:
             for prompt, seed in zip(p, q, strict=True):
                 _reference_call(reference, class_name, [prompt], [seed])
 
-        theirs_s = _median_s(sequential, repeats)
-        batched_s = _median_s(
+        theirs_s = median_s(sequential, repeats)
+        batched_s = median_s(
             lambda p=prompts, q=seeds: _reference_call(reference, class_name, p, q), repeats
         )
         rows.append(
@@ -127,10 +129,13 @@ def _throughput(name: str, folder: Path, pipe: Diffusion, repeats: int) -> list[
     return rows
 
 
-def _sleep_wake(name: str, pipe: Diffusion, repeats: int) -> list[dict[str, Any]]:
+def sleep_wake_rows(
+    name: str, pipe: Diffusion, repeats: int, make: Callable[[], bytes]
+) -> list[dict[str, Any]]:
+    """Each component tag alone at levels 1 and 2; ``make`` generates the output (PNG or
+    MP4 bytes) compared before and after."""
     engine = pipe.engine
-    guidance = PRESETS[name][1]["guidance_scale"]
-    before = pipe.generate(PROMPTS[0], _params(guidance, 1))[0].png
+    before = make()
     rows = []
     for tag in engine.arena.tags:
         for level in (1, 2):
@@ -143,7 +148,7 @@ def _sleep_wake(name: str, pipe: Diffusion, repeats: int) -> list[dict[str, Any]
                 start = time.perf_counter()
                 engine.wake_up(tags=[tag])
                 wake_ms.append((time.perf_counter() - start) * 1e3)
-            after = pipe.generate(PROMPTS[0], _params(guidance, 1))[0].png
+            after = make()
             rows.append(
                 {
                     "model": name,
@@ -170,5 +175,12 @@ def run_families(
             folder = build_preset(name, Path(tmp) / name)
             with Diffusion(model=folder, device=device, max_batch_size=4) as pipe:
                 throughput += _throughput(name, folder, pipe, repeats)
-                sleep += _sleep_wake(name, pipe, repeats)
+                guidance = PRESETS[name][1]["guidance_scale"]
+
+                def make(p: Diffusion = pipe, g: float = guidance) -> bytes:
+                    image = p.generate(PROMPTS[0], _params(g, 1))[0]
+                    assert isinstance(image, ImageOutput)
+                    return image.png
+
+                sleep += sleep_wake_rows(name, pipe, repeats, make)
     return throughput, sleep

@@ -107,7 +107,13 @@ GLOSSARY: dict[str, str] = {
     "diffusers_images_per_s": "baseline: diffusers' pipeline, one call per request (images/s)",
     "diffusers_batched_images_per_s": "diffusers' pipeline given the prompts as one list "
     "(images/s)",
-    "speedup_vs_diffusers": "images_per_s / diffusers_images_per_s",
+    "speedup_vs_diffusers": "images_per_s / diffusers_images_per_s (videos: videos_per_s "
+    "/ diffusers_videos_per_s)",
+    "videos_per_s": "videos per second",
+    "diffusers_videos_per_s": "baseline: diffusers' pipeline, one call per request (videos/s)",
+    "diffusers_batched_videos_per_s": "diffusers' pipeline given the prompts as one list "
+    "(videos/s)",
+    "num_frames": "frames per video",
     "requests_per_s": "requests completed per second",
     "output_tokens_per_s": "output_tokens per second of duration_s",
     "total_tokens_per_s": "input_tokens + output_tokens per second of duration_s",
@@ -153,7 +159,8 @@ GLOSSARY: dict[str, str] = {
     "outputs_identical": "greedy outputs after every wake equal those before",
     "same_output": "greedy tokens after every wake equal those before the first sleep",
     "same_ids": "share of sequences whose tokens equal one rank's",
-    "same_png": "the image after the wake equals the one before",
+    "same_png": "the image (a video: its frames) after the wake equals the one before",
+    "same_frames": "the stage's frames equal diffusers' (max difference under 1e-5)",
     "same_image": "the stage's image equals diffusers' (max pixel difference under 1e-5)",
     "same_audio": "the audio after every wake equals the reference, bit for bit",
     "same_thinker_ids": "requests whose thinker tokens agree with the reference",

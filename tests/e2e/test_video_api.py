@@ -67,6 +67,11 @@ def reference_frames(pipe, seed: int, num_frames: int) -> np.ndarray:
     ).frames[0]
 
 
+def encoded_difference(ours: np.ndarray, theirs: np.ndarray) -> float:
+    decoded = read_mp4(to_mp4(quantise(torch.from_numpy(theirs)), 8))[0]
+    return float(np.abs(ours.astype(np.int16) - decoded.astype(np.int16)).mean())
+
+
 def test_the_openai_client_gets_diffusers_video_as_mp4(client, reference):
     video = client.videos.create(model="tiny-wan", prompt=PROMPT, size="48x32", extra_body=FIELDS)
     data = video.model_extra["data"][0]
@@ -74,8 +79,10 @@ def test_the_openai_client_gets_diffusers_video_as_mp4(client, reference):
     assert data["seed"] == 5
     frames, fps = read_mp4(base64.b64decode(data["b64_json"]))
     assert frames.shape == (5, 32, 48, 3) and fps == 8
-    expected = torch.from_numpy(reference_frames(reference, 5, 5))
-    assert np.array_equal(frames, read_mp4(to_mp4(quantise(expected), 8))[0])
+    # diffusers' frames through the same encoder: the same MP4 but for x264's last-bit
+    # wobble between runs (a mean pixel difference near 0; another seed's differs by ~8)
+    assert encoded_difference(frames, reference_frames(reference, 5, 5)) < 1
+    assert encoded_difference(frames, reference_frames(reference, 6, 5)) > 3
 
 
 def test_the_image_route_gives_one_frame(client, reference):

@@ -47,7 +47,10 @@ def quantise(frames: torch.Tensor) -> np.ndarray:
 
 
 def to_mp4(frames: np.ndarray, fps: int) -> bytes:
-    """An MP4 of uint8 RGB frames ``[F, H, W, 3]`` at ``fps`` frames per second."""
+    """An MP4 of uint8 RGB frames ``[F, H, W, 3]`` at ``fps`` frames per second. Lossy, and
+    not bit-stable: x264 may round a few pixels differently from one run to the next (seen
+    with other work in the process, whatever its thread options); the exact frames are the
+    output's ``pixels``."""
     import av
     from av.video.stream import VideoStream
 
