@@ -47,6 +47,7 @@ _STAGE_OVERRIDES = frozenset(
         "idle_sleep_level",
         "max_image_pixels",
         "max_inference_steps",
+        "stream",  # serve --no-stream: every hand-off whole
     }
 )
 
