@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from omnistage.bench.serve import ServeBenchConfig
 
-DURATION_NOTE = "Times are for the development machine (2 CPU cores, no GPU)."
+DURATION_NOTE = (
+    "Times: one run on the development machine (2 CPU cores, no GPU) while other jobs kept its "
+    "cores busy (load average 6-10); an idle machine is faster."
+)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ _ORDER = (  # `all` runs them in this order
         "arena sleep/wake throughput against a plain copy",
         "the memory arena's sleep (offload) and wake throughput per size, against a plain copy "
         "of the same bytes, and the memory each sleep level frees.",
-        "about 30 s (64, 256 and 1024 MiB, 3 cycles each)",
+        "about 2 minutes (64, 256 and 1024 MiB, 3 cycles each)",
         ("sizes_mib", "repeats"),
     ),
     Benchmark(
@@ -45,7 +48,7 @@ _ORDER = (  # `all` runs them in this order
         "the AR engine's throughput (LLM.generate, 32 prompts x 64 tokens) against batched "
         "transformers generate on the same checkpoint, whether their tokens agree, and "
         "sleep/wake latency and freed memory per level.",
-        "about 1-2 minutes (builds the demo and bench presets on first use)",
+        "about 8 minutes",
     ),
     Benchmark(
         "diffusion",
@@ -62,7 +65,7 @@ _ORDER = (  # `all` runs them in this order
         "sleep/wake through the whole stack (AsyncOmni, stage process, arena) per level: "
         "latency, first token after wake, freed memory, reload speed against plain file "
         "reads, against a cold start of the same pipeline.",
-        "about 1-2 minutes (3 cycles per level and pipeline, 2 cold starts)",
+        "about 4 minutes (3 cycles per level and pipeline, 2 cold starts)",
         ("pipelines", "repeats"),
         "tiny-chat,bench",
     ),
@@ -71,7 +74,7 @@ _ORDER = (  # `all` runs them in this order
         "sleep and wake over HTTP on a running server",
         "sleep and wake over HTTP on a running omnistage serve: p50/p90 of each call, and the "
         "first token after a wake against a warm first token.",
-        "about 30 s-1 minute (30 cycles per level)",
+        "about 1 minute (30 cycles per level)",
         ("pipelines", "repeats"),
         "tiny-omni",
     ),
@@ -80,7 +83,7 @@ _ORDER = (  # `all` runs them in this order
         "imports, builds and time to first token/ready",
         "what a stage process imports and builds before it serves, per stage, and a "
         "pipeline's time to its first token and omnistage serve's time to ready.",
-        "about 1-2 minutes (3 cold starts and 3 server starts per pipeline)",
+        "about 4 minutes (3 cold starts and 3 server starts per pipeline)",
         ("pipelines", "repeats"),
         "tiny-chat,tiny-omni",
     ),
@@ -89,7 +92,7 @@ _ORDER = (  # `all` runs them in this order
         "tensor parallelism: 2 ranks against 1",
         "decode throughput of one AR model split over 2 tensor-parallel ranks against 1 rank, "
         "at batch 1 and 8, and whether their tokens agree.",
-        "about 1 minute",
+        "about 5 minutes",
     ),
     Benchmark(
         "robustness",
@@ -97,14 +100,14 @@ _ORDER = (  # `all` runs them in this order
         "through a real server: a chat's latency beside 64 clients, hostile requests and a "
         "request holding every slot, against the idle server; and a killed stage's restart "
         "against a cold start.",
-        "about 1-2 minutes",
+        "about 2 minutes",
     ),
     Benchmark(
         "rollouts",
         "RL rollouts with/without prefix cache; weight sync",
         "RL rollouts' generation throughput with and without the prefix cache, and weight "
         "sync bandwidth per backend into a real server against an in-process copy.",
-        "about 1-2 minutes",
+        "about 2 minutes",
     ),
     Benchmark(
         "omni",
@@ -112,7 +115,7 @@ _ORDER = (  # `all` runs them in this order
         "Qwen2.5-Omni speech (thinker, talker, code2wav) on tiny-qwen2.5-omni: throughput at "
         "1 and 8 concurrent against transformers' generate, whether the audio agrees, "
         "sleep/wake per stage, audio-in requests, the encoders and the encoder cache.",
-        "about 1-2 minutes",
+        "1-15 minutes: 1 on an idle machine (docs/benchmarks.md), 15 in the loaded run",
     ),
 )
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in _ORDER}
@@ -126,9 +129,9 @@ SERVE = Benchmark(
     "(ITL), time to first audio (TTFA, with --modalities text,audio) and end-to-end latency "
     "(mean, median, percentiles), request and token throughput, and failures. Prints two "
     "tables with their legends; --save-result writes the JSON.",
-    "as long as the server needs for --num-prompts requests, plus num_prompts / "
-    "--request-rate seconds when the rate is finite: 100 requests of 32 tokens at "
-    "concurrency 8 against tiny-chat take a few seconds",
+    "as long as the server needs to answer --num-prompts requests, plus num_prompts / "
+    "--request-rate seconds at a finite rate: the defaults (100 requests of 32 tokens, all at "
+    "once) against tiny-chat took about 3 minutes in the loaded run",
 )
 
 
@@ -173,7 +176,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "every benchmark but serve, in order",
         "everything the benchmarks above measure, one after another (serve excepted: it "
         "needs a running server).",
-        "about 10-15 minutes",
+        "about 50 minutes",
         ("sizes_mib", "pipelines", "repeats"),
         "each benchmark's own",
     )
