@@ -11,20 +11,29 @@ PIPELINE ?= tiny-omni
 
 install: $(VENV)/.installed
 
+# Chromium (Debian's package) for the console's browser test, tests/e2e/test_ui.py, which would
+# otherwise install it itself: fetched in the background while pip works, when it is missing
+# and this is root with apt-get (elsewhere the test skips, saying why).
+APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -q -y -o DPkg::Lock::Timeout=300 --no-install-recommends
+CHROMIUM := command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	|| $(APT_GET) install chromium >/dev/null 2>&1 \
+	|| { $(APT_GET) update >/dev/null 2>&1 && $(APT_GET) install chromium >/dev/null 2>&1; } || true
+
 $(VENV)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	@# Without an NVIDIA driver take the CPU build of torch first; a bare `torch`
-	@# requirement would otherwise pull a multi-GB CUDA build.
-	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	( $(CHROMIUM) ) & chromium=$$!; \
+	test -x $(BIN)/python || $(PY) -m venv $(VENV); \
+	$(BIN)/python -m pip install -q --upgrade pip \
+	&& if ! command -v nvidia-smi >/dev/null 2>&1; then \
 		$(BIN)/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
-	fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
-	@# TRL's own vLLM client (what GRPOTrainer uses in server mode), driven against
-	@# `omnistage serve` by tests/e2e/test_trl_client.py. The client needs torch,
-	@# transformers and requests only; trl's training dependencies (datasets, pandas,
+	fi \
+	&& $(BIN)/python -m pip install -q -e ".[dev]" \
+	&& $(BIN)/python -m pip install -q --no-deps "trl==1.16.*"; \
+	status=$$?; wait $$chromium; exit $$status
+	@# Without an NVIDIA driver the CPU build of torch is taken first (a bare `torch` requirement
+	@# would otherwise pull a multi-GB CUDA build). TRL's own vLLM client (what GRPOTrainer uses
+	@# in server mode), driven against `omnistage serve` by tests/e2e/test_trl_client.py, needs
+	@# torch, transformers and requests only; trl's training dependencies (datasets, pandas,
 	@# pyarrow, accelerate) would add a minute to every set-up.
-	$(BIN)/python -m pip install -q --no-deps "trl==1.16.*"
 	touch $@
 
 serve: install

@@ -174,8 +174,11 @@ else
   echo "nvidia-smi: not found" >>"$SETUP"
 fi
 
-# 3. The GPU-marked tests (they skip cleanly without CUDA).
-part gpu-tests "$T_TESTS" "$TESTS" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests -rs
+# 3. The GPU-marked tests (they skip cleanly without CUDA). They live in files named *_gpu.py
+# (tests/e2e/test_gpu_kit.py checks it), so only those are collected, not the whole suite.
+mapfile -t GPU_TESTS < <(find tests -name '*_gpu.py' | sort)
+part gpu-tests "$T_TESTS" "$TESTS" "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu \
+  "${GPU_TESTS[@]}" -rs
 
 # 4. Benchmarks on the device; each writes <name>-<dev>.json and .md into $OUT, rewritten after
 # every arena size and control pipeline, so a part cut short by its timeout keeps what it did.

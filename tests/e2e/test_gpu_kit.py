@@ -153,6 +153,17 @@ def test_downloaded_wheels_fit_the_gpu_machine(wheel_folder):
     assert sum(w.stat().st_size for w in wheels) < CARRY_LIMIT
 
 
+def test_gpu_tests_live_in_files_the_check_script_collects():
+    """gpu-check.sh collects ``tests/**/*_gpu.py`` only: a GPU-marked test elsewhere would
+    never run on the GPU machine."""
+    marked = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests").rglob("*.py")
+        if re.search(r"pytest\.mark\.gpu\b", path.read_text())
+    }
+    assert marked and all(name.endswith("_gpu.py") for name in marked), marked
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     out, empty = tmp_path / "out", tmp_path / "no-wheels"
