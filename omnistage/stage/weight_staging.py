@@ -16,6 +16,7 @@ if this process dies.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import secrets
@@ -26,6 +27,8 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 ALIGN = 64  # every tensor starts on a cache line
 SPARE_SETS = 4  # staging sets a stage keeps for its next updates
@@ -48,9 +51,13 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return numel * dtype.itemsize
 
 
-def _unlink(name: str) -> None:
+def _remove(name: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(os.path.join(SHM, name))
+
+
+def _unlink(name: str) -> None:
+    _remove(name)
     with contextlib.suppress(Exception):
         resource_tracker.unregister("/" + name, "shared_memory")
 
@@ -85,7 +92,7 @@ class StagingSet:
             os.posix_fallocate(fd, 0, nbytes)  # space now, or an error now
             mm = mmap.mmap(fd, nbytes)
         except OSError as exc:
-            _unlink(name)
+            _remove(name)  # never registered
             raise InvalidRequestError(
                 "update_info", f"cannot stage {nbytes} bytes in shared memory: {exc}"
             ) from None
@@ -108,8 +115,8 @@ class StagingSet:
 class StagingPool:
     """A stage's spare staging sets, reused by layout; beyond ``SPARE_SETS`` they are freed."""
 
-    def __init__(self, shared: bool, *, pinned: bool) -> None:
-        self.shared, self.pinned = shared, pinned
+    def __init__(self, shared: bool, *, pinned: bool, required: bool = False) -> None:
+        self.shared, self.pinned, self.required = shared, pinned, required
         self._spare: list[StagingSet] = []
 
     def spare(self, layout: Layout) -> StagingSet | None:
@@ -119,7 +126,15 @@ class StagingPool:
         return None
 
     def new(self, layout: Layout) -> StagingSet:
-        return StagingSet(layout, shared=self.shared, pinned=self.pinned)
+        """A new set; where shared memory is short (a small ``/dev/shm``) a private one,
+        unless others must read it (``required``: a tensor-parallel stage's ranks)."""
+        try:
+            return StagingSet(layout, shared=self.shared, pinned=self.pinned)
+        except InvalidRequestError:
+            if self.required:
+                raise
+            logger.warning("weight staging in private memory: shared memory is short")
+            return StagingSet(layout, shared=False, pinned=self.pinned)
 
     def take(self, layout: Layout) -> StagingSet:
         """A spare set of ``layout``, else a new one."""

@@ -87,7 +87,8 @@ class WeightSync:
         self._apply = apply
         self.device = device
         self.shared = device.type == "cpu" if shared is None else shared
-        self._pool = StagingPool(self.shared, pinned=device.type == "cuda" and not self.shared)
+        pinned = device.type == "cuda" and not self.shared
+        self._pool = StagingPool(self.shared, pinned=pinned, required=shared is True)
         self.backend: str | None = None
         self._group: Any = None
         self._session: Session | None = None
@@ -200,6 +201,7 @@ class WeightSync:
         if staging is not None:
             session.sets.append(staging)
             session.buffers = dict(staging.tensors)
+            session.shared = session.shared and staging.name is not None  # else: handles
             if session.shared:
                 reply["staging"] = staging.locations(list(session.announced or {}))
         self._session = session

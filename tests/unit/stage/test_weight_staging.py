@@ -52,3 +52,38 @@ def test_a_shared_set_is_mapped_by_another_process_in_place():
     assert private.name is None and locate(private.tensors["a"]) is None
     with pytest.raises(ValueError):
         map_segment("../etc/passwd")
+
+
+def test_short_shared_memory_stages_privately_and_the_trainer_shares_its_own(monkeypatch):
+    from omnistage.rl.protocol import weights_checksum
+    from omnistage.stage.background import run_to_answer
+    from omnistage.stage.control import make_ack
+    from omnistage.stage.weight_staging import StagingPool
+    from omnistage.stage.weight_sync import WeightSync
+    from tests.unit.stage.shared_tensors import Shared, describe
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    weights = {"w": torch.zeros(4, 3)}
+
+    def apply(tensors: dict, version: str) -> object:
+        for name, tensor in tensors.items():
+            weights[name].copy_(tensor)
+        return make_ack(0, weight_sources=[f"sync:{version}"], weight_version=version)
+
+    sync = WeightSync(0, lambda: weights, apply, torch.device("cpu"))
+    sync.init_weight_transfer("ipc")
+    new = [("w", torch.randn(4, 3))]
+    reply = run_to_answer(sync.start_weight_update(describe(new, shared_staging=True)))
+    assert "staging" not in reply  # no shared staging to offer: the trainer's own segments
+    shared = Shared()
+    try:
+        run_to_answer(sync.receive_weights(shared.chunk(new)))
+    finally:
+        shared.close()
+    assert sync.finish_weight_update("v").metadata.weight_version == "v"
+    assert weights_checksum(weights.items()) == weights_checksum(new)
+    with pytest.raises(ValueError, match="shared memory"):  # a tensor-parallel stage's ranks
+        StagingPool(True, pinned=False, required=True).new((("w", torch.float32, (4, 3)),))
