@@ -20,7 +20,7 @@ from omnistage.rl.bounds import check_weight_version
 from omnistage.rl.protocol import UpdateInfo, dtype_name
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.control import Ack
-from omnistage.stage.weight_checks import all_finite, check_tensors
+from omnistage.stage.weight_checks import check_tensors, copy_checked, copy_into
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 E = TypeVar("E", bound=BaseException)
@@ -87,8 +87,10 @@ class InProcessWeights:
         try:
             for name, tensor in pairs:
                 staged[name] = host = self._buffer(name, tensor)
-                host.copy_(tensor.detach())
-                if check_finite and not all_finite(host):
+                source = tensor.detach()
+                if not check_finite:
+                    copy_into(host, source)
+                elif not copy_checked(host, source.contiguous()):  # one pass: copy and check
                     raise InvalidRequestError(f"weights.{name}", "has NaN or infinite values")
             ack: Ack = self.engine._apply_synced(staged, version)
         except BaseException:
