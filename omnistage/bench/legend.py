@@ -173,6 +173,14 @@ GLOSSARY: dict[str, str] = {
     "heavy": "heavy packages imported (an AR stage should import none)",
     "statuses": "HTTP statuses of the hostile or large requests (- = none)",
     "metric": "what is timed (see below)",
+    # streamed speech (bench omni, omni_stream)
+    "mode": "streamed: code2wav speaks the talker's codes chunk by chunk; whole: --no-stream",
+    "ttfa_ms": "mean ms from a request sent to its first audio data",
+    "e2e_ms": "mean ms from a request sent to the end of its stream",
+    "vs_concurrency_1": "requests per second over the same mode's at concurrency 1",
+    "vs_transformers": "requests per second over transformers' generate, one after another",
+    "ttfa_vs_whole": "ttfa_ms over the whole mode's e2e_ms at this concurrency",
+    "audio_as_alone": "requests whose audio bytes equal the same prompt's at concurrency 1",
 }
 
 

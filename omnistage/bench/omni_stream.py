@@ -8,7 +8,7 @@ Columns: ``ttfa_ms`` (request sent → its first audio), ``e2e_ms`` (→ the str
 ``generate`` (one request after another, measured by ``bench omni``'s throughput table in the
 same run: ``transformers_requests_per_s``); ``ttfa_vs_whole`` is the streamed time to first
 audio over the whole-mode time to the whole audio (``e2e``) at the same concurrency;
-``same_audio``: requests whose audio bytes equal the same prompt's at concurrency 1.
+``audio_as_alone``: requests whose audio bytes equal the same prompt's at concurrency 1.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ PIPELINE = "tiny-qwen2.5-omni"
 MODES = {"streamed": (), "whole": ("--no-stream",)}
 REQUESTS = {1: 4, 8: 16}  # requests per concurrency (the first 4 prompts repeat at 8)
 COLUMNS = ["mode", "concurrency", "requests", "ttfa_ms", "e2e_ms", "requests_per_s",
-           "vs_concurrency_1", "vs_transformers", "ttfa_vs_whole", "same_audio"]  # fmt: skip
+           "vs_concurrency_1", "vs_transformers", "ttfa_vs_whole", "audio_as_alone"]  # fmt: skip
 
 
 def _config(url: str, concurrency: int, settings: Any) -> ServeBenchConfig:
@@ -92,7 +92,7 @@ def rows(
                 "vs_concurrency_1": rate / float(alone["summary"]["request_throughput"]),
                 "vs_transformers": rate / transformers_requests_per_s,
                 "ttfa_vs_whole": run["ttfa_ms"] / runs["whole", concurrency]["e2e_ms"],
-                "same_audio": f"{same}/{len(run['audio'])}",
+                "audio_as_alone": f"{same}/{len(run['audio'])}",
             }
         )
     return out

@@ -186,6 +186,6 @@ def test_streamed_rows_compare_modes_concurrency_and_audio():
     rows = {(r["mode"], r["concurrency"]): r for r in omni_stream.rows(runs, 0.5)}
     streamed = rows["streamed", 8]
     assert (streamed["vs_concurrency_1"], streamed["vs_transformers"]) == (2.0, 4.0)
-    assert streamed["ttfa_vs_whole"] == 300.0 / 5000.0 and streamed["same_audio"] == "3/4"
+    assert streamed["ttfa_vs_whole"] == 300.0 / 5000.0 and streamed["audio_as_alone"] == "3/4"
     assert rows["streamed", 1]["ttfa_vs_whole"] == 100.0 / 800.0
-    assert rows["whole", 8]["same_audio"] == "4/4"
+    assert rows["whole", 8]["audio_as_alone"] == "4/4"
