@@ -8,7 +8,8 @@ Columns: ``ttfa_ms`` (request sent → its first audio), ``e2e_ms`` (→ the str
 ``generate`` (one request after another, measured by ``bench omni``'s throughput table in the
 same run: ``transformers_requests_per_s``); ``ttfa_vs_whole`` is the streamed time to first
 audio over the whole-mode time to the whole audio (``e2e``) at the same concurrency;
-``audio_as_alone``: requests whose audio bytes equal the same prompt's at concurrency 1.
+``audio_as_alone``: of the prompts also sent at concurrency 1, those whose audio bytes are
+the same.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from omnistage.bench.served import Served
 
 PIPELINE = "tiny-qwen2.5-omni"
 MODES = {"streamed": (), "whole": ("--no-stream",)}
-REQUESTS = {1: 4, 8: 16}  # requests per concurrency (the first 4 prompts repeat at 8)
+REQUESTS = {1: 4, 8: 16}  # requests per concurrency (the same seed: the first 4 are shared)
 COLUMNS = ["mode", "concurrency", "requests", "ttfa_ms", "e2e_ms", "requests_per_s",
            "vs_concurrency_1", "vs_transformers", "ttfa_vs_whole", "audio_as_alone"]  # fmt: skip
 
@@ -79,8 +80,8 @@ def rows(
     for (mode, concurrency), run in runs.items():
         rate = float(run["summary"]["request_throughput"])
         alone = runs[mode, 1]
-        base = runs[mode, 1]["audio"]
-        same = sum(a == base[i % len(base)] for i, a in enumerate(run["audio"]))
+        base = runs[mode, 1]["audio"]  # the same prompts come first in every run
+        same = sum(a == b for a, b in zip(run["audio"], base, strict=False))
         out.append(
             {
                 "mode": mode,
@@ -92,7 +93,7 @@ def rows(
                 "vs_concurrency_1": rate / float(alone["summary"]["request_throughput"]),
                 "vs_transformers": rate / transformers_requests_per_s,
                 "ttfa_vs_whole": run["ttfa_ms"] / runs["whole", concurrency]["e2e_ms"],
-                "audio_as_alone": f"{same}/{len(run['audio'])}",
+                "audio_as_alone": f"{same}/{len(base)}",
             }
         )
     return out
