@@ -4,7 +4,7 @@
     images = pipe.generate(["a red cat"], DiffusionParams(seed=0))
     open("cat.png", "wb").write(images[0].png)
     pipe.sleep(level=2); pipe.wake_up()   # same seed -> same PNG bytes
-    # a video family (Wan): an MP4 of 1 + 4k frames
+    # a video family: an MP4 of its frames (1 + a multiple of the temporal compression)
     video = pipe.generate("a red cat", DiffusionParams(video=True, num_frames=33, seed=0))[0]
 
 Inputs are prompts (strings) or conditioning embeddings (float tensors ``[seq, dim]``, e.g. a
