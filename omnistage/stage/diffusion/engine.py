@@ -1,4 +1,5 @@
-"""The diffusion stage engine: batches image requests, and sleeps and wakes its weights.
+"""The diffusion stage engine: batches image and video requests, and sleeps and wakes its
+weights.
 
 Scheduling, control and weights are the step-scheduled engine's (``omnistage.stage.jobs``);
 a job here is a batch: it forms around the oldest waiting request, of the waiting requests
