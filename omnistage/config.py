@@ -212,6 +212,13 @@ class StageConfig(_Frozen):
     max_batch_size: int = Field(
         default=4, gt=0, description="Diffusion: most images denoised at once."
     )
+    batch_wait_ms: float = Field(
+        default=10.0,
+        ge=0,
+        le=10_000,
+        description="Diffusion: how long a request waits for others arriving with it to share "
+        "its batch, while the batch has room (0: it starts at once).",
+    )
     max_active_batches: int = Field(
         default=2,
         gt=0,

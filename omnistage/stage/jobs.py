@@ -109,6 +109,16 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         """The requests of the next job: the oldest runnable one and those that fit with it."""
         return runnable[:1]
 
+    @property
+    def max_job_size(self) -> int:
+        """Most requests one job takes (a kind that batches says more)."""
+        return 1
+
+    @property
+    def batch_wait_s(self) -> float:
+        """How long a job with room waits for requests arriving with its oldest (0: none)."""
+        return 0.0
+
     def _make_job(self, requests: list[R]) -> StepJob:
         raise NotImplementedError
 
@@ -216,6 +226,10 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
             return
         requests = self._take_job(runnable)
         started = time.monotonic()
+        if len(requests) < self.max_job_size and started - requests[0].arrival_time < (
+            self.batch_wait_s
+        ):
+            return  # concurrent requests arrive a few ms apart: let them share the batch
         for request in requests:
             self._waiting.remove(request)
             request.queue_time_s = started - request.arrival_time

@@ -86,6 +86,14 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
     def max_active_jobs(self) -> int:
         return self.config.max_active_batches
 
+    @property
+    def max_job_size(self) -> int:
+        return self.config.max_batch_size
+
+    @property
+    def batch_wait_s(self) -> float:
+        return self.config.batch_wait_ms / 1e3
+
     def info(self) -> DiffusionStageInfo:
         """What the API process needs to validate requests before they reach this stage."""
         return DiffusionStageInfo(limits=self.limits)

@@ -31,7 +31,15 @@ def image_cond_folder(tmp_path_factory) -> Path:
 
 
 def diffusion_config(folder: Path, **overrides) -> StageConfig:
-    fields = {"stage_id": 1, "kind": "diffusion", "model": str(folder), "enable_sleep_mode": True}
+    """A diffusion stage's config; requests start at once (no batch wait) unless asked: the
+    tests step the engine in tight loops."""
+    fields = {
+        "stage_id": 1,
+        "kind": "diffusion",
+        "model": str(folder),
+        "enable_sleep_mode": True,
+        "batch_wait_ms": 0.0,
+    }
     return StageConfig(**{**fields, **overrides})
 
 

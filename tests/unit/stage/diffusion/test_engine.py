@@ -349,3 +349,21 @@ def test_a_kept_batch_continues_after_a_level2_sleep_with_the_same_image(engine,
     assert ack.status == "SUCCESS" and engine.step() == []
     engine.wake_up()
     assert png_of(step_until_output(engine)[0]) == reference_png
+
+
+def test_a_request_waits_briefly_for_others_to_share_its_batch(image_folder):
+    """Concurrent requests reach the stage a few ms apart: with ``batch_wait_ms`` the first
+    holds its batch open for them instead of starting alone; a full batch starts at once."""
+    waiting = DiffusionStageEngine(
+        diffusion_config(image_folder, max_batch_size=2, batch_wait_ms=10_000)
+    )
+    try:
+        waiting.add_request(DiffusionRequest("w1", prompt="a red cat", params=PARAMS))
+        for _ in range(20):
+            assert waiting.step() == []
+        assert waiting.num_batches == 0  # still gathering
+        waiting.add_request(DiffusionRequest("w2", prompt="dog", params=PARAMS))
+        waiting.step()
+        assert (waiting.num_batches, waiting.last_batch_size) == (1, 2)  # full: no wait
+    finally:
+        waiting.shutdown()
