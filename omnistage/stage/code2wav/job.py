@@ -14,32 +14,26 @@ from omnistage.stage.code2wav.params import AudioOutput
 from omnistage.stage.code2wav.request import Code2WavRequest
 
 
-class Code2WavJob:
-    @torch.inference_mode()
+class _OneUtterance:
+    """What both jobs share: one request, its seed, the synthesis time not yet reported, and
+    leaving the job on an abort. ``target``: what the vocoder's ``advance_together`` steps."""
+
+    target: Any
+
     def __init__(self, vocoder: Any, request: Code2WavRequest, seed: int) -> None:
         self.vocoder = vocoder
         self.request = request
         self.seed = seed
         self._dropped = False
-        self.compute_s = 0.0  # time spent synthesising
-        self.synthesis = vocoder.synthesis(request.codes, request.params, seed)
+        self.compute_s = 0.0
 
     @property
     def request_ids(self) -> list[str]:
         return [] if self._dropped else [self.request.request_id]
 
     @property
-    def is_done(self) -> bool:
-        return bool(self.synthesis.is_done)
-
-    @property
-    def target(self) -> Any:
-        """What the vocoder's ``advance_together`` steps for this job."""
-        return self.synthesis
-
-    @property
     def batch_key(self) -> Any:
-        return None if self._dropped else self.synthesis.batch_key
+        return None if self._dropped else self.target.batch_key
 
     def drop(self, request_id: str) -> Code2WavRequest | None:
         if self._dropped or request_id != self.request.request_id:
@@ -47,10 +41,24 @@ class Code2WavJob:
         self._dropped = True
         return self.request
 
-    def advance(self) -> None:
+    def _step(self) -> None:
         started = time.perf_counter()
-        self.vocoder.advance_together([self.synthesis])
+        self.vocoder.advance_together([self.target])
         self.compute_s += time.perf_counter() - started
+
+
+class Code2WavJob(_OneUtterance):
+    @torch.inference_mode()
+    def __init__(self, vocoder: Any, request: Code2WavRequest, seed: int) -> None:
+        super().__init__(vocoder, request, seed)
+        self.synthesis = self.target = vocoder.synthesis(request.codes, request.params, seed)
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.synthesis.is_done)
+
+    def advance(self) -> None:
+        self._step()
 
     def finish(self) -> list[tuple[Code2WavRequest, AudioOutput]]:
         started = time.perf_counter()
@@ -74,26 +82,18 @@ def synthesize(vocoder: Any, request: Code2WavRequest, seed: int) -> AudioOutput
     return job.finish()[0][1]
 
 
-class StreamingCode2WavJob:
+class StreamingCode2WavJob(_OneUtterance):
     """A streamed request's utterance, spoken chunk by chunk as its codes arrive (the
     vocoder's ``streaming_synthesis``): it waits while a chunk's codes are not all in
     (``is_ready``), hands out each chunk's samples when they are done (``take_partial``), and
     its last output carries the rest with the utterance's seed, voice and codes."""
 
     def __init__(self, vocoder: Any, request: Code2WavRequest, seed: int, chunks: Any) -> None:
-        self.vocoder = vocoder
-        self.request = request
-        self.seed = seed
-        self._dropped = False
-        self.compute_s = 0.0  # synthesis time not yet reported with samples
-        self.stream = vocoder.streaming_synthesis(request.params, seed, chunks)
+        super().__init__(vocoder, request, seed)
+        self.stream = self.target = vocoder.streaming_synthesis(request.params, seed, chunks)
         self.stream.add_codes(list(request.codes))
         if request.input_ended:
             self.stream.end_input()
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [] if self._dropped else [self.request.request_id]
 
     @property
     def is_ready(self) -> bool:
@@ -103,20 +103,6 @@ class StreamingCode2WavJob:
     def is_done(self) -> bool:
         return bool(self.stream.is_done)
 
-    @property
-    def target(self) -> Any:
-        return self.stream
-
-    @property
-    def batch_key(self) -> Any:
-        return None if self._dropped else self.stream.batch_key
-
-    def drop(self, request_id: str) -> Code2WavRequest | None:
-        if self._dropped or request_id != self.request.request_id:
-            return None
-        self._dropped = True
-        return self.request
-
     def add_input(self, codes: list[int], final: bool) -> None:
         self.stream.add_codes(codes)
         self.request.codes.extend(codes)
@@ -125,10 +111,8 @@ class StreamingCode2WavJob:
             self.stream.end_input()
 
     def advance(self) -> None:
-        started = time.perf_counter()
         if self.stream.is_ready:
-            self.vocoder.advance_together([self.stream])
-        self.compute_s += time.perf_counter() - started
+            self._step()
 
     def _output(self, samples: torch.Tensor, *, last: bool) -> AudioOutput:
         compute_s, self.compute_s = self.compute_s, 0.0
