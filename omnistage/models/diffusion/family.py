@@ -22,8 +22,10 @@ from typing import Any, Protocol
 
 import torch
 
+from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
 from omnistage.models.diffusion.pipeline import LoadedPipeline
+from omnistage.models.family import load_template
 
 
 @dataclass(frozen=True)
@@ -145,3 +147,45 @@ class DiffusionFamily(Protocol):
         """One request's final latents (batch dimension 1) to float pixels ``[H, W, 3]`` in
         [0, 1], on the CPU; a video family's to frames ``[F, H, W, 3]``."""
         ...
+
+
+class FamilyBase:
+    """The ``build`` and ``pipeline`` the families share, set by class attributes: the
+    components a folder must have, the scheduler classes served (any when empty; else
+    ``CheckpointError`` naming ``label``), and the family's own refusals (``check``)."""
+
+    name: str
+    required: tuple[str, ...] = ("transformer", "vae")
+    label = ""
+    schedulers: tuple[str, ...] = ()
+    component_tags = True
+    template = "image.yaml"
+
+    def check(self, pipeline: LoadedPipeline) -> None:
+        """Raise ``CheckpointError`` for a folder the family cannot serve."""
+
+    def build(
+        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
+    ) -> LoadedPipeline:
+        pipeline = LoadedPipeline(
+            folder,
+            arena,
+            dtype,
+            required=self.required,
+            load=False,
+            component_tags=self.component_tags,
+        )
+        schedulers = self.schedulers
+        if schedulers and pipeline.scheduler_class_name not in schedulers:
+            wanted = schedulers[0] if len(schedulers) == 1 else f"one of {list(schedulers)}"
+            raise CheckpointError(
+                f"{pipeline.folder}/scheduler: {self.label} needs {wanted}, "
+                f"got {pipeline.scheduler_class_name}"
+            )
+        self.check(pipeline)
+        if load:
+            pipeline.load_weights(pipeline.folder, strict=True)
+        return pipeline
+
+    def pipeline(self) -> list[dict[str, Any]]:
+        return load_template("omnistage.models.diffusion", self.template)

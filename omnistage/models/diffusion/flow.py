@@ -1,17 +1,23 @@
 """What the flow-matching families share, written as diffusers' pipelines compute it: the
 dynamic shift ``mu`` from the image's token count, the timesteps a pipeline sets, the 2x2
 latent packing of FLUX and Qwen-Image, the VAE's scale factor, text tokenised to a fixed
-length, and the pixels of a decoded image."""
+length, the pieces of their ``build``, ``limits``, ``encode``, latent draw and guidance, and the
+pixels of a decoded image."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from omnistage.errors import CheckpointError
+from omnistage.models.diffusion.family import DiffusionLimits, DiffusionRequestLike
 from omnistage.models.diffusion.pipeline import LoadedPipeline
+
+FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
+T = TypeVar("T")
 
 
 def calculate_shift(
@@ -105,3 +111,51 @@ def to_pixels(image: torch.Tensor) -> torch.Tensor:
     """A decoded image ``[1, 3, H, W]`` in [-1, 1] to float pixels ``[H, W, 3]`` in [0, 1]
     (diffusers' ``VaeImageProcessor.postprocess``)."""
     return (image[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0).float().cpu()
+
+
+def packed_latent_size(factor: int, height: int, width: int) -> tuple[int, int]:
+    """The latent grid diffusers draws: a multiple of 2 per side for the 2x2 packing."""
+    return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
+
+
+def draw_latents(
+    pipeline: LoadedPipeline, shape: tuple[int, ...], seed: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Latents drawn by a CPU generator seeded with ``seed`` (in the pipeline's dtype unless
+    ``dtype``), on the pipeline's device."""
+    generator = torch.Generator("cpu").manual_seed(seed)
+    draw = torch.randn(shape, generator=generator, dtype=dtype or pipeline.dtype)
+    return draw.to(pipeline.device)
+
+
+def text_limits(pipeline: LoadedPipeline, **fields: Any) -> DiffusionLimits:
+    """The limits of a family that takes text prompts only and needs its own scheduler."""
+    return DiffusionLimits(
+        has_text_encoder=True,
+        max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
+        takes_prompt_embeds=False,
+        takes_scheduler_override=False,
+        **fields,
+    )
+
+
+def encode_prompts(request: DiffusionRequestLike, encode: Callable[[str], T]) -> tuple[T, T | None]:
+    """The prompt's conditioning and, when guidance runs, the negative prompt's."""
+    cond = encode(request.prompt or "")
+    uncond = encode(request.params.negative_prompt) if request.params.uses_guidance else None
+    return cond, uncond
+
+
+def unconditional_rows(rows: Sequence[Any]) -> list[Any]:
+    """The rows' unconditional inputs (``uncond``): all of them or none."""
+    unconds = [row.uncond for row in rows if row.uncond is not None]
+    if unconds and len(unconds) != len(rows):
+        raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
+    return unconds
+
+
+def decode_shifted(pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
+    """An ``AutoencoderKL`` with a shift factor (FLUX, SD3): latents to pixels."""
+    vae = pipeline.module("vae")
+    latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+    return to_pixels(vae.decode(latents.to(vae.dtype), return_dict=False)[0])

@@ -13,22 +13,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnistage.errors import CheckpointError
-from omnistage.memory import Arena
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
     DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
+    FamilyBase,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
-from omnistage.models.family import load_template
 
 MAX_SEQUENCE_LENGTH = 512  # FluxPipeline's default and its ceiling
 DEFAULT_SAMPLE_SIZE = 128  # FluxPipeline's default_sample_size (latent pixels)
@@ -49,9 +46,7 @@ def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[
 
 
 def _latent_size(pipeline: LoadedPipeline, height: int, width: int) -> tuple[int, int]:
-    """The latent grid diffusers draws: a multiple of 2 per side for the 2x2 packing."""
-    factor = flow.vae_scale_factor(pipeline)
-    return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
+    return flow.packed_latent_size(flow.vae_scale_factor(pipeline), height, width)
 
 
 def _max_sequence_length(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> int:
@@ -61,45 +56,22 @@ def _max_sequence_length(pipeline: LoadedPipeline, params: DiffusionParamsLike) 
     return min(MAX_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else MAX_SEQUENCE_LENGTH
 
 
-class FluxFamily:
+class FluxFamily(FamilyBase):
     name = "flux"
-
-    def build(
-        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
-    ) -> LoadedPipeline:
-        pipeline = LoadedPipeline(
-            folder,
-            arena,
-            dtype,
-            required=("transformer", "vae", "text_encoder", "text_encoder_2"),
-            load=False,
-            component_tags=True,
-        )
-        if pipeline.scheduler_class_name != "FlowMatchEulerDiscreteScheduler":
-            raise CheckpointError(
-                f"{pipeline.folder}/scheduler: FLUX needs FlowMatchEulerDiscreteScheduler, "
-                f"got {pipeline.scheduler_class_name}"
-            )
-        if load:
-            pipeline.load_weights(pipeline.folder, strict=True)
-        return pipeline
-
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template("omnistage.models.diffusion", "image.yaml")
+    required = ("transformer", "vae", "text_encoder", "text_encoder_2")
+    label = "FLUX"
+    schedulers = (flow.FLOW_SCHEDULER,)
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
         factor = flow.vae_scale_factor(pipeline)
         limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
-        return DiffusionLimits(
+        return flow.text_limits(
+            pipeline,
             size_multiple=factor * 2,
             embedding_dim=int(config.joint_attention_dim),
-            has_text_encoder=True,
             native_size=DEFAULT_SAMPLE_SIZE * factor,
-            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
-            takes_prompt_embeds=False,
             takes_negative_prompt=False,
-            takes_scheduler_override=False,
             max_sequence_length=min(MAX_SEQUENCE_LENGTH, limit)
             if isinstance(limit, int)
             else MAX_SEQUENCE_LENGTH,
@@ -143,9 +115,7 @@ class FluxFamily:
         height, width = _image_size(pipeline, request.params)
         latent_height, latent_width = _latent_size(pipeline, height, width)
         channels = int(pipeline.module("transformer").config.in_channels) // 4
-        generator = torch.Generator("cpu").manual_seed(seed)
-        shape = (1, channels, latent_height, latent_width)
-        return torch.randn(shape, generator=generator, dtype=pipeline.dtype).to(pipeline.device)
+        return flow.draw_latents(pipeline, (1, channels, latent_height, latent_width), seed)
 
     def predict_noise(
         self,
@@ -177,9 +147,7 @@ class FluxFamily:
         return flow.unpack_latents(noise, latent_height, latent_width)
 
     def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
-        vae = pipeline.module("vae")
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        return flow.to_pixels(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
+        return flow.decode_shifted(pipeline, latents)
 
 
 FAMILY: DiffusionFamily = FluxFamily()

@@ -14,21 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnistage.errors import CheckpointError
-from omnistage.memory import Arena
+from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
     DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
+    FamilyBase,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
-from omnistage.models.family import load_template
 
 # diffusers' own max_sequence_length defaults per pipeline class (PixArt-alpha: 120).
 _MAX_SEQUENCE_LENGTH = {"PixArtAlphaPipeline": 120}
@@ -51,12 +50,10 @@ class PixArtConditioning:
     uncond: TextEmbeds | None
 
 
-def _vae_scale_factor(pipeline: LoadedPipeline) -> int:
-    return int(2 ** (len(pipeline.module("vae").config.block_out_channels) - 1))
-
-
 def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
-    native = int(pipeline.module("transformer").config.sample_size) * _vae_scale_factor(pipeline)
+    native = int(pipeline.module("transformer").config.sample_size) * flow.vae_scale_factor(
+        pipeline
+    )
     return params.height or native, params.width or native
 
 
@@ -122,13 +119,11 @@ def _micro_conditions(
     }
 
 
-class PixArtFamily:
+class PixArtFamily(FamilyBase):
     name = "pixart"
+    component_tags = False
 
-    def build(
-        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
-    ) -> LoadedPipeline:
-        pipeline = LoadedPipeline(folder, arena, dtype, required=("transformer", "vae"), load=False)
+    def check(self, pipeline: LoadedPipeline) -> None:
         if pipeline.scheduler_config.get("use_dynamic_shifting"):
             # A dynamic shift needs a resolution-dependent 'mu' that PixArt's pipelines never
             # compute; serving it anyway would give images diffusers cannot reproduce.
@@ -136,16 +131,10 @@ class PixArtFamily:
                 f"{pipeline.folder}/scheduler: use_dynamic_shifting schedulers need a "
                 "resolution dependent 'mu', which the PixArt family does not compute"
             )
-        if load:
-            pipeline.load_weights(pipeline.folder, strict=True)
-        return pipeline
-
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template("omnistage.models.diffusion", "image.yaml")
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
-        factor = _vae_scale_factor(pipeline)
+        factor = flow.vae_scale_factor(pipeline)
         return DiffusionLimits(
             size_multiple=factor * int(config.patch_size),
             embedding_dim=int(config.caption_channels),
@@ -189,12 +178,10 @@ class PixArtFamily:
         self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
     ) -> torch.Tensor:
         height, width = _image_size(pipeline, request.params)
-        factor = _vae_scale_factor(pipeline)
+        factor = flow.vae_scale_factor(pipeline)
         channels = int(pipeline.module("transformer").config.in_channels)
-        shape = (1, channels, height // factor, width // factor)
-        generator = torch.Generator("cpu").manual_seed(seed)
-        noise = torch.randn(shape, generator=generator, dtype=pipeline.dtype)
-        return noise.to(pipeline.device) * getattr(scheduler, "init_noise_sigma", 1.0)
+        noise = flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
+        return noise * getattr(scheduler, "init_noise_sigma", 1.0)
 
     def predict_noise(
         self,
@@ -206,14 +193,12 @@ class PixArtFamily:
     ) -> torch.Tensor:
         transformer = pipeline.module("transformer")
         rows: list[PixArtConditioning] = list(conditioning)
-        unconds = [row.uncond for row in rows if row.uncond is not None]
-        if unconds and len(unconds) != len(rows):
-            raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
+        unconds = flow.unconditional_rows(rows)
         guided = bool(unconds)
         # diffusers' order: every unconditional row first, then the conditional ones.
         embeds, mask = _stack([*unconds, *(row.cond for row in rows)])
         model_input = torch.cat([latents] * 2) if guided else latents
-        factor = _vae_scale_factor(pipeline)
+        factor = flow.vae_scale_factor(pipeline)
         height, width = latents.shape[-2] * factor, latents.shape[-1] * factor
         noise_pred = transformer(
             model_input,

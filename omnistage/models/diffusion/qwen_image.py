@@ -17,22 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from omnistage.errors import CheckpointError
-from omnistage.memory import Arena
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
     DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
+    FamilyBase,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
-from omnistage.models.family import load_template
 
 PROMPT_TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
@@ -62,8 +60,7 @@ def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[
 
 
 def _latent_size(pipeline: LoadedPipeline, height: int, width: int) -> tuple[int, int]:
-    factor = _vae_scale_factor(pipeline)
-    return 2 * (height // (factor * 2)), 2 * (width // (factor * 2))
+    return flow.packed_latent_size(_vae_scale_factor(pipeline), height, width)
 
 
 def _tokens(pipeline: LoadedPipeline, text: str) -> Any:
@@ -92,47 +89,26 @@ def _encode_text(pipeline: LoadedPipeline, text: str, params: DiffusionParamsLik
     return states[: params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH].to(pipeline.dtype)
 
 
-class QwenImageFamily:
+class QwenImageFamily(FamilyBase):
     name = "qwen_image"
+    required = ("transformer", "vae", "text_encoder")
+    label = "Qwen-Image"
+    schedulers = (flow.FLOW_SCHEDULER,)
 
-    def build(
-        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
-    ) -> LoadedPipeline:
-        pipeline = LoadedPipeline(
-            folder,
-            arena,
-            dtype,
-            required=("transformer", "vae", "text_encoder"),
-            load=False,
-            component_tags=True,
-        )
-        if pipeline.scheduler_class_name != "FlowMatchEulerDiscreteScheduler":
-            raise CheckpointError(
-                f"{pipeline.folder}/scheduler: Qwen-Image needs FlowMatchEulerDiscreteScheduler, "
-                f"got {pipeline.scheduler_class_name}"
-            )
+    def check(self, pipeline: LoadedPipeline) -> None:
         if pipeline.module("transformer").config.guidance_embeds:
             raise CheckpointError(
                 f"{pipeline.folder}/transformer: guidance-distilled Qwen-Image transformers "
                 "(guidance_embeds) are not served"
             )
-        if load:
-            pipeline.load_weights(pipeline.folder, strict=True)
-        return pipeline
-
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template("omnistage.models.diffusion", "image.yaml")
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         factor = _vae_scale_factor(pipeline)
-        return DiffusionLimits(
+        return flow.text_limits(
+            pipeline,
             size_multiple=factor * 2,
             embedding_dim=int(pipeline.module("transformer").config.joint_attention_dim),
-            has_text_encoder=True,
             native_size=DEFAULT_SAMPLE_SIZE * factor,
-            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
-            takes_prompt_embeds=False,
-            takes_scheduler_override=False,
             max_sequence_length=TOKENIZER_MAX_LENGTH,
             default_guidance_scale=DEFAULT_GUIDANCE,
         )
@@ -146,11 +122,9 @@ class QwenImageFamily:
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
         params = request.params
-        cond = _encode_text(pipeline, request.prompt or "", params)
-        uncond = (
-            _encode_text(pipeline, params.negative_prompt, params) if params.uses_guidance else None
+        return QwenImageConditioning(
+            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, params))
         )
-        return QwenImageConditioning(cond, uncond)
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -167,9 +141,7 @@ class QwenImageFamily:
         height, width = _image_size(pipeline, request.params)
         latent_height, latent_width = _latent_size(pipeline, height, width)
         channels = int(pipeline.module("transformer").config.in_channels) // 4
-        generator = torch.Generator("cpu").manual_seed(seed)
-        shape = (1, channels, latent_height, latent_width)
-        return torch.randn(shape, generator=generator, dtype=pipeline.dtype).to(pipeline.device)
+        return flow.draw_latents(pipeline, (1, channels, latent_height, latent_width), seed)
 
     def predict_noise(
         self,
@@ -199,10 +171,8 @@ class QwenImageFamily:
             )[0]
 
         noise = run([row.cond for row in rows])
-        unconds = [row.uncond for row in rows if row.uncond is not None]
+        unconds = flow.unconditional_rows(rows)
         if unconds:
-            if len(unconds) != len(rows):
-                raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
             negative = run(unconds)
             scales = torch.tensor(guidance_scales, dtype=noise.dtype, device=noise.device)
             combined = negative + scales.view(-1, 1, 1) * (noise - negative)

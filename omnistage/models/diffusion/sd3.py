@@ -15,22 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from omnistage.errors import CheckpointError
-from omnistage.memory import Arena
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
     DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
+    FamilyBase,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
-from omnistage.models.family import load_template
 
 MAX_SEQUENCE_LENGTH = 512  # StableDiffusion3Pipeline's ceiling
 DEFAULT_MAX_SEQUENCE_LENGTH = 256  # and its default
@@ -89,43 +86,20 @@ def _encode_text(pipeline: LoadedPipeline, text: str, length: int) -> TextInput:
     return TextInput(embeds, torch.cat([pooled_1, pooled_2], dim=-1).to(pipeline.dtype))
 
 
-class SD3Family:
+class SD3Family(FamilyBase):
     name = "sd3"
-
-    def build(
-        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
-    ) -> LoadedPipeline:
-        pipeline = LoadedPipeline(
-            folder,
-            arena,
-            dtype,
-            required=("transformer", "vae", "text_encoder", "text_encoder_2"),
-            load=False,
-            component_tags=True,
-        )
-        if pipeline.scheduler_class_name != "FlowMatchEulerDiscreteScheduler":
-            raise CheckpointError(
-                f"{pipeline.folder}/scheduler: Stable Diffusion 3 needs "
-                f"FlowMatchEulerDiscreteScheduler, got {pipeline.scheduler_class_name}"
-            )
-        if load:
-            pipeline.load_weights(pipeline.folder, strict=True)
-        return pipeline
-
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template("omnistage.models.diffusion", "image.yaml")
+    required = ("transformer", "vae", "text_encoder", "text_encoder_2")
+    label = "Stable Diffusion 3"
+    schedulers = (flow.FLOW_SCHEDULER,)
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
         factor = flow.vae_scale_factor(pipeline)
-        return DiffusionLimits(
+        return flow.text_limits(
+            pipeline,
             size_multiple=factor * int(config.patch_size),
             embedding_dim=int(config.joint_attention_dim),
-            has_text_encoder=True,
             native_size=int(config.sample_size) * factor,
-            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
-            takes_prompt_embeds=False,
-            takes_scheduler_override=False,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
             default_guidance_scale=DEFAULT_GUIDANCE,
         )
@@ -137,13 +111,10 @@ class SD3Family:
         return height, width, steps, _max_sequence_length(params), params.uses_guidance
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
-        params = request.params
-        length = _max_sequence_length(params)
-        cond = _encode_text(pipeline, request.prompt or "", length)
-        uncond = None
-        if params.uses_guidance:
-            uncond = _encode_text(pipeline, params.negative_prompt, length)
-        return SD3Conditioning(cond, uncond)
+        length = _max_sequence_length(request.params)
+        return SD3Conditioning(
+            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
+        )
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -168,9 +139,7 @@ class SD3Family:
         height, width = _image_size(pipeline, request.params)
         factor = flow.vae_scale_factor(pipeline)
         channels = int(pipeline.module("transformer").config.in_channels)
-        generator = torch.Generator("cpu").manual_seed(seed)
-        shape = (1, channels, height // factor, width // factor)
-        return torch.randn(shape, generator=generator, dtype=pipeline.dtype).to(pipeline.device)
+        return flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
 
     def predict_noise(
         self,
@@ -181,9 +150,7 @@ class SD3Family:
         guidance_scales: Sequence[float],
     ) -> torch.Tensor:
         rows: list[SD3Conditioning] = list(conditioning)
-        unconds = [row.uncond for row in rows if row.uncond is not None]
-        if unconds and len(unconds) != len(rows):
-            raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
+        unconds = flow.unconditional_rows(rows)
         inputs = [*unconds, *(row.cond for row in rows)]
         model_input = torch.cat([latents] * 2) if unconds else latents
         noise = pipeline.module("transformer")(
@@ -200,9 +167,7 @@ class SD3Family:
         return uncond + scales.view(-1, 1, 1, 1) * (text - uncond)
 
     def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
-        vae = pipeline.module("vae")
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        return flow.to_pixels(vae.decode(latents.to(vae.dtype), return_dict=False)[0])
+        return flow.decode_shifted(pipeline, latents)
 
 
 FAMILY: DiffusionFamily = SD3Family()

@@ -36,10 +36,28 @@ def _save(pipe: Any, out: str | Path) -> Path:
     return out
 
 
+def _shifted_vae(shift_factor: float, scaling_factor: float) -> Any:
+    """A two-block ``AutoencoderKL`` with a shift factor (FLUX's and SD3's layout)."""
+    from diffusers import AutoencoderKL
+
+    vae: Any = AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=shift_factor,
+        scaling_factor=scaling_factor,
+    )
+    return vae
+
+
 def build_flux(out: str | Path) -> Path:
     """FLUX.1-dev's layout: latents packed 2x2, guidance embedded, dynamic shift."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         FluxPipeline,
         FluxTransformer2DModel,
@@ -48,18 +66,7 @@ def build_flux(out: str | Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(10)
         tokenizer, tokenizer_2 = clip_tokenizer(), build_char_tokenizer(T5_MAX_LENGTH)
-        vae: Any = AutoencoderKL(
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(16, 32),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=8,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.1159,
-            scaling_factor=0.3611,
-        )
+        vae = _shifted_vae(shift_factor=0.1159, scaling_factor=0.3611)
         transformer: Any = FluxTransformer2DModel(
             patch_size=1,
             in_channels=16,
@@ -95,7 +102,6 @@ def build_sd3(out: str | Path) -> Path:
     """Stable Diffusion 3's layout: two CLIPs with projection (token states side by side,
     padded to T5's width, then T5's states after them), classifier-free guidance."""
     from diffusers import (
-        AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,
         SD3Transformer2DModel,
         StableDiffusion3Pipeline,
@@ -105,18 +111,7 @@ def build_sd3(out: str | Path) -> Path:
         torch.manual_seed(11)
         tokenizer, tokenizer_2 = clip_tokenizer(), clip_tokenizer()
         tokenizer_3 = build_char_tokenizer(T5_MAX_LENGTH)
-        vae: Any = AutoencoderKL(
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            block_out_channels=(16, 32),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=8,
-            use_quant_conv=False,
-            use_post_quant_conv=False,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        )
+        vae = _shifted_vae(shift_factor=0.0609, scaling_factor=1.5035)
         transformer: Any = SD3Transformer2DModel(
             sample_size=16,
             patch_size=2,

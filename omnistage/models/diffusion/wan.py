@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from omnistage.errors import CheckpointError
-from omnistage.memory import Arena
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.components import MODEL_INDEX
 from omnistage.models.diffusion.family import (
@@ -36,11 +35,11 @@ from omnistage.models.diffusion.family import (
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
+    FamilyBase,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
-from omnistage.models.family import load_template
 
-SCHEDULERS = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
+SCHEDULERS = ("UniPCMultistepScheduler", flow.FLOW_SCHEDULER)
 DEFAULT_MAX_SEQUENCE_LENGTH = 512  # WanPipeline.__call__'s default (UMT5's training length)
 DEFAULT_HEIGHT, DEFAULT_WIDTH = 480, 832  # WanPipeline.__call__'s defaults
 DEFAULT_FRAMES = 81  # WanPipeline's default and Wan 2.1's training length
@@ -103,25 +102,15 @@ def _model_index(folder: Path) -> dict[str, Any]:
     return dict(json.loads((folder / MODEL_INDEX).read_text()))
 
 
-class WanFamily:
+class WanFamily(FamilyBase):
     name = "wan"
+    required = ("transformer", "vae", "text_encoder")
+    label = "Wan"
+    schedulers = SCHEDULERS
+    template = "video.yaml"
 
-    def build(
-        self, folder: str | Path, arena: Arena, dtype: str = "float32", *, load: bool = True
-    ) -> LoadedPipeline:
-        pipeline = LoadedPipeline(
-            folder,
-            arena,
-            dtype,
-            required=("transformer", "vae", "text_encoder"),
-            load=False,
-            component_tags=True,
-        )
-        if pipeline.scheduler_class_name not in SCHEDULERS:
-            raise CheckpointError(
-                f"{pipeline.folder}/scheduler: Wan needs one of {list(SCHEDULERS)}, "
-                f"got {pipeline.scheduler_class_name}"
-            )
+    def check(self, pipeline: LoadedPipeline) -> None:
+        """Wan 2.2's layouts and image-to-video transformers."""
         index = _model_index(pipeline.folder)
         if pipeline.optional_module("transformer_2") is not None or index.get("boundary_ratio"):
             raise CheckpointError(
@@ -137,25 +126,16 @@ class WanFamily:
                 f"{pipeline.folder}/transformer: image-to-video transformers (image_dim) are "
                 "not served by the text-to-video family"
             )
-        if load:
-            pipeline.load_weights(pipeline.folder, strict=True)
-        return pipeline
-
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template("omnistage.models.diffusion", "video.yaml")
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
         temporal, _ = _scale_factors(pipeline)
-        return DiffusionLimits(
+        return flow.text_limits(
+            pipeline,
             size_multiple=_size_multiple(pipeline),
             embedding_dim=int(config.text_dim),
-            has_text_encoder=True,
             native_size=DEFAULT_HEIGHT,
             native_width=DEFAULT_WIDTH,
-            max_inference_steps=int(pipeline.scheduler_config.get("num_train_timesteps", 1000)),
-            takes_prompt_embeds=False,
-            takes_scheduler_override=False,
             max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH,
             max_frames=DEFAULT_FRAMES,
             frame_step=temporal,
@@ -174,13 +154,10 @@ class WanFamily:
         )
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
-        params = request.params
-        length = _max_sequence_length(params)
-        cond = _encode_text(pipeline, request.prompt or "", length)
-        uncond = None
-        if params.uses_guidance:
-            uncond = _encode_text(pipeline, params.negative_prompt, length)
-        return WanConditioning(cond, uncond)
+        length = _max_sequence_length(request.params)
+        return WanConditioning(
+            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
+        )
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -197,8 +174,7 @@ class WanFamily:
         temporal, spatial = _scale_factors(pipeline)
         channels = int(pipeline.module("transformer").config.in_channels)
         shape = (1, channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
-        generator = torch.Generator("cpu").manual_seed(seed)
-        return torch.randn(shape, generator=generator, dtype=torch.float32).to(pipeline.device)
+        return flow.draw_latents(pipeline, shape, seed, dtype=torch.float32)
 
     def predict_noise(
         self,
@@ -212,9 +188,7 @@ class WanFamily:
         guidance runs) every unconditional one; each row combined with its own scale as
         ``WanPipeline`` combines it (a Python float times the difference)."""
         rows: list[WanConditioning] = list(conditioning)
-        unconds = [row.uncond for row in rows if row.uncond is not None]
-        if unconds and len(unconds) != len(rows):
-            raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
+        unconds = flow.unconditional_rows(rows)
         model_input = latents.to(pipeline.dtype)
         if unconds:
             model_input = torch.cat([model_input, model_input])
