@@ -32,6 +32,10 @@ class RopeConfig:
     # Multimodal RoPE (Qwen2-VL's mRoPE, Qwen2.5-Omni's TMRoPE): the rotary frequencies split
     # into sections (in pairs of head dims) turned by the time, height and width positions.
     mrope_section: tuple[int, ...] = ()
+    # Interleaved mRoPE (Qwen3-VL, Qwen3-Omni): frequency ``j`` turns by the height position
+    # when ``j % 3 == 1`` and ``j < 3 * section[1]``, by the width one when ``j % 3 == 2``
+    # and ``j < 3 * section[2]``, else by the time one (instead of contiguous sections).
+    mrope_interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class ARModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # A shared expert beside the routed ones (Qwen2-MoE, the Qwen3-Omni talker): a gated MLP
+    # of this many features every token runs, scaled by ``sigmoid(shared_expert_gate(x))``.
+    shared_expert_intermediate_size: int = 0
     tp_plan: TPPlan = DENSE_PLAN
     # What the family needs beyond the shared decoder (the Qwen2.5-Omni thinker's encoder
     # configs): read by its ``build_decoder`` only; plain JSON values; not part of the hash.
@@ -185,8 +192,9 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}"
         )
     sections = tuple(int(s) for s in params.get("mrope_section") or ())
+    interleaved = bool(params.get("mrope_interleaved", params.get("interleaved", False)))
     if rope_type == "default":
-        return RopeConfig(theta=theta, mrope_section=sections)
+        return RopeConfig(theta=theta, mrope_section=sections, mrope_interleaved=interleaved)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,

@@ -132,6 +132,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inverse_frequencies(head_dim, rope), persistent=False)
         self.mrope_section = list(rope.mrope_section)
+        self.mrope_interleaved = rope.mrope_interleaved
         if self.mrope_section and sum(self.mrope_section) != head_dim // 2:
             raise CheckpointError(
                 f"mrope_section {self.mrope_section} must add up to head_dim / 2 = {head_dim // 2}"
@@ -147,10 +148,24 @@ class RotaryEmbedding(nn.Module):
         if positions.dim() == 2:
             if not self.mrope_section:
                 raise ValueError("this model has no multimodal rotary positions")
-            parts = freqs.split(self.mrope_section, dim=-1)
-            freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+            if self.mrope_interleaved:
+                freqs = _interleaved(freqs, self.mrope_section)
+            else:
+                parts = freqs.split(self.mrope_section, dim=-1)
+                freqs = torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _interleaved(freqs: torch.Tensor, section: list[int]) -> torch.Tensor:
+    """Interleaved mRoPE's frequencies ``[T, head_dim / 2]`` from the per-row ones
+    ``[3, T, head_dim / 2]``: the time row's, with every third from 1 (height) and from 2
+    (width) taken from their rows, up to three times their section."""
+    out = freqs[0].clone()
+    for row in (1, 2):
+        idx = slice(row, section[row] * 3, 3)
+        out[..., idx] = freqs[row, ..., idx]
+    return out
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -247,8 +262,9 @@ class Experts(nn.Module):
     (``gate``) picks each token's ``num_experts_per_tok`` experts by softmax (float32)
     probability, renormalised when ``norm_topk_prob``; each expert (a gated MLP) runs on the
     tokens routed to it, in expert order, and its output, times the token's weight for it, is
-    added to the token's. With tensor parallelism every expert splits over its intermediate
-    features; the partial sums meet in one all-reduce per layer."""
+    added to the token's; a shared expert, when the model has one, adds its output times
+    ``sigmoid(shared_expert_gate(x))`` for every token. With tensor parallelism every expert
+    splits over its intermediate features; the partial sums meet in one all-reduce per layer."""
 
     def __init__(self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -265,6 +281,14 @@ class Experts(nn.Module):
                 for _ in range(config.num_experts)
             ]
         )
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Module | None = None
+        if config.shared_expert_intermediate_size:
+            inner = config.shared_expert_intermediate_size
+            self.shared_expert = MLP(config, dtype, tp, inner=inner, expert=True)
+            self.shared_expert_gate = parallel_linear(
+                REPLICATED, config.hidden_size, 1, bias=False, dtype=dtype, tp=tp, what="router"
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -279,6 +303,8 @@ class Experts(nn.Module):
             slot, tokens = torch.where(e == chosen.T)  # transformers' order: by slot, then token
             rows = self.experts[e](x[tokens]) * weights[tokens, slot, None]
             out.index_add_(0, tokens, rows.to(out.dtype))
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
 
 
