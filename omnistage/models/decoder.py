@@ -391,11 +391,14 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata | None = None,
         kv_caches: list[KVCacheLayer] | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        layer_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, from token ids or from
         ``inputs_embeds`` (``[T, embedding_size]``, instead of the ids' embeddings).
 
-        Without ``metadata`` the tokens form one sequence and no cache is used.
+        ``layer_rows`` (``at`` ``[N]``, ``rows`` ``[k, N, hidden]``): rows added to the hidden
+        states of tokens ``at`` after each of the first ``k`` layers (an encoder's DeepStack
+        features). Without ``metadata`` the tokens form one sequence and no cache is used.
         """
         if inputs_embeds is not None:
             x = inputs_embeds
@@ -408,6 +411,9 @@ class CausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, metadata, kv_caches[i] if kv_caches is not None else None)
+            if layer_rows is not None and i < len(layer_rows[1]):
+                at, rows = layer_rows
+                x = x.index_put((at,), x[at] + rows[i])  # a new tensor: x may be held
         return self.model.norm(x)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -167,17 +167,26 @@ class ModelRunner:
         later = torch.arange(first, seq.num_tokens, device=self.device) + seq.position_delta
         return torch.cat([prompt.to(self.device), later.expand(3, -1)], dim=1)
 
-    def _encode_multi_modal(self, seq: Sequence, rows: torch.Tensor) -> None:
+    def _encode_multi_modal(
+        self, seq: Sequence, rows: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor]]:
         """The encoder step: each multimodal item's embeddings replace those of its
         placeholder positions among ``rows`` (``seq``'s positions from ``num_cached_tokens``
-        on; an item's positions before that came from the prefix cache)."""
+        on; an item's positions before that came from the prefix cache). An encoder output
+        ``[1 + k, length, hidden]`` also brings rows the decoder adds after its first k
+        layers: returned as (first row, ``[k, n, hidden]``)."""
         start = seq.num_cached_tokens
+        layer_rows = []
         for item in seq.multi_modal:
             lo, hi = max(item.offset, start), item.offset + item.length
             if lo >= hi:
                 continue
             encoded = self.encoder_cache.encode(self.model, item).to(rows.dtype)
+            if encoded.dim() == 3:
+                layer_rows.append((lo - start, encoded[1:, lo - item.offset : hi - item.offset]))
+                encoded = encoded[0]
             rows[lo - start : hi - start] = encoded[lo - item.offset : hi - item.offset]
+        return layer_rows
 
     @staticmethod
     def _hidden_rows(
@@ -223,6 +232,7 @@ class ModelRunner:
         )
         ids = self._tensor(input_ids)
         embeds = None
+        added: list[tuple[int, torch.Tensor]] = []  # rows added after the first layers
         if any(
             s.has_input_embeds or s.hidden_states_with_embeddings or s.multi_modal for s in seqs
         ):
@@ -232,8 +242,14 @@ class ModelRunner:
                 if seq.has_input_embeds:
                     embeds[rows] = self._inputs_embeds(seq, seq.num_cached_tokens, embeds[rows])
                 if seq.multi_modal:
-                    self._encode_multi_modal(seq, embeds[rows])
-        hidden = self.model(ids, _joined(positions), metadata, self.kv_cache.layers, embeds)
+                    added += [
+                        (cu_seqlens[i] + at, r)
+                        for at, r in self._encode_multi_modal(seq, embeds[rows])
+                    ]
+        extra = {"layer_rows": _layer_rows(added, self.device)} if added else {}
+        hidden = self.model(
+            ids, _joined(positions), metadata, self.kv_cache.layers, embeds, **extra
+        )
         last_rows = hidden[self._tensor([end - 1 for end in cu_seqlens[1:]])]
         wanted = {
             i: self._hidden_rows(seq, hidden, embeds, cu_seqlens[i], cu_seqlens[i + 1])
@@ -278,6 +294,17 @@ class ModelRunner:
             if seq.return_hidden_states
         }
         return StepResult(self.model.compute_logits(hidden), wanted)
+
+
+def _layer_rows(
+    added: list[tuple[int, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's ``layer_rows`` (token indices ``[N]``, rows ``[k, N, hidden]``) of
+    per-item (first token, ``[k_i, n_i, hidden]``); an item with fewer layers adds zeros."""
+    k = max(len(rows) for _, rows in added)
+    at = torch.cat([torch.arange(first, first + rows.shape[1]) for first, rows in added])
+    padded = [torch.cat([r, r.new_zeros(k - len(r), *r.shape[1:])]) for _, r in added]
+    return at.to(device), torch.cat(padded, dim=1)
 
 
 def _joined(positions: list[torch.Tensor]) -> torch.Tensor:
