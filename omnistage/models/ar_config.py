@@ -65,6 +65,12 @@ class ARModelConfig:
     # Input embeddings of another width, projected to hidden_size (a stage fed by another's).
     embedding_size: int | None = None
     suppress_token_ids: tuple[int, ...] = ()  # never sampled
+    # Codes per step: a model with several codebooks samples the first from its logits and
+    # predicts the others (``predict_frame``); its stage emits each step's whole frame.
+    code_groups: int = 1
+    # The width of the input embeddings a request gives when the model projects them itself
+    # (``project_embeds``); None: ``embedding_size``.
+    inputs_embeds_size: int | None = None
     emits_text: bool = True  # False: the tokens are codes, not text (no detokenizing)
     # Mixture of experts: layer ``i`` runs experts when ``num_experts`` and
     # ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in ``mlp_only_layers``.

@@ -384,6 +384,11 @@ class CausalLM(nn.Module):
         """Token embeddings ``[T, embedding_size]`` (what ``inputs_embeds`` are made of)."""
         return self.model.embed_tokens(input_ids)
 
+    def project_embeds(self, rows: torch.Tensor) -> torch.Tensor:
+        """A request's input embeddings in the width of the token embeddings (the identity
+        here; a family whose requests bring another form projects them)."""
+        return rows
+
     def forward(
         self,
         input_ids: torch.Tensor | None,

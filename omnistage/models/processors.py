@@ -32,6 +32,10 @@ class Wants:
     # With ``hidden_states_with_embeddings``: the embeddings added at multimodal placeholders
     # are zero, not the encoders' output (only the text's embeddings are added).
     text_embeddings_only: bool = False
+    # The hidden states of this layer (0: the input embeddings, i: after decoder layer i)
+    # instead of the final ones; with ``hidden_states_with_embeddings`` each row is then
+    # ``[input embedding | layer output]`` (side by side, not added).
+    hidden_layer: int | None = None
 
 
 @dataclass

@@ -65,6 +65,10 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
 
             ensure_preset(config.preset, config.model)
         self.model_config = ARModelConfig.from_pretrained(config.model, config.model_stage)
+        if self.model_config.code_groups > 1 and config.tensor_parallel_size > 1:
+            raise ConfigError(
+                "tensor_parallel_size: a model with several codebooks per step runs on one rank"
+            )
         config = resolve_ar_stage(config, self.model_config)  # dtype, max_model_len
         self.max_model_len = resolved_max_model_len(config)
         self.tokenizer = Tokenizer.from_pretrained(config.model)
@@ -132,7 +136,9 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
 
     @property
     def embedding_size(self) -> int:
-        return self.model_config.embedding_size or self.model_config.hidden_size
+        """The width of the input embeddings a request may give."""
+        c = self.model_config
+        return c.inputs_embeds_size or c.embedding_size or c.hidden_size
 
     # -- requests -----------------------------------------------------------------------
 
@@ -220,6 +226,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                     self._fail(seq, error)
             return
         drawn = {b: i for i, b in enumerate(drawing)}
+        framed: list[tuple[int, Sequence, StageOutput]] = []  # go on to a multi-code frame
         for b, seq in enumerate(batch):
             row = b if rows is None else rows[b]
             if seq.replay:  # the token it generated the first time; nothing to emit again
@@ -250,13 +257,41 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                     self.decode_token,
                 )
             self.num_generated_tokens += 1
-            self._queued_outputs.append(
-                append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
-            )
+            output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
+            self._queued_outputs.append(output)
             self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
                 self.requests.forget(seq)
+            elif result.last_hidden is not None:
+                framed.append((row, seq, output))
+        if framed:
+            self._predict_frames(result.last_hidden, framed)
+
+    def _predict_frames(
+        self, last_hidden: torch.Tensor | None, framed: list[tuple[int, Sequence, StageOutput]]
+    ) -> None:
+        """A multi-codebook model's other codes of this step's frames: each output then
+        carries its step's whole frame (the sampled code first). A sequence whose step ended
+        it gets none (its last code starts no frame)."""
+        assert last_hidden is not None
+        seqs = [seq for _, seq, _ in framed]
+        try:
+            codes = self.worker.predict_frames(
+                last_hidden[[row for row, _, _ in framed]],
+                [seq.last_token_id for seq in seqs],
+                seqs,
+                [seq.generator or self.sampler.generator for seq in seqs],
+            )
+        except Exception as exc:
+            if is_process_fault(exc):
+                raise
+            logger.exception("stage %d: predicting %d frames failed", self.stage_id, len(seqs))
+            for seq in seqs:
+                self._fail(seq, StageInternalError(f"{type(exc).__name__}: {exc}"))
+            return
+        for (_, _, output), rest in zip(framed, codes, strict=True):
+            output.new_token_ids.extend(rest)
 
     def _with_forks(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
         """After a prefill: the samples waiting on it fork (sharing its prompt's k/v) and

@@ -39,6 +39,8 @@ class StepResult:
     logits: torch.Tensor
     hidden_states: dict[int, torch.Tensor]  # index into the scheduled list -> [rows, hidden]
     prompt_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Each sequence's last final hidden state, for a multi-codebook model's frame prediction.
+    last_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -62,6 +64,7 @@ class ModelRunner:
         self.attention = select_backend(self.device, config.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
         self.encoder_cache = EncoderCache(config.encoder_cache_mb << 20)
+        self._layer_out: torch.Tensor | None = None  # a kept layer's output (``run``)
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
         if load_weights:  # not for a restart asleep at level 2: released at once, unread
             self.load_weights(Path(config.model), strict=True)
@@ -136,24 +139,29 @@ class ModelRunner:
 
     def _inputs_embeds(self, seq: Sequence, start: int, token_embeds: torch.Tensor) -> torch.Tensor:
         """The model inputs of ``seq``'s positions ``start, start + 1, ...`` (one per row of
-        ``token_embeds``, their tokens' embeddings): its prompt embeddings, plus the tokens'
-        own from ``token_embeds_from`` on; after the prompt, the tokens' plus the decode
-        embedding of that step (the last row repeating)."""
+        ``token_embeds``, their tokens' embeddings): its prompt embeddings (projected by the
+        model), plus the tokens' own from ``token_embeds_from`` on; after the prompt, the
+        tokens' (or their whole frame's, ``frame_embeds``) plus the decode embedding of that
+        step (the last row repeating)."""
         out = token_embeds.clone()
         end = start + len(out)
         prompt_len = seq.num_prompt_tokens
         if seq.prompt_embeds is not None and start < prompt_len:
             stop = min(end, prompt_len)
-            own = seq.prompt_embeds[start:stop]
+            own = self.model.project_embeds(seq.prompt_embeds[start:stop])
             keep_from = seq.token_embeds_from if seq.token_embeds_from is not None else stop
             token_part = torch.arange(start, stop, device=out.device) >= keep_from
             rows = out[: stop - start]
             out[: stop - start] = own + rows * token_part.unsqueeze(1).to(rows.dtype)
-        if seq.decode_embeds is not None and end > prompt_len:
-            first = max(start, prompt_len)
-            steps = torch.arange(first - prompt_len, end - prompt_len, device=out.device)
+        if end <= prompt_len:
+            return out
+        first = max(start, prompt_len)
+        steps = torch.arange(first - prompt_len, end - prompt_len, device=out.device)
+        if seq.frame_embeds:
+            out[first - start :] = torch.stack([seq.frame_embeds[t] for t in steps.tolist()])
+        if seq.decode_embeds is not None:
             steps = steps.clamp(max=len(seq.decode_embeds) - 1)
-            out[first - start :] += seq.decode_embeds[steps]
+            out[first - start :] += self.model.project_embeds(seq.decode_embeds[steps])
         return out
 
     def _positions(self, seq: Sequence, start: int) -> torch.Tensor:
@@ -188,11 +196,13 @@ class ModelRunner:
             rows[lo - start : hi - start] = encoded[lo - item.offset : hi - item.offset]
         return layer_rows
 
-    @staticmethod
     def _hidden_rows(
-        seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
+        self, seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
     ) -> torch.Tensor:
         rows = hidden[start:end]
+        if seq.hidden_layer is not None:  # that layer's output, the embedding beside it
+            assert self._layer_out is not None
+            rows = self._layer_out[start:end]
         if not seq.hidden_states_with_embeddings or embeds is None:
             return rows.clone()
         added = embeds[start:end]
@@ -204,11 +214,27 @@ class ModelRunner:
                 hi = min(item.offset + item.length - first, end - start)
                 if lo < hi:
                     added[lo:hi] = 0
+        if seq.hidden_layer is not None:
+            return torch.cat([added, rows], dim=-1)
         return rows + added
 
     @torch.no_grad()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
-        return self._prefill(seqs) if is_prefill else self._decode(seqs)
+        layer = next((s.hidden_layer for s in seqs if s.hidden_layer is not None), None)
+        if layer is None:
+            return self._prefill(seqs) if is_prefill else self._decode(seqs)
+        if not 1 <= layer <= len(self.model.model.layers):
+            raise ValueError(f"hidden_layer {layer} is not a decoder layer of this model")
+        # One layer's output besides the final one: a hook keeps it for ``_hidden_rows``.
+        kept = self.model.model.layers[layer - 1].register_forward_hook(self._keep_layer)
+        try:
+            return self._prefill(seqs) if is_prefill else self._decode(seqs)
+        finally:
+            kept.remove()
+            self._layer_out = None
+
+    def _keep_layer(self, module: object, args: object, output: torch.Tensor) -> None:
+        self._layer_out = output
 
     def _prefill(self, seqs: list[Sequence]) -> StepResult:
         """Compute each sequence's tokens from ``num_cached_tokens`` on (the ones before came
@@ -261,7 +287,9 @@ class ModelRunner:
             for i, seq in enumerate(seqs)
             if seq.params.prompt_logprobs is not None and seq.prompt_logprobs is None
         }
-        return StepResult(self.model.compute_logits(last_rows), wanted, prompt_logits)
+        return StepResult(
+            self.model.compute_logits(last_rows), wanted, prompt_logits, self._framed(last_rows)
+        )
 
     def _decode(self, seqs: list[Sequence]) -> StepResult:
         input_ids = self._tensor([seq.last_token_id for seq in seqs])
@@ -293,7 +321,29 @@ class ModelRunner:
             for i, seq in enumerate(seqs)
             if seq.return_hidden_states
         }
-        return StepResult(self.model.compute_logits(hidden), wanted)
+        return StepResult(self.model.compute_logits(hidden), wanted, {}, self._framed(hidden))
+
+    def _framed(self, last_rows: torch.Tensor) -> torch.Tensor | None:
+        return last_rows if self.model_config.code_groups > 1 else None
+
+    @torch.no_grad()
+    def predict_frames(
+        self,
+        last_hidden: torch.Tensor,
+        token_ids: list[int],
+        seqs: list[Sequence],
+        generators: list[torch.Generator],
+    ) -> list[list[int]]:
+        """A multi-codebook model's step, after its first codes (``token_ids``) were sampled:
+        each sequence's other codes, predicted by the model from its last hidden state
+        (greedy for a greedy request, else drawn from ``generators``); the whole frame's
+        input embedding goes to ``seq.frame_embeds`` for the next step."""
+        codes, embeds = self.model.predict_frame(  # type: ignore[operator]
+            last_hidden, self._tensor(token_ids), [s.params for s in seqs], generators
+        )
+        for seq, row in zip(seqs, embeds, strict=True):
+            seq.frame_embeds.append(row)
+        return [list(map(int, c)) for c in codes.tolist()]
 
 
 def _layer_rows(

@@ -84,6 +84,7 @@ class ARRequestPreparer:
             return_hidden_states=wants.hidden_states,
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
             text_embeddings_only=wants.text_embeddings_only,
+            hidden_layer=wants.hidden_layer,
             embed_token_ids=list(wants.embed_token_ids) or None,
         )
 
@@ -183,6 +184,7 @@ class ARRequestPreparer:
             prompt=text if isinstance(text, str) else None,
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
             text_embeddings_only=wants.text_embeddings_only,
+            hidden_layer=wants.hidden_layer,
             embed_token_ids=list(wants.embed_token_ids) or None,
             prompt_embeds=embeds.get("prompt_embeds"),
             token_embeds_from=prompt.get("token_embeds_from"),

@@ -41,6 +41,7 @@ class SeqView(msgspec.Struct):
     positions: torch.Tensor | None = None
     position_delta: int = 0
     text_embeddings_only: bool = False
+    hidden_layer: int | None = None
 
     @property
     def params(self) -> Any:
@@ -75,6 +76,7 @@ class SeqView(msgspec.Struct):
             positions=seq.positions if is_prefill else None,
             position_delta=seq.position_delta,
             text_embeddings_only=seq.text_embeddings_only,
+            hidden_layer=seq.hidden_layer,
             wants_prompt_logits=is_prefill
             and seq.params.prompt_logprobs is not None
             and seq.prompt_logprobs is None,

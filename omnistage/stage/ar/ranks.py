@@ -311,6 +311,9 @@ class TensorParallelWorker:
         self.ranks.send(RankStep([SeqView.of(s, is_prefill) for s in seqs], is_prefill))
         return self.local.execute(seqs, is_prefill)
 
+    def predict_frames(self, *args: Any) -> list[list[int]]:
+        raise NotImplementedError("a model with several codebooks per step runs on one rank")
+
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         self._check_alive()
         self.ranks.send(RankEmbed(list(token_ids)))

@@ -41,6 +41,7 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.positions,
         request.position_delta,
         request.text_embeddings_only,
+        request.hidden_layer,
     )
 
 

@@ -39,6 +39,7 @@ class ARRequest:
     positions: torch.Tensor | None = None  # [3, prompt tokens]: multimodal rotary positions
     position_delta: int = 0  # generated token i sits at i + position_delta
     text_embeddings_only: bool = False  # hidden states add no encoder output
+    hidden_layer: int | None = None  # hand over this layer's hidden states (see ``Wants``)
 
 
 class SequenceStatus(Enum):
@@ -65,6 +66,7 @@ class Sequence:
         self.return_hidden_states = request.return_hidden_states
         self.hidden_states_with_embeddings = request.hidden_states_with_embeddings
         self.text_embeddings_only = request.text_embeddings_only
+        self.hidden_layer = request.hidden_layer
         self.embed_token_ids = request.embed_token_ids
         self.prompt_embeds = request.prompt_embeds
         self.token_embeds_from = request.token_embeds_from
@@ -83,6 +85,9 @@ class Sequence:
         self.detokenizer = detokenizer
         self.generator = generator  # None: the engine's shared generator
         self.hidden_states: list[torch.Tensor] = []
+        # Per generated token of a multi-codebook model: its other codes and their embedding,
+        # which the token's next step adds to its own (``ModelRunner.predict_frames``).
+        self.frame_embeds: list[torch.Tensor] = []
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # when asked for
         self.has_output = False  # prompt logprobs go out once, with the first output
         self.output_text = ""
@@ -137,7 +142,11 @@ class Sequence:
     @property
     def has_input_embeds(self) -> bool:
         """Whether its model inputs are not (only) its tokens' embeddings."""
-        return self.prompt_embeds is not None or self.decode_embeds is not None
+        return (
+            self.prompt_embeds is not None
+            or self.decode_embeds is not None
+            or bool(self.frame_embeds)
+        )
 
     @property
     def key(self) -> tuple[str, int]:

@@ -61,6 +61,7 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     prompt: str | None = None
     hidden_states_with_embeddings: bool = False
     text_embeddings_only: bool = False  # ... but zeros at multimodal placeholders
+    hidden_layer: int | None = None  # that layer's hidden states (see ``Wants``)
     embed_token_ids: list[int] | None = None
     prompt_embeds: torch.Tensor | None = None
     token_embeds_from: int | None = None  # prompt positions from here add their tokens' too

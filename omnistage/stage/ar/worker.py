@@ -69,6 +69,15 @@ class ARWorker(ArenaWorker):
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
         return self.runner.embed_tokens(token_ids)
 
+    def predict_frames(
+        self,
+        last_hidden: torch.Tensor,
+        token_ids: list[int],
+        seqs: list[Sequence],
+        generators: list[torch.Generator],
+    ) -> list[list[int]]:
+        return self.runner.predict_frames(last_hidden, token_ids, seqs, generators)
+
     def copy_kv_block(self, src: int, dst: int) -> None:
         self.runner.copy_kv_block(src, dst)
 
