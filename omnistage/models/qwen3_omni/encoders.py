@@ -1,0 +1,153 @@
+"""The thinker's audio and vision encoders: transformers' own ``Qwen3OmniMoeAudioEncoder`` and
+``Qwen3OmniMoeVisionEncoder`` (sdpa attention), each wrapped to turn one multimodal item's
+data (``inputs``) into the embeddings of its placeholders, as the thinker's
+``get_audio_features`` / ``get_image_features`` compute them and its forward merges them.
+
+The audio encoder splits an audio's mel frames into chunks of ``2 * n_window`` frames, each
+downsampled 8x by three stride-2 convolutions, and attends within windows of
+``n_window_infer`` frames' worth of outputs; all of that is transformers' own code, run on one
+audio at a time (as the thinker runs it for a prompt of one audio: with several, transformers
+sizes the windows by the longest chunk of the batch, which here is the item's own).
+
+The vision encoder's output is ``[1 + k, length, hidden]``: the placeholders' embeddings, then
+its DeepStack features (one per ``deepstack_visual_indexes`` layer, through its
+``merger_list``), which the decoder adds to its hidden states at the placeholders' positions
+after its layers ``0 .. k - 1`` (the model runner's encoder step: an encoder output with a
+leading dimension carries rows added after the first layers), as transformers'
+``_deepstack_process`` does.
+
+They sit in the thinker decoder's ``encoders`` (``thinker_encoders``): ``audio`` and ``image``
+own the audio tower and the vision encoder (``encoders.audio.audio_tower.*``,
+``encoders.image.visual.*``: the checkpoint's ``thinker.audio_tower.*`` and
+``thinker.visual.*``). Parameters are built on ``meta`` (the stage adopts and loads them);
+derived buffers (the sinusoid table, the vision rotary frequencies) are computed for real on
+the CPU and follow the weights to their device on first use. They hold no tensor-parallel
+layers: every rank runs them whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.errors import InvalidRequestError
+from omnistage.models.meta import parameters_on_meta
+
+ATTENTION = "sdpa"
+
+
+def _follow_weights(module: nn.Module) -> None:
+    """Put ``module``'s non-persistent buffers on its weights' device (the arena holds only
+    weights; derived buffers are built on the CPU)."""
+    device = next(module.parameters()).device
+    for sub in module.modules():
+        for name in getattr(sub, "_non_persistent_buffers_set", set()):
+            buf = sub._buffers.get(name)
+            if buf is not None and buf.device != device:
+                sub._buffers[name] = buf.to(device)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"multi_modal.data.{name}", message)
+
+
+def audio_output_length(frames: int, n_window: int) -> int:
+    """Encoder outputs (placeholder tokens) of ``frames`` mel frames: per whole chunk of
+    ``2 * n_window`` frames 13, and the rest's three stride-2 convolutions (transformers'
+    ``_get_feat_extract_output_lengths``)."""
+    chunk = 2 * n_window
+    rest = (frames % chunk - 1) // 2 + 1
+    return ((rest - 1) // 2 + 1 - 1) // 2 + 1 + (frames // chunk) * 13
+
+
+class AudioEncoder(nn.Module):
+    """``audio`` items: ``input_features`` ``[mel, frames]`` (the unpadded frames)."""
+
+    def __init__(self, audio_tower: nn.Module) -> None:
+        super().__init__()
+        self.audio_tower = audio_tower
+
+    def forward(self, input_features: torch.Tensor) -> torch.Tensor:
+        tower: Any = self.audio_tower
+        mel = tower.config.num_mel_bins
+        _check(
+            input_features.dim() == 2
+            and input_features.shape[0] == mel
+            and input_features.shape[1] >= 1,
+            "input_features",
+            f"must be [{mel}, frames >= 1]",
+        )
+        _follow_weights(tower)
+        lengths = torch.tensor([input_features.shape[1]], device=input_features.device)
+        embeds: torch.Tensor = tower(input_features, feature_lens=lengths).last_hidden_state
+        return embeds
+
+
+def vision_features(visual: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``[1 + k, patches / merge^2, hidden]``: one image's (or video's) embeddings and its k
+    DeepStack features, from its patches and grid ``[1, 3]``."""
+    grid = grid.reshape(-1, 3)
+    _check(len(grid) == 1, "grid_thw", "must be one [t, h, w]")
+    t, h, w = (int(v) for v in grid[0])
+    merge = int(visual.config.spatial_merge_size)
+    _check(
+        min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0,
+        "grid_thw",
+        f"must be positive, h and w multiples of {merge}",
+    )
+    config = visual.config
+    patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    _check(
+        pixels.dim() == 2 and tuple(pixels.shape) == (t * h * w, patch),
+        "pixel_values",
+        f"must be [{t * h * w}, {patch}] for grid {[t, h, w]}",
+    )
+    _follow_weights(visual)
+    weight = next(visual.parameters())
+    out = visual(pixels.type(weight.dtype), grid_thw=grid)
+    return torch.stack([out.pooler_output, *out.deepstack_features])
+
+
+class ImageEncoder(nn.Module):
+    """``image`` items: ``pixel_values`` ``[patches, C * T * P * P]``, ``image_grid_thw``;
+    the output carries the DeepStack features after the embeddings (``[1 + k, n, hidden]``)."""
+
+    def __init__(self, visual: nn.Module) -> None:
+        super().__init__()
+        self.visual = visual
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        features = vision_features(self.visual, pixel_values, image_grid_thw)
+        return features if len(features) > 1 else features[0]
+
+
+def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
+    """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
+    (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoderConfig,
+        Qwen3OmniMoeVisionEncoderConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeAudioEncoder,
+        Qwen3OmniMoeVisionEncoder,
+    )
+
+    audio_config = Qwen3OmniMoeAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
+    vision_config = Qwen3OmniMoeVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
+    for config in (audio_config, vision_config):
+        config._attn_implementation = ATTENTION
+    with parameters_on_meta():
+        audio_tower = Qwen3OmniMoeAudioEncoder(audio_config)
+        visual = Qwen3OmniMoeVisionEncoder(vision_config)
+    for module in (audio_tower, visual):
+        module.eval()
+        for sub in module.modules():
+            for name, param in sub._parameters.items():
+                if param is not None and param.dtype != dtype:
+                    sub._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+    return {"audio": AudioEncoder(audio_tower), "image": ImageEncoder(visual)}
