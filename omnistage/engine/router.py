@@ -234,7 +234,10 @@ class RequestRouter:
         """One stage's outputs, or two stages' joined by a streamed edge (``streamed.py``),
         as ``(stage_id, output, ends_that_stage)``."""
         first = group[0]
-        upstream = Upstream(pending[0][1], self._processor_name(first)) if pending else None
+        upstream = None
+        if pending:
+            params = {name: dict(value) for name, value in options.params.items()}
+            upstream = Upstream(pending[0][1], self._processor_name(first), params)
         kwargs: dict[str, Any] = {
             "stage_id": first,
             "request_id": request_id,

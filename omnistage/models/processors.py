@@ -49,6 +49,8 @@ class UpstreamResult:
     num_prompt_tokens: int = 0
     positions: torch.Tensor | None = None  # its prompt's multimodal rotary positions [3, L]
     position_delta: int = 0  # its generated token i sat at i + position_delta
+    prompt_token_ids: list[int] = field(default_factory=list)  # with its hidden states
+    params: RequestParams = field(default_factory=dict)  # the request's parameters
 
 
 class TokenStream(Protocol):

@@ -50,6 +50,12 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         ("qwen2_5_omni",),
     ),
     FamilyEntry(
+        "qwen3_omni",
+        "omnistage.models.qwen3_omni",
+        ("Qwen3OmniMoeForConditionalGeneration",),
+        ("qwen3_omni_moe",),
+    ),
+    FamilyEntry(
         "pixart",
         "omnistage.models.diffusion.pixart",
         pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),
@@ -71,6 +77,8 @@ PROCESSORS: dict[str, str] = {
     "text_to_image_prompt": "omnistage.models.processors:TEXT_TO_PROMPT",
     "thinker_to_talker": "omnistage.models.qwen2_5_omni.processors:THINKER_TO_TALKER",
     "talker_to_code2wav": "omnistage.models.qwen2_5_omni.processors:TALKER_TO_CODE2WAV",
+    "qwen3_thinker_to_talker": "omnistage.models.qwen3_omni.processors:THINKER_TO_TALKER",
+    "qwen3_talker_to_code2wav": "omnistage.models.qwen3_omni.processors:TALKER_TO_CODE2WAV",
 }
 
 

@@ -222,6 +222,7 @@ class Handoffs:
             num_prompt_tokens=out.num_prompt_tokens,
             positions=extra.get("positions"),
             position_delta=int(extra.get("position_delta", 0)),
+            prompt_token_ids=list(extra.get("prompt_token_ids", [])),
         )
         ref = self.transport.put(payload)
         self._left[out.request_id] = ref
@@ -252,6 +253,8 @@ class Handoffs:
                 num_prompt_tokens=payload.num_prompt_tokens,
                 positions=payload.positions,
                 position_delta=payload.position_delta,
+                prompt_token_ids=list(payload.prompt_token_ids),
+                params=upstream.params,
             ),
             self.folder,
         )

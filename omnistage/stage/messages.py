@@ -70,6 +70,7 @@ class Handoff(msgspec.Struct):
     num_prompt_tokens: int = 0
     positions: torch.Tensor | None = None  # the prompt's multimodal rotary positions
     position_delta: int = 0
+    prompt_token_ids: list[int] = []  # with hidden states: the prompt they are of
 
 
 class Upstream(msgspec.Struct, frozen=True):
@@ -77,6 +78,7 @@ class Upstream(msgspec.Struct, frozen=True):
 
     ref: HandoffRef
     processor: str
+    params: dict[str, dict[str, Any]] = {}  # the request's parameters, for the processor
 
 
 # -- API process -> stage ------------------------------------------------------------------

@@ -82,6 +82,7 @@ def final_handoff(seq: Sequence) -> dict[str, Any] | None:
     payload: dict[str, Any] = {}
     if seq.return_hidden_states and seq.hidden_states:
         payload["hidden_states"] = torch.cat(seq.hidden_states).cpu()
+        payload["prompt_token_ids"] = seq.token_ids[: seq.num_prompt_tokens]
         if seq.positions is not None:  # the next stage continues the prompt's positions
             payload["positions"] = seq.positions.cpu()
             payload["position_delta"] = seq.position_delta
