@@ -3,7 +3,7 @@ through omnistage's loader into an arena) against transformers' ``get_audio_feat
 ``get_image_features`` (DeepStack features included), and the whole thinker — our decoder,
 encoders and prompt processor — against transformers' ``thinker.generate`` on transformers'
 processor output: the same prompt, the same first logits, the same greedy ids, for a text, an
-audio, an image and a mixed prompt."""
+audio, an image and a mixed prompt; and the same logits on two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ from tests.unit.models.qwen3_omni.thinker_helpers import (
     messages_of,
     our_thinker,
     prompt_inputs,
+    prompt_logits,
     tiny_folder,
+    tp2_logits,
 )
 
 STEPS = 6
@@ -155,3 +157,16 @@ def test_bad_image_data_is_refused(ours):
     with pytest.raises(InvalidRequestError) as err:
         ours.encoders["audio"](torch.zeros(80, 10))
     assert err.value.field == "multi_modal.data.input_features"
+
+
+def test_two_tensor_parallel_ranks_compute_one_ranks_logits(folder, ours, processor):
+    """Attention split by heads, every expert over its features, the encoders whole on each
+    rank and the DeepStack rows added on each: two gloo ranks (spawned) loading their slices
+    compute the logits of one, for an image and an audio prompt."""
+    tokenizer = Tokenizer.from_pretrained(folder)
+    prompts = [
+        processor.process(tokenizer.encode_chat(messages_of(case)), media_of(case), {})
+        for case in ("image", "audio")
+    ]
+    for theirs, mine in zip(tp2_logits(folder, prompts), prompt_logits(ours, prompts), strict=True):
+        torch.testing.assert_close(theirs, mine, rtol=0, atol=1e-5)

@@ -176,3 +176,52 @@ def greedy(model, prompt: ProcessedPrompt, steps: int) -> tuple[list[int], torch
         ids.append(int(logits.argmax()))
     assert first is not None
     return ids, first
+
+
+@torch.no_grad()
+def prompt_logits(model, prompts: list[ProcessedPrompt]) -> list[torch.Tensor]:
+    """Every prompt position's logits, each prompt a prefill of its own."""
+    out = []
+    for prompt in prompts:
+        embeds, rows = prompt_inputs(model, prompt)
+        hidden = model(None, prompt.positions, inputs_embeds=embeds, layer_rows=rows)
+        out.append(model.compute_logits(hidden))
+    return out
+
+
+def tp_rank_main(folder: str, prompts: list, store: str, rank: int, queue) -> None:
+    """One of two tensor-parallel ranks (a spawned process): its prompts' logits, as arrays
+    (a tensor on a queue is a handle to shared memory that dies with the rank)."""
+    from omnistage.models.tensor_parallel import join_group
+
+    torch.set_num_threads(1)
+    try:
+        tp = join_group(store, rank, 2, torch.device("cpu"))
+        logits = prompt_logits(our_thinker(Path(folder), tp=tp), prompts)
+        queue.put((rank, [t.numpy() for t in logits]))
+    except BaseException as exc:  # reported to the test
+        queue.put((rank, repr(exc)))
+
+
+def tp2_logits(folder: Path, prompts: list[ProcessedPrompt]) -> list[torch.Tensor]:
+    """The prompts' logits on two gloo ranks (both must end with the same, gathered)."""
+    import multiprocessing
+    import tempfile
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    store = tempfile.mktemp(prefix="omnistage-tp-test-")
+    procs = [
+        ctx.Process(target=tp_rank_main, args=(str(folder), prompts, store, r, queue))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(30)
+    for rank, got in results.items():
+        assert not isinstance(got, str), f"rank {rank}: {got}"
+    for a, b in zip(results[0], results[1], strict=True):
+        assert np.array_equal(a, b)
+    return [torch.from_numpy(a) for a in results[0]]
