@@ -1,0 +1,167 @@
+"""Qwen3-Omni's talker as our AR stage runs it — its prompt built from what the thinker stage
+hands over (``processors.thinker_to_talker``), each step a frame of codes (the first sampled,
+the others from the code predictor) — against transformers' own
+``Qwen3OmniMoeForConditionalGeneration.generate`` on the tiny checkpoint: the thinker's ids
+and every codebook of every frame are the same, greedily; also after the talker slept (level 1
+and 2) and woke. A seeded sampled request gives the same frames twice."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from omnistage.config import StageConfig
+from omnistage.models.processors import UpstreamResult
+from omnistage.models.qwen3_omni import processors
+from omnistage.stage.ar.engine import ARStageEngine
+from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest
+from tests.unit.models.qwen3_omni.thinker_helpers import tiny_folder
+
+PROMPT = "Hello there, tell me"
+THINKER_TOKENS, TALKER_TOKENS = 8, 12
+
+
+@functools.cache
+def reference() -> tuple[list[int], list[int], list[list[int]]]:
+    """transformers' greedy generate: prompt ids, the thinker's new ids, the talker's frames."""
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    folder = tiny_folder()
+    tok = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": PROMPT}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    captured = {}
+    talker_generate = model.talker.generate
+
+    def generate(*args, **kwargs):
+        captured["result"] = result = talker_generate(*args, **kwargs)
+        return result
+
+    model.talker.generate = generate
+    sequences, _ = model.eval().generate(
+        ids,
+        speaker="Ethan",
+        thinker_do_sample=False,
+        talker_do_sample=False,
+        thinker_max_new_tokens=THINKER_TOKENS,
+        talker_max_new_tokens=TALKER_TOKENS,
+        thinker_eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    steps = [h[-1] for h in captured["result"].hidden_states if h[-1] is not None]
+    frames = torch.stack(steps, dim=1)[0].tolist()  # residual codes hold the whole frame
+    return ids[0].tolist(), sequences[0, ids.shape[1] :].tolist(), frames
+
+
+@pytest.fixture(scope="module")
+def stages():
+    folder = str(tiny_folder())
+    make = functools.partial(
+        StageConfig,
+        kind="ar",
+        model=folder,
+        kv_cache_bytes=4 << 20,
+        max_model_len=512,
+        enable_sleep_mode=True,
+    )
+    thinker = ARStageEngine(make(stage_id=0, model_stage="thinker"), seed=0)
+    talker = ARStageEngine(make(stage_id=1, model_stage="talker"), seed=0)
+    yield folder, thinker, talker
+    thinker.shutdown()
+    talker.shutdown()
+
+
+def run(engine: ARStageEngine, request: ARRequest) -> tuple[list[int], dict]:
+    engine.add_request(request)
+    ids: list[int] = []
+    while True:
+        for out in engine.step():
+            ids += out.new_token_ids
+            if out.finished:
+                assert out.error is None, out.error
+                return ids, out.handoff or {}
+
+
+def talker_frames(stages, prompt_ids: list[int], talker_params: SamplingParams, seed: int = 0):
+    folder, thinker, talker = stages
+    omni, tokens = processors.checkpoint_tokens(folder)
+    params = {"audio_params": {"voice": "Ethan"}}
+    wants = processors.talker_wants(folder, params)
+    new_ids, handoff = run(
+        thinker,
+        ARRequest(
+            "thinker",
+            prompt_ids,
+            SamplingParams(
+                temperature=0.0, max_tokens=THINKER_TOKENS, stop_token_ids=[omni.im_end]
+            ),
+            return_hidden_states=True,
+            hidden_states_with_embeddings=True,
+            text_embeddings_only=True,
+            embed_token_ids=list(wants.embed_token_ids),
+            hidden_layer=wants.hidden_layer,
+        ),
+    )
+    upstream = UpstreamResult(
+        token_ids=new_ids,
+        hidden_states=handoff["hidden_states"],
+        token_embeddings=handoff["token_embeddings"],
+        num_prompt_tokens=len(prompt_ids),
+        prompt_token_ids=handoff["prompt_token_ids"],
+        params=params,
+    )
+    fields = processors.thinker_to_talker(upstream, folder)
+    codes, _ = run(
+        talker,
+        ARRequest(
+            f"talker-{seed}",
+            fields["prompt_token_ids"],
+            talker_params,
+            prompt_embeds=fields["prompt_embeds"],
+            token_embeds_from=fields["token_embeds_from"],
+            decode_embeds=fields["decode_embeds"],
+        ),
+    )
+    flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
+    g = tokens.groups
+    return new_ids, [flat[i : i + g] for i in range(0, len(flat), g)]
+
+
+def greedy() -> SamplingParams:
+    _, tokens = processors.checkpoint_tokens(str(tiny_folder()))
+    return SamplingParams(
+        temperature=0.0,
+        max_tokens=TALKER_TOKENS,
+        repetition_penalty=1.05,
+        stop_token_ids=[tokens.eos],
+    )
+
+
+def test_thinker_ids_and_every_codebook_equal_transformers(stages):
+    prompt_ids, thinker_ids, frames = reference()
+    ours_ids, ours_frames = talker_frames(stages, prompt_ids, greedy())
+    assert ours_ids == thinker_ids
+    assert ours_frames == frames
+    assert len(frames) == TALKER_TOKENS - 1  # the step that ended on its length has no frame
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_talker_speaks_the_same_after_sleeping(stages, level):
+    _, _, talker = stages
+    prompt_ids, _, frames = reference()
+    talker.sleep(level)
+    talker.wake_up()
+    talker.resume()
+    assert talker_frames(stages, prompt_ids, greedy())[1] == frames
+
+
+def test_a_seeded_sampled_request_repeats_itself(stages):
+    prompt_ids, _, _ = reference()
+    sampled = SamplingParams(temperature=0.9, top_k=50, max_tokens=6, seed=3)
+    first = talker_frames(stages, prompt_ids, sampled, seed=1)[1]
+    assert talker_frames(stages, prompt_ids, sampled, seed=2)[1] == first
+    assert len(first) == 5
