@@ -28,19 +28,10 @@ PRESET = "tiny-qwen3-omni"
 
 @functools.cache
 def tiny_folder() -> Path:
-    """The ``tiny-qwen3-omni`` preset, built once into the test cache."""
-    from omnistage.models import tiny
+    """The ``tiny-qwen3-omni`` preset, built once per clone into the test cache."""
+    from omnistage.models.tiny import ensure_preset
 
-    out = Path(os.environ["OMNISTAGE_CACHE_DIR"]) / PRESET
-    if PRESET in tiny.PRESETS:
-        return tiny.ensure_preset(PRESET, out)
-    from omnistage.models.qwen3_omni.tiny import build  # until the preset is registered
-
-    marker = out / ".thinker-tests-built"
-    if not marker.exists():
-        build(out)
-        marker.write_text("")
-    return out
+    return ensure_preset(PRESET, Path(os.environ["OMNISTAGE_CACHE_DIR"]) / PRESET)
 
 
 def our_thinker(folder: Path, dtype: torch.dtype = torch.float32, tp: TPGroup = SINGLE):
