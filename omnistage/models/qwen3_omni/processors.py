@@ -127,12 +127,38 @@ def thinker_to_talker(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     # positions without a codec embedding take the codec pad: a suppressed id, which the
     # repetition penalty over the prompt therefore never touches
     ids = [talker.pad] * (len(user) + ASSISTANT_HEAD) + codec
-    return {
+    fields: dict[str, Any] = {
         "prompt_token_ids": ids,
         "prompt_embeds": torch.cat([user_rows, text(head)]),
         "token_embeds_from": len(user) + ASSISTANT_HEAD,
         "decode_embeds": text(decode),
     }
+    if upstream.positions is not None:  # a multimodal prompt: 3-D positions
+        positions = talker_positions(upstream.positions, user, len(head))
+        fields["positions"] = positions
+        fields["position_delta"] = int(positions.max()) + 1 - positions.shape[1]
+    return fields
+
+
+def talker_positions(thinker: torch.Tensor, user: list[int], tail: int) -> torch.Tensor:
+    """The talker prompt's 3-D positions, as transformers' ``get_rope_index`` numbers its ids
+    (the user turns' tokens, then ``tail`` text positions): each run of consecutive user
+    positions keeps the thinker's positions relative to its first (a text token:
+    ``<|im_start|>``), starting one past the largest position before it."""
+    runs: list[torch.Tensor] = []
+    following = 0
+    i = 0
+    while i < len(user):
+        j = i
+        while j + 1 < len(user) and user[j + 1] == user[j] + 1:
+            j += 1
+        run = thinker[:, user[i] : user[j] + 1]
+        run = run - run[:, :1] + following
+        runs.append(run)
+        following = int(run.max()) + 1
+        i = j + 1
+    runs.append(torch.arange(following, following + tail, dtype=torch.long).expand(3, -1))
+    return torch.cat(runs, dim=1)
 
 
 def _frames(codes: list[int], groups: int, end: int) -> tuple[list[int], bool]:

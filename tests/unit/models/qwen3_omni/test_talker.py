@@ -18,23 +18,44 @@ from omnistage.models.qwen3_omni import processors
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
-from tests.unit.models.qwen3_omni.thinker_helpers import tiny_folder
+from omnistage.stage.ar.wire import MultiModalItem
+from tests.unit.models.qwen3_omni.thinker_helpers import (
+    hf_inputs,
+    hf_processor,
+    media_of,
+    messages_of,
+    tiny_folder,
+)
 
 PROMPT = "Hello there, tell me"
 THINKER_TOKENS, TALKER_TOKENS = 8, 12
 
 
 @functools.cache
-def reference() -> tuple[list[int], list[int], list[list[int]]]:
+def hf_model():
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_folder(), dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def reference(case: str = "text") -> tuple[list[int], list[int], list[list[int]]]:
     """transformers' greedy generate: prompt ids, the thinker's new ids, the talker's frames."""
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+    from transformers import AutoTokenizer
 
     folder = tiny_folder()
     tok = AutoTokenizer.from_pretrained(folder)
-    messages = [{"role": "user", "content": PROMPT}]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    if case == "text":
+        messages = [{"role": "user", "content": PROMPT}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        inputs = {
+            "input_ids": tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        }
+    else:
+        inputs = hf_inputs(hf_processor(folder), case)
+    ids = inputs.pop("input_ids")
+    model = hf_model()
     captured = {}
     talker_generate = model.talker.generate
 
@@ -43,8 +64,9 @@ def reference() -> tuple[list[int], list[int], list[list[int]]]:
         return result
 
     model.talker.generate = generate
-    sequences, _ = model.eval().generate(
+    sequences, _ = model.generate(
         ids,
+        **inputs,
         speaker="Ethan",
         thinker_do_sample=False,
         talker_do_sample=False,
@@ -86,8 +108,26 @@ def run(engine: ARStageEngine, request: ARRequest) -> tuple[list[int], dict]:
                 return ids, out.handoff or {}
 
 
-def talker_frames(stages, prompt_ids: list[int], talker_params: SamplingParams, seed: int = 0):
+def talker_frames(
+    stages, prompt_ids: list[int], talker_params: SamplingParams, seed: int = 0, case: str = "text"
+):
     folder, thinker, talker = stages
+    media: dict = {}
+    if case != "text":
+        from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
+        from omnistage.models.tokenizer import Tokenizer
+
+        ids = Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
+        processed = Qwen3OmniPromptProcessor(folder).process(ids, media_of(case), {})
+        assert processed.token_ids == prompt_ids
+        media = {
+            "multi_modal": [
+                MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
+                for i in processed.items
+            ],
+            "positions": processed.positions,
+            "position_delta": processed.position_delta,
+        }
     omni, tokens = processors.checkpoint_tokens(folder)
     params = {"audio_params": {"voice": "Ethan"}}
     wants = processors.talker_wants(folder, params)
@@ -104,6 +144,7 @@ def talker_frames(stages, prompt_ids: list[int], talker_params: SamplingParams, 
             text_embeddings_only=True,
             embed_token_ids=list(wants.embed_token_ids),
             hidden_layer=wants.hidden_layer,
+            **media,
         ),
     )
     upstream = UpstreamResult(
@@ -113,6 +154,8 @@ def talker_frames(stages, prompt_ids: list[int], talker_params: SamplingParams, 
         num_prompt_tokens=len(prompt_ids),
         prompt_token_ids=handoff["prompt_token_ids"],
         params=params,
+        positions=handoff.get("positions"),
+        position_delta=handoff.get("position_delta", 0),
     )
     fields = processors.thinker_to_talker(upstream, folder)
     codes, _ = run(
@@ -124,6 +167,8 @@ def talker_frames(stages, prompt_ids: list[int], talker_params: SamplingParams, 
             prompt_embeds=fields["prompt_embeds"],
             token_embeds_from=fields["token_embeds_from"],
             decode_embeds=fields["decode_embeds"],
+            positions=fields.get("positions"),
+            position_delta=fields.get("position_delta", 0),
         ),
     )
     flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
@@ -141,9 +186,10 @@ def greedy() -> SamplingParams:
     )
 
 
-def test_thinker_ids_and_every_codebook_equal_transformers(stages):
-    prompt_ids, thinker_ids, frames = reference()
-    ours_ids, ours_frames = talker_frames(stages, prompt_ids, greedy())
+@pytest.mark.parametrize("case", ["text", "audio", "image"])
+def test_thinker_ids_and_every_codebook_equal_transformers(stages, case):
+    prompt_ids, thinker_ids, frames = reference(case)
+    ours_ids, ours_frames = talker_frames(stages, prompt_ids, greedy(), case=case)
     assert ours_ids == thinker_ids
     assert ours_frames == frames
     assert len(frames) == TALKER_TOKENS - 1  # the step that ended on its length has no frame
