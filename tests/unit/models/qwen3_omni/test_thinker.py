@@ -55,6 +55,11 @@ def processor(folder):
     return Qwen3OmniPromptProcessor(folder)
 
 
+@pytest.fixture(scope="module")
+def hf_proc(folder):
+    return hf_processor(folder)
+
+
 def test_the_thinker_config_is_the_text_decoders(folder, hf):
     raw = read_config(folder)
     config = thinker_config(raw)
@@ -126,8 +131,8 @@ def test_each_item_encodes_as_transformers_features(folder, ours, hf, processor)
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @torch.no_grad()
-def test_greedy_ids_equal_transformers_generate(case, folder, ours, hf, processor):
-    ref = hf_inputs(hf_processor(folder), case)
+def test_greedy_ids_equal_transformers_generate(case, folder, ours, hf, hf_proc, processor):
+    ref = hf_inputs(hf_proc, case)
     ids = Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
     prompt = processor.process(ids, media_of(case), {})
     assert prompt.token_ids == ref["input_ids"][0].tolist()
