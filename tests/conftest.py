@@ -22,3 +22,13 @@ def tiny_qwen_omni_folder(tmp_path_factory):
     from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
 
     return build_tiny_qwen_omni(tmp_path_factory.mktemp("tiny-qwen-omni"), DEFAULT)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_omni_folder():
+    """The ``tiny-qwen3-omni`` preset, built once per clone into the test cache."""
+    from omnistage.models.tiny import ensure_preset
+
+    return ensure_preset(
+        "tiny-qwen3-omni", Path(os.environ["OMNISTAGE_CACHE_DIR"]) / "tiny-qwen3-omni"
+    )
