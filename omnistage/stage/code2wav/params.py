@@ -87,5 +87,6 @@ class Code2WavLimits(msgspec.Struct, frozen=True):
     voices: list[str]
     default_voice: str
     codebook_size: int  # codes are in [0, codebook_size)
-    max_codes: int  # the DiT's positions / repeats
+    max_codes: int  # the most one utterance may have
     sample_rate: int
+    codes_per_frame: int = 1  # codes come in whole frames of this many (one per codebook)

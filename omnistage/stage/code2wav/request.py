@@ -31,8 +31,9 @@ def check_codes(
     codes: Any, limits: Code2WavLimits, name: str = "codes", *, before: int = 0
 ) -> list[int]:
     """``codes`` as a list of ints, or ``InvalidRequestError`` naming ``name``: a non-empty
-    list of at most ``max_codes`` integers in ``[0, codebook_size)`` (``before``: codes of the
-    same utterance already taken; a streamed piece may then be empty)."""
+    list of at most ``max_codes`` integers in ``[0, codebook_size)``, whole frames of
+    ``codes_per_frame`` (``before``: codes of the same utterance already taken; a streamed
+    piece may then be empty)."""
     if not isinstance(codes, list | tuple) or not all(
         isinstance(c, int) and not isinstance(c, bool) for c in codes
     ):
@@ -43,6 +44,12 @@ def check_codes(
         raise InvalidRequestError(
             name,
             f"{before + len(codes)} codes exceed this stage's limit of {limits.max_codes}",
+        )
+    if len(codes) % limits.codes_per_frame:
+        raise InvalidRequestError(
+            name,
+            f"{len(codes)} codes are not whole frames of {limits.codes_per_frame} codes "
+            "(one per codebook, frame after frame)",
         )
     bad = next((c for c in codes if not 0 <= c < limits.codebook_size), None)
     if bad is not None:

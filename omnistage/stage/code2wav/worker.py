@@ -42,6 +42,7 @@ class Code2WavWorker(ArenaWorker):
             codebook_size=v.codebook_size,
             max_codes=v.max_codes,
             sample_rate=v.sample_rate,
+            codes_per_frame=int(getattr(v, "codes_per_frame", 1)),
         )
 
     def load_weights(

@@ -1,0 +1,301 @@
+"""Qwen3-Omni's code2wav loaded into one stage arena: the vocoder the code2wav stage runs.
+
+The module is transformers' own ``Qwen3OmniMoeCode2Wav``, built from ``config.json``'s
+``code2wav_config`` with its parameters on ``meta``, adopted into the arena under tag
+``weights`` and filled by the loader from the checkpoint's ``code2wav.*`` tensors. Always
+float32 with sdpa attention, as transformers builds it. Its non-persistent buffers (the codebook
+offsets, the rotary ``inv_freq``) are derived data that no checkpoint holds: computed for real
+at construction and put on the stage's device.
+
+Codes arrive flat and frame-major: ``frames * num_quantizers`` ints, frame 0's codes (one per
+quantizer) first. An utterance is decoded as ``Qwen3OmniMoeForConditionalGeneration.generate``
+decodes one sequence, ``code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)``:
+windows of 300 frames, each after the first computed with the 25 frames before it, whose
+samples are dropped. A ``Code2WavSynthesis`` runs one window per step, calling the module's own
+``forward`` on the same slices, so its waveform is transformers' bit for bit.
+
+That chunking is part of the result, not an implementation detail: a window's decode is
+``frames * samples_per_frame - samples_lost`` samples long (each decoder block's transposed
+conv needs the next frame for its last samples), so ``samples_lost`` samples go missing at
+every window end, and the pre-transformer's sliding-window attention reaches back
+``num_hidden_layers * (sliding_window - 1)`` frames (568 in the real model), beyond 25. An
+utterance over 300 frames therefore sounds different from one ``forward`` over all its frames;
+streaming reproduces ``chunked_decode`` (``code2wav_stream``).
+
+Utterances are decoded one at a time, never batched. The decoder is causal, so padding
+codes after an utterance's end (as transformers pads a batch, cutting each waveform at its
+length) changes none of its samples in exact arithmetic; but the kernels round by shape: on
+the CPU the same utterance zero-padded to a longer decode, or decoded beside another, differs
+from itself alone in the last bits (up to 4e-6 on the tiny preset), and cuDNN and cuBLAS pick
+their kernels by shape too. Batching would break "the same audio as alone".
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.errors import CheckpointError
+from omnistage.memory import Arena
+from omnistage.models.loader import (
+    checkpoint_files,
+    module_targets,
+    open_files,
+    plan_copies,
+    shown,
+)
+from omnistage.models.meta import parameters_on_meta
+from omnistage.models.qwen3_omni.config import MODEL_TYPE, read_config
+
+PART = "code2wav."
+# generate's ``code2wav.chunked_decode(talker_codes, chunk_size=300, left_context_size=25)``
+CHUNK_FRAMES = 300
+LEFT_CONTEXT_FRAMES = 25
+SAMPLE_RATE = 24000  # Qwen3-Omni speaks at 24 kHz (1920 samples per 12.5 Hz frame)
+DEFAULT_VOICE = "ethan"  # generate's default speaker (the config's names are lower case)
+_NAMES_HINT = " (names are 'code2wav.<tensor>', as Qwen3OmniMoeForConditionalGeneration saves)"
+
+
+def code2wav_config(raw: dict[str, Any], where: object) -> Any:
+    """``code2wav_config`` of a Qwen3-Omni ``config.json``, as transformers reads it."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeCode2WavConfig,
+    )
+
+    section = raw.get("code2wav_config")
+    if not isinstance(section, dict) or not section:
+        raise CheckpointError(f"{shown(where)} has no code2wav_config: no speech decoder")
+    try:
+        config = Qwen3OmniMoeCode2WavConfig(**section)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"{shown(where)}: code2wav_config is not valid: {exc}") from exc
+    if int(config.num_quantizers) < 1 or int(config.codebook_size) < 1:
+        raise CheckpointError(f"{shown(where)}: code2wav_config needs quantizers and a codebook")
+    return config
+
+
+def windows(num_frames: int) -> list[tuple[int, int, int]]:
+    """``chunked_decode``'s windows over ``num_frames`` frames: ``(first, start, end)`` — the
+    window decodes frames ``[first, end)`` and keeps the samples of ``[start, end)``."""
+    spans: list[tuple[int, int, int]] = []
+    while (spans[-1][2] if spans else 0) < num_frames:
+        spans.append(window(len(spans), num_frames))
+    return spans
+
+
+def window(index: int, num_frames: int | None = None) -> tuple[int, int, int]:
+    """Window ``index`` of ``chunked_decode`` (its end cut at ``num_frames`` when given)."""
+    start = index * CHUNK_FRAMES
+    context = LEFT_CONTEXT_FRAMES if start - LEFT_CONTEXT_FRAMES > 0 else start
+    end = start + CHUNK_FRAMES
+    return start - context, start, end if num_frames is None else min(end, num_frames)
+
+
+# -- the vocoder ----------------------------------------------------------------------------
+
+
+def build_empty(config: Any) -> nn.Module:
+    """``Qwen3OmniMoeCode2Wav(config)`` with parameters on ``meta``, float32, sdpa attention
+    (transformers' default), in eval mode."""
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    with parameters_on_meta():
+        module = Qwen3OmniMoeCode2Wav._from_config(
+            config, attn_implementation="sdpa", dtype=torch.float32
+        )
+    if any(p.dtype != torch.float32 for p in module.parameters()):
+        module.float()
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
+def _move_derived_buffers(module: nn.Module, device: torch.device) -> set[str]:
+    """Put the non-persistent buffers (outside the arena) on the stage's device; returns
+    their names."""
+    names = set()
+    for prefix, mod in module.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", set()):
+            buf = mod._buffers.get(name)
+            if buf is None:
+                continue
+            if buf.device != device:
+                mod._buffers[name] = buf.to(device)
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def voices_of(raw: dict[str, Any]) -> list[str]:
+    """The talker's speakers (``talker_config.speaker_id``), which the code2wav stage accepts
+    as a request's voice; the decoder itself has none."""
+    speakers = (raw.get("talker_config") or {}).get("speaker_id") or {}
+    return sorted(str(name) for name in speakers) or [DEFAULT_VOICE]
+
+
+class Code2WavVocoder:
+    """The causal decoder of one Qwen3-Omni checkpoint folder, in ``arena``."""
+
+    def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
+        self.folder = Path(folder)
+        self.device = arena.device
+        raw = read_config(self.folder)
+        if raw is None:
+            raise CheckpointError(
+                f"{shown(self.folder)} is not a Qwen3-Omni checkpoint "
+                f"(config.json with model_type {MODEL_TYPE!r})"
+            )
+        self.config = code2wav_config(raw, self.folder / "config.json")
+        self.module: Any = build_empty(self.config)
+        self.weight_bytes = arena.adopt(self.module)
+        self._derived = _move_derived_buffers(self.module, self.device)
+        self._parts = tuple(f"{name}." for name, _ in self.module.named_children())
+        self.codes_per_frame = int(self.config.num_quantizers)
+        self.samples_per_frame = math.prod(  # the module's ``total_upsample``
+            int(r) for r in (*self.config.upsample_rates, *self.config.upsampling_ratios)
+        )
+        self.voices = voices_of(raw)
+        self.default_voice = DEFAULT_VOICE if DEFAULT_VOICE in self.voices else self.voices[0]
+        self.sample_rate = SAMPLE_RATE
+        if load:  # not for a restart asleep at level 2: released at once, unread
+            self.load_weights(self.folder, strict=True)
+
+    @property
+    def codebook_size(self) -> int:
+        """Codes are in ``[0, codebook_size)``, for every quantizer."""
+        return int(self.config.codebook_size)
+
+    @property
+    def max_codes(self) -> int:
+        """The most codes one utterance may have: ``max_position_embeddings`` frames (a cap,
+        10.7 minutes of speech in the real model; the windows never reach it)."""
+        return int(self.config.max_position_embeddings) * self.codes_per_frame
+
+    def codes_tensor(self, codes: list[int]) -> torch.Tensor:
+        """Flat frame-major codes as the module takes them: ``[1, num_quantizers, frames]``."""
+        if len(codes) % self.codes_per_frame:
+            raise ValueError(
+                f"{len(codes)} codes are not whole frames of {self.codes_per_frame} codes"
+            )
+        flat = torch.tensor(codes, dtype=torch.long, device=self.device)
+        return flat.view(-1, self.codes_per_frame).t().unsqueeze(0)
+
+    @functools.cached_property
+    def reach(self) -> Any:
+        """What a stream needs to know of the decoder (``code2wav_stream.DecoderReach``)."""
+        from omnistage.models.qwen3_omni.code2wav_stream import DecoderReach
+
+        return DecoderReach(self.module, self.samples_per_frame, self.device)
+
+    def synthesis(self, codes: list[int], params: Any, seed: int) -> Code2WavSynthesis:
+        """One utterance's decode, a window per step (``seed`` is not used: the decoder
+        draws no noise)."""
+        return Code2WavSynthesis(self, codes, params)
+
+    def streaming_synthesis(self, params: Any, seed: int, chunks: Any) -> Any:
+        """One utterance spoken chunk by chunk as its frames arrive
+        (``code2wav_stream.Code2WavStream``; ``chunks``: first_chunk and chunk, in frames)."""
+        from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream
+
+        return Code2WavStream(self, params, chunks)
+
+    def advance_together(self, items: list[Any]) -> None:
+        """One step of each synthesis or stream, one after another (never batched: see the
+        module docstring)."""
+        for item in items:
+            item.advance()
+
+    # -- the decoder, in two halves (``Qwen3OmniMoeCode2Wav.forward``'s own steps) ----------
+
+    @torch.inference_mode()
+    def hidden_states(self, codes: torch.Tensor) -> torch.Tensor:
+        """The quantizers' mean embedding through the pre-transformer: ``[1, frames, hidden]``."""
+        m = self.module
+        hidden = m.code_embedding(codes + m.code_offset).mean(1)
+        return m.pre_transformer(inputs_embeds=hidden).last_hidden_state
+
+    @torch.inference_mode()
+    def upsample(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The convolutional stack on ``[1, frames, hidden]``: ``[1, 1, samples]`` in [-1, 1]."""
+        wav = hidden.permute(0, 2, 1)
+        for blocks in self.module.upsample:
+            for block in blocks:
+                wav = block(wav)
+        for block in self.module.decoder:
+            wav = block(wav)
+        return wav.clamp(min=-1, max=1)
+
+    # -- weights --------------------------------------------------------------------------
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """The live weights by checkpoint name (``code2wav.<tensor>``)."""
+        return {f"{PART}{key}": t for key, t in module_targets(self.module).items()}
+
+    def rename(self, name: str) -> str | None:
+        """A source tensor's target name; None (not read) for other parts' tensors and for
+        derived buffers a source may hold. Also takes the names a lone
+        ``Qwen3OmniMoeCode2Wav`` saves (without ``code2wav.``)."""
+        rest = name.removeprefix(PART)
+        if rest == name and not rest.startswith(self._parts):
+            return None  # thinker.*, talker.*, anything not code2wav's
+        return None if rest in self._derived else PART + rest
+
+    def load_weights(
+        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
+    ) -> int:
+        """Copy a weight source (the checkpoint folder, or a safetensors file or folder for
+        ``update_weights``) into the adopted tensors in place. Every name and shape (and with
+        ``check_finite`` every value) is checked before any byte is copied, so a bad source
+        leaves the weights untouched. Returns the bytes copied."""
+        files = checkpoint_files(path)
+        with open_files(files) as opened:
+            sources = [
+                (self.rename(key), st, key)
+                for st in opened
+                for key in st.keys()  # noqa: SIM118 - not a dict
+            ]
+            plan = plan_copies(
+                sources,
+                self.weight_targets(),
+                path,
+                strict=strict,
+                check_finite=check_finite,
+                hint=_NAMES_HINT,
+            )
+            return plan.run()
+
+
+class Code2WavSynthesis:
+    """One utterance decoded as ``chunked_decode`` decodes it: one window per ``advance``
+    (``Qwen3OmniMoeCode2Wav.forward`` on the same codes), then ``waveform()``."""
+
+    batch_key = None  # never shares a forward (see the module docstring)
+
+    def __init__(self, vocoder: Code2WavVocoder, codes: list[int], params: Any) -> None:
+        self.vocoder = vocoder
+        self.voice = getattr(params, "voice", None) or vocoder.default_voice
+        self.codes = vocoder.codes_tensor(list(codes))
+        self.windows = windows(int(self.codes.shape[-1]))
+        self._pieces: list[torch.Tensor] = []
+
+    @property
+    def is_done(self) -> bool:
+        return len(self._pieces) >= len(self.windows)
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        if self.is_done:
+            return
+        first, start, end = self.windows[len(self._pieces)]
+        wav = self.vocoder.module(self.codes[..., first:end])
+        self._pieces.append(wav[..., (start - first) * self.vocoder.samples_per_frame :])
+
+    def waveform(self) -> torch.Tensor:
+        """The samples (1-D float32 on the CPU), as generate returns them."""
+        if not self._pieces:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat(self._pieces, dim=-1).reshape(-1).float().cpu()
