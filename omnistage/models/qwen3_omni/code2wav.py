@@ -191,6 +191,11 @@ class Code2WavVocoder:
 
         return DecoderReach(self.module, self.samples_per_frame, self.device)
 
+    @staticmethod
+    def window(index: int) -> tuple[int, int, int]:
+        """``chunked_decode``'s window ``index``: ``(first, start, end)`` (``window``)."""
+        return window(index)
+
     def synthesis(self, codes: list[int], params: Any, seed: int) -> Code2WavSynthesis:
         """One utterance's decode, a window per step (``seed`` is not used: the decoder
         draws no noise)."""

@@ -60,7 +60,6 @@ import torch
 from torch import nn
 
 from omnistage.errors import CheckpointError
-from omnistage.models.qwen3_omni.code2wav import window
 
 ROW_ALIGN = 16  # AVX-512's float lanes; a multiple of AVX2's 8 and NEON's 4
 
@@ -227,7 +226,7 @@ class Code2WavStream:
         """The next decode: ``(first, start, rows, finished)`` — frames ``[first, first +
         rows)`` of the current window, which keeps samples from frame ``start``; None when no
         chunk is due."""
-        first, start, end = window(self.window_index)
+        first, start, end = self.vocoder.window(self.window_index)
         available = self.num_frames
         if available >= end:
             rows, finished = end - first, True
@@ -262,7 +261,7 @@ class Code2WavStream:
 
     @property
     def is_done(self) -> bool:
-        return self.ended and window(self.window_index)[1] >= self.num_frames
+        return self.ended and self.vocoder.window(self.window_index)[1] >= self.num_frames
 
     @torch.inference_mode()
     def advance(self) -> None:
