@@ -5,16 +5,20 @@ wake change no sample, and codes that are not whole frames are refused naming th
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from omnistage.config import StreamChunks
 from omnistage.errors import InvalidRequestError
+from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.engine import Code2WavStageEngine
 from omnistage.stage.code2wav.params import Code2WavParams
+from omnistage.stage.code2wav.prepare import Code2WavRequestPreparer
 from omnistage.stage.code2wav.request import Code2WavRequest
-from omnistage.stage.code2wav.wire import Code2WavStageRequest
+from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
+from omnistage.stage.prepare import RequestOptions
 from tests.unit.stage.code2wav.conftest import code2wav_config, run_all, samples_of
 
 GROUPS = 4  # the tiny checkpoint's codebooks (num_quantizers)
@@ -118,6 +122,11 @@ def test_the_same_audio_after_sleep_and_wake(engine, long_audio, level):
 
 
 def test_codes_that_are_not_whole_frames_are_refused(engine):
+    info = msgspec.msgpack.decode(msgspec.msgpack.encode(engine.info()), type=Code2WavStageInfo)
+    preparer = Code2WavRequestPreparer(engine.config, info)  # the API process's side
+    with pytest.raises(InvalidRequestError, match="whole frames of 4") as caught:
+        preparer.prepare({"codes": LONG[:6]}, RequestOptions.of(), Wants())
+    assert caught.value.field == "codes"
     with pytest.raises(InvalidRequestError, match="whole frames of 4") as caught:
         engine.add_request(Code2WavRequest("part", LONG[:10], PARAMS))
     assert caught.value.field == "codes"
