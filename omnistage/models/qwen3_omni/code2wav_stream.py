@@ -36,9 +36,9 @@ given. What the stream does about it:
   about ten frames of convolutions, not the window.
 - **A window spoken in one chunk is decoded exactly as the whole decode decodes it.**
 
-Bit for bit, then, on the tiny preset on the CPU (one or two torch threads: tested); and for
-any model and device when every window is spoken in one chunk (``first_chunk`` and ``chunk``
-of 300 or more, or utterances shorter than ``first_chunk``). Beyond that, oneDNN's
+Bit for bit, then, on the tiny preset on the CPU (tested with one torch thread, checked with
+two); and for any model and device when every window is spoken in one chunk (``first_chunk``
+and ``chunk`` of 300 or more, or utterances shorter than ``first_chunk``). Beyond that, oneDNN's
 convolutions also block their work by the input's length (a transposed conv of 256 to 128
 channels rounds a sample differently in inputs of 1000 and 2000 samples), as cuDNN and cuBLAS
 pick kernels by shape on a GPU: with the real model's sizes on the CPU the streamed samples

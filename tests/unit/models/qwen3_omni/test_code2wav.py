@@ -154,16 +154,6 @@ def test_streamed_chunks_join_into_the_whole_decode(vocoder, frames, first, chun
         assert chunks > len(windows(frames))  # spoken before each window was in
 
 
-def test_streamed_chunks_join_into_the_whole_decode_on_two_threads(vocoder):
-    codes = flat(codes_of(420))
-    torch.set_num_threads(2)
-    try:
-        audio, _ = streamed(vocoder, codes, 16, 16)
-        assert torch.equal(audio, whole(vocoder, codes))
-    finally:
-        torch.set_num_threads(1)
-
-
 def test_without_16_row_steps_or_the_same_conv_kernels_the_stream_would_differ(
     vocoder, monkeypatch
 ):
