@@ -94,7 +94,7 @@ class AsyncOmni:
         for stage in config.stages:
             if stage.input_processor is not None:
                 processor = registry.processor(stage.input_processor)  # fail early on a typo
-                if stage.stream and processor.stream is None:
+                if stage.stream and processor.stream is None and processor.stream_embeds is None:
                     raise ConfigError(
                         f"stages.{stage.stage_id}.stream: processor {stage.input_processor!r} "
                         "cannot stream its input; set stream: false"

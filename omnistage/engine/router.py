@@ -14,6 +14,8 @@ those treats them by its mode when they arrive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -112,6 +114,8 @@ class RequestRouter:
             return Wants()
         processor = registry.processor(self._processor_name(next_stage))
         wants: Wants = processor.wants(self.config.stages[next_stage].model, options.params)
+        if self.config.stages[next_stage].stream:  # its rows go on as they are made
+            wants = dataclasses.replace(wants, streamed=True)
         return wants
 
     def _prepare_request(
@@ -165,10 +169,11 @@ class RequestRouter:
         try:
             position = 0
             while position < len(chain):
-                streamed = (
-                    position + 1 < len(chain) and self.config.stages[chain[position + 1]].stream
-                )
-                group = chain[position : position + 1 + streamed]
+                end = position + 1
+                while end < len(chain) and self.config.stages[chain[end]].stream:
+                    end += 1  # a run of streamed edges runs as one group
+                group = chain[position:end]
+                streamed = len(group) > 1
                 ends_chain = group[-1] == chain[-1]
                 joiner = AudioJoin()
                 try:
@@ -251,23 +256,30 @@ class RequestRouter:
         }
         if len(group) == 1:
             return self._tagged(first, self._run_stage(**kwargs))
-        later = group[1]
-        client = self.clients[later]
-        later_kwargs = {
-            "stage_id": later,
-            "request_id": request_id,
-            "request": self._template(later, options, chain),
-            "bound": bound,
-            "forward": later != chain[-1],
-            "stream": self._processor_name(later),
-            "request_start": started,
-        }
+        stages: list[tuple[int, dict[str, Any]]] = [(first, kwargs)]
+        params = {name: dict(value) for name, value in options.params.items()}
+        for later in group[1:]:
+            stages.append(
+                (
+                    later,
+                    {
+                        "stage_id": later,
+                        "request_id": request_id,
+                        "request": self._template(later, options, chain),
+                        "bound": bound,
+                        "forward": later == group[-1] and later != chain[-1],
+                        "stream": self._processor_name(later),
+                        "stream_params": params,
+                        "request_start": started,
+                    },
+                )
+            )
+        clients = [self.clients[later] for later in group[1:]]
         return run_streamed(
             self._run_stage,
-            lambda token_ids, final: client.append_input(request_id, token_ids, final),
-            lambda: client.abort([request_id]),
-            (first, kwargs),
-            (later, later_kwargs),
+            stages,
+            [functools.partial(client.append_input, request_id) for client in clients],
+            [functools.partial(client.abort, [request_id]) for client in clients],
         )
 
     @staticmethod
@@ -289,6 +301,7 @@ class RequestRouter:
         on_submit: Callable[[], None] = lambda: None,
         stream: str | None = None,
         request_start: float | None = None,
+        stream_params: dict[str, dict[str, Any]] | None = None,
     ) -> AsyncIterator[tuple[OutputMessage, bool]]:
         """Submit to one stage and stream its outputs, each with whether it ends the last of
         its ``num_samples`` samples; ``bound`` holds the stages this request has still to
@@ -305,7 +318,12 @@ class RequestRouter:
             async with self.gate.admit(stage_id, bound=stage_id in bound):
                 bound.discard(stage_id)
                 queue = client.add_request(
-                    request_id, request, forward=forward, upstream=upstream, stream=stream
+                    request_id,
+                    request,
+                    forward=forward,
+                    upstream=upstream,
+                    stream=stream,
+                    params=stream_params,
                 )
                 on_submit()  # the stage takes (or refuses) what was handed to it
                 self.active[request_id] = stage_id

@@ -67,8 +67,11 @@ class EngineStageClient(Protocol):
         forward: bool = False,
         upstream: Upstream | None = None,
         stream: str | None = None,
+        params: dict[str, dict[str, Any]] | None = None,
     ) -> asyncio.Queue[OutputMessage]: ...
-    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None: ...
+    def append_input(
+        self, request_id: str, token_ids: list[int], final: bool, delta: Any = None
+    ) -> None: ...
     def abort(self, request_ids: list[str]) -> None: ...
     def discard(self, ref: HandoffRef) -> None: ...
     async def call(self, op: ControlOp) -> Any: ...
@@ -246,6 +249,7 @@ class StageClient:
         forward: bool = False,
         upstream: Upstream | None = None,
         stream: str | None = None,
+        params: dict[str, dict[str, Any]] | None = None,
     ) -> asyncio.Queue[OutputMessage]:
         """Submit a request; its outputs arrive on the returned queue, the last one (of the
         last of its samples, or an error) with ``finished``. ``forward``: the stage hands its
@@ -255,7 +259,14 @@ class StageClient:
         if request_id in self._queues:
             raise errors.InvalidRequestError("request_id", f"{request_id!r} is already in flight")
         self._send(
-            AddRequest(request_id, request, forward=forward, upstream=upstream, stream=stream)
+            AddRequest(
+                request_id,
+                request,
+                forward=forward,
+                upstream=upstream,
+                stream=stream,
+                params=params or {},
+            )
         )
         q: asyncio.Queue[OutputMessage] = asyncio.Queue()
         self._queues[request_id] = q
@@ -269,10 +280,12 @@ class StageClient:
             with contextlib.suppress(errors.StageDeadError):
                 self._send(AbortRequest(request_ids=request_ids))
 
-    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
+    def append_input(
+        self, request_id: str, token_ids: list[int], final: bool, delta: Any = None
+    ) -> None:
         """More input for a streamed request (best effort: a gone stage fails the request)."""
         with contextlib.suppress(errors.StageDeadError):
-            self._send(AppendInput(request_id, token_ids, final))
+            self._send(AppendInput(request_id, token_ids, final, delta))
 
     def discard(self, ref: HandoffRef) -> None:
         """Best effort: a hand-off no stage will take (a gone stage took its memory along)."""

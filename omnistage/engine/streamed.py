@@ -2,9 +2,12 @@
 
 When a stage's config says ``stream: true``, it takes the stage before's output while it is
 produced: its request is submitted when the stage before starts (``AddRequest.stream``
-names the processor whose ``TokenStream`` filters the input in the stage), and every output
-of the stage before goes on to it as ``AppendInput`` (its new token ids; ``final`` with the
-last). Both stages' outputs are merged into one stream, in the order they arrive.
+names the processor whose stream turns the input into the stage's: a ``TokenStream`` of
+token ids, or for a stage that takes embeddings an ``EmbedStream`` of hidden-state rows),
+and every output of the stage before goes on to it as ``AppendInput`` (its new token ids and
+what it added to its hand-off; ``final`` with the last). A run of streamed edges runs as one
+group (thinker -> talker -> code2wav, each streaming into the next); the stages' outputs
+are merged into one stream, in the order they arrive.
 
 Ending: the request ends with the later stage's last output. The earlier stage ending with
 an abort ends the request as aborted (the later stage's request is aborted with it); an
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -32,6 +36,7 @@ from omnistage.stage.messages import OutputMessage
 
 Item = tuple[int, OutputMessage, bool]  # stage id, output, whether it ends the stage's work
 RunStage = Callable[..., AsyncIterator[tuple[OutputMessage, bool]]]
+SendInput = Callable[[list[int], bool, Any], None]  # token ids, final, the hand-off's delta
 ENDED_WELL = ("stop", "length")
 
 
@@ -60,50 +65,55 @@ class AudioJoin:
 
 async def run_streamed(
     run_stage: RunStage,
-    send_input: Callable[[list[int], bool], None],
-    abort_later: Callable[[], None],
-    earlier: tuple[int, dict[str, Any]],
-    later: tuple[int, dict[str, Any]],
+    stages: list[tuple[int, dict[str, Any]]],
+    send_inputs: list[SendInput],
+    aborts: list[Callable[[], None]],
 ) -> AsyncIterator[Item]:
-    """Run ``earlier`` and ``later`` (``(stage_id, run_stage keyword arguments)``) together,
-    feeding the earlier one's token ids to the later one through ``send_input``; yields
-    ``(stage_id, output, ends_stage)`` of both as they come."""
+    """Run ``stages`` (``(stage_id, run_stage keyword arguments)``) together, each feeding
+    its outputs (token ids, and what they add to its hand-off) to the next through
+    ``send_inputs[i]`` (``aborts[i]`` aborts the next one's request); yields ``(stage_id,
+    output, ends_stage)`` of all as they come."""
     merged: asyncio.Queue[Item | BaseException] = asyncio.Queue()
-    admitted = asyncio.Event()
-    held: list[tuple[list[int], bool]] = []
+    admitted = [asyncio.Event() for _ in stages]
+    held: list[list[tuple[list[int], bool, Any]]] = [[] for _ in stages]
 
-    def feed(token_ids: list[int], final: bool) -> None:
-        if admitted.is_set():
-            send_input(token_ids, final)
+    def feed(i: int, token_ids: list[int], final: bool, delta: Any) -> None:
+        """Input for stage ``i`` (held until it is admitted)."""
+        if admitted[i].is_set():
+            send_inputs[i - 1](token_ids, final, delta)
         else:
-            held.append((token_ids, final))
+            held[i].append((token_ids, final, delta))
 
-    def on_admitted() -> None:
-        admitted.set()
-        for token_ids, final in held:
-            send_input(token_ids, final)
-        held.clear()
+    def on_admitted(i: int) -> None:
+        admitted[i].set()
+        for args in held[i]:
+            send_inputs[i - 1](*args)
+        held[i].clear()
 
-    async def pump(stage_id: int, kwargs: dict[str, Any], is_earlier: bool) -> None:
+    async def pump(i: int) -> None:
+        stage_id, kwargs = stages[i]
+        feeds = i + 1 < len(stages)
         try:
             async for out, ends in run_stage(**kwargs):
-                if is_earlier and out.error is None:
+                if feeds and out.error is None:
                     last = ends and out.finish_reason in ENDED_WELL
-                    if out.new_token_ids or last:
-                        feed(list(out.new_token_ids), last)
+                    delta = getattr(out, "delta", None)
+                    if out.new_token_ids or last or delta is not None:
+                        feed(i + 1, list(out.new_token_ids), last, delta)
                     if ends and not last:
-                        abort_later()
+                        aborts[i]()
                 await merged.put((stage_id, out, ends))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # handed to the consumer, which raises it
             await merged.put(exc)
 
-    later_kwargs = {**later[1], "on_submit": on_admitted}
-    tasks = [
-        asyncio.create_task(pump(later[0], later_kwargs, False)),
-        asyncio.create_task(pump(earlier[0], earlier[1], True)),
-    ]
+    last_stage = stages[-1][0]
+    tasks = []
+    for i in reversed(range(len(stages))):  # the later ones first: ready for their input
+        if i:
+            stages[i][1]["on_submit"] = functools.partial(on_admitted, i)
+        tasks.append(asyncio.create_task(pump(i)))
     try:
         while True:
             item = await merged.get()
@@ -111,7 +121,7 @@ async def run_streamed(
                 raise item
             yield item
             stage_id, out, ends = item
-            if ends and (stage_id == later[0] or out.finish_reason not in ENDED_WELL):
+            if ends and (stage_id == last_stage or out.finish_reason not in ENDED_WELL):
                 return
     finally:
         for task in tasks:

@@ -36,6 +36,9 @@ class Wants:
     # instead of the final ones; with ``hidden_states_with_embeddings`` each row is then
     # ``[input embedding | layer output]`` (side by side, not added).
     hidden_layer: int | None = None
+    # Its rows as they are made (set by the router for a streamed edge): each output
+    # carries its step's rows, the first also the prompt's and the token embeddings.
+    streamed: bool = False
 
 
 @dataclass
@@ -62,6 +65,18 @@ class TokenStream(Protocol):
     def feed(self, token_ids: list[int], final: bool) -> tuple[list[int], bool]: ...
 
 
+class EmbedStream(Protocol):
+    """A streamed edge's input into a stage that takes embeddings: ``feed_update(update,
+    final)`` takes what the stage before added since the last call (its new token ids and
+    hidden-state rows; the first also its prompt) and returns the next stage's fields — its
+    prompt fields once they can be made, then ``{"decode_embeds": rows}`` — or None, and
+    whether its input has ended."""
+
+    def feed_update(
+        self, update: UpstreamResult, final: bool
+    ) -> tuple[dict[str, Any] | None, bool]: ...
+
+
 @dataclass(frozen=True)
 class InputProcessor:
     """``convert(upstream, folder)``: the prompt fields of the next stage, whose checkpoint is
@@ -72,6 +87,67 @@ class InputProcessor:
     convert: Callable[[UpstreamResult, str], dict[str, Any]]
     wants: Callable[[str, RequestParams], Wants] = lambda folder, params: Wants()
     stream: Callable[[str], TokenStream] | None = None
+    # For a next stage that takes embeddings (an AR stage): ``stream_embeds(folder, params)``.
+    stream_embeds: Callable[[str, RequestParams], EmbedStream] | None = None
+
+
+class RowsStream:
+    """A thinker's rows as they come, the streamed form of a hand-off ``convert`` whose
+    prompt ends with the first reply token fed back and whose decode embeddings are the later
+    reply tokens' rows, then two end rows (the talkers' hand-offs): the prompt fields once the
+    prompt's rows and one more have come; each later row as a decode embedding
+    (``decode_rows``); at the end, ``end_rows(first update)``."""
+
+    def __init__(
+        self,
+        folder: str,
+        params: RequestParams,
+        convert: Callable[[UpstreamResult, str], dict[str, Any]],
+        decode_rows: Callable[[torch.Tensor], torch.Tensor],
+        end_rows: Callable[[UpstreamResult], torch.Tensor],
+    ) -> None:
+        self.folder, self.params = folder, params
+        self.convert, self.decode_rows, self.end_rows = convert, decode_rows, end_rows
+        self.first: UpstreamResult | None = None  # the prompt's: ids, embeddings, positions
+        self.rows: list[torch.Tensor] = []
+        self.token_ids: list[int] = []
+        self.started = False
+
+    def feed_update(
+        self, update: UpstreamResult, final: bool
+    ) -> tuple[dict[str, Any] | None, bool]:
+        first = self.first = self.first or update
+        if update.hidden_states is not None:
+            self.rows.append(update.hidden_states)
+        self.token_ids += update.token_ids
+        if not self.started:
+            if sum(len(r) for r in self.rows) <= first.num_prompt_tokens and not final:
+                return None, False
+            self.started = True
+            fields = self.convert(self._so_far(first), self.folder)
+            if not final:  # its end is not known yet: the reply's rows so far, no end rows
+                fields["decode_embeds"] = fields["decode_embeds"][:-2]
+                if not len(fields["decode_embeds"]):
+                    del fields["decode_embeds"]
+            self.rows = []
+            return fields, final
+        parts = [self.decode_rows(torch.cat(self.rows))] if self.rows else []
+        self.rows = []
+        if final:
+            parts.append(self.end_rows(first).to(parts[0].dtype if parts else torch.float32))
+        return ({"decode_embeds": torch.cat(parts)} if parts else None), final
+
+    def _so_far(self, first: UpstreamResult) -> UpstreamResult:
+        return UpstreamResult(
+            token_ids=list(self.token_ids),
+            hidden_states=torch.cat(self.rows),
+            token_embeddings=first.token_embeddings,
+            num_prompt_tokens=first.num_prompt_tokens,
+            positions=first.positions,
+            position_delta=first.position_delta,
+            prompt_token_ids=first.prompt_token_ids,
+            params=self.params,
+        )
 
 
 def hidden_states_of(upstream: UpstreamResult) -> torch.Tensor:

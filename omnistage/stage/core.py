@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stage import control as ops
@@ -36,6 +36,7 @@ from omnistage.stage.messages import (
     ControlResult,
     DiscardHandoff,
     FromStage,
+    Handoff,
     HandoffRef,
     OutputBatch,
     OutputMessage,
@@ -45,9 +46,6 @@ from omnistage.stage.messages import (
     WireError,
 )
 from omnistage.stage.types import StageOutput
-
-if TYPE_CHECKING:
-    from omnistage.models.processors import TokenStream
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +127,24 @@ def to_output_message(out: StageOutput, handoff: HandoffRef | None = None) -> Ou
         logprobs=out.logprobs,
         prompt_logprobs=out.prompt_logprobs,
         queue_time_s=out.queue_time_s,
+        delta=Handoff(**out.delta) if out.delta is not None else None,
+    )
+
+
+def upstream_update(msg: AppendInput) -> Any:
+    """What an ``EmbedStream`` takes of one ``AppendInput``: the stage before's new token ids
+    and what its output added to the hand-off."""
+    from omnistage.models.processors import UpstreamResult
+
+    delta = msg.delta or Handoff()
+    return UpstreamResult(
+        token_ids=list(msg.token_ids),
+        hidden_states=delta.hidden_states,
+        token_embeddings=delta.token_embeddings,
+        num_prompt_tokens=delta.num_prompt_tokens,
+        positions=delta.positions,
+        position_delta=delta.position_delta,
+        prompt_token_ids=list(delta.prompt_token_ids),
     )
 
 
@@ -157,18 +173,24 @@ def failed_request(request_id: str, exc: BaseException) -> OutputBatch:
     )
 
 
-def open_stream(engine: Any, processor: str) -> TokenStream:
-    """The ``TokenStream`` of a streamed request's processor, if the engine takes streams."""
+def open_stream(engine: Any, processor: str, params: dict[str, Any] | None = None) -> Any:
+    """The stream of a streamed request's processor, if the engine takes streams: a
+    ``TokenStream`` (token ids in) or, for an engine that takes embeddings
+    (``STREAM_INPUT = "embeds"``), an ``EmbedStream`` (the stage before's rows in)."""
     from omnistage.models import registry
 
     if not hasattr(engine, "add_streamed_request"):
         raise InvalidRequestError(
             "stream", f"a {engine.config.kind!r} stage takes no streamed input"
         )
-    make = registry.processor(processor).stream
-    if make is None:
+    chosen = registry.processor(processor)
+    if getattr(engine, "STREAM_INPUT", "tokens") == "embeds":
+        if chosen.stream_embeds is None:
+            raise InvalidRequestError("stream", f"processor {processor!r} cannot stream embeddings")
+        return chosen.stream_embeds(engine.config.model, params or {})
+    if chosen.stream is None:
         raise InvalidRequestError("stream", f"processor {processor!r} cannot stream its input")
-    return make(engine.config.model)
+    return chosen.stream(engine.config.model)
 
 
 class StageCore:
@@ -185,7 +207,7 @@ class StageCore:
         self._waiting: list[tuple[int, Any]] = []  # ACKED calls held until that work ends
         self._handlers = control_handlers(engine)
         self.handoffs = Handoffs(transport or SharedMemoryTransport(), engine.config.model)
-        self._streams: dict[str, TokenStream] = {}  # streamed requests' input, by request
+        self._streams: dict[str, Any] = {}  # a TokenStream or an EmbedStream  # streamed requests' input, by request
 
     def has_work(self) -> bool:
         return (
@@ -218,7 +240,7 @@ class StageCore:
             if msg.upstream is not None:
                 request = self.handoffs.resolve(request, msg.upstream)
             if msg.stream is not None:
-                stream = open_stream(self.engine, msg.stream)
+                stream = open_stream(self.engine, msg.stream, msg.params)
                 self.engine.add_streamed_request(msg.request_id, request)
                 self._streams[msg.request_id] = stream
             else:
@@ -236,10 +258,13 @@ class StageCore:
         if stream is None:
             return []
         try:
-            token_ids, ended = stream.feed(list(msg.token_ids), msg.final)
+            if msg.delta is not None or hasattr(stream, "feed_update"):
+                update, ended = stream.feed_update(upstream_update(msg), msg.final)
+            else:
+                update, ended = stream.feed(list(msg.token_ids), msg.final)
             if ended:
                 del self._streams[msg.request_id]
-            self.engine.append_input(msg.request_id, token_ids, ended)
+            self.engine.append_input(msg.request_id, update, ended)
         except Exception as exc:
             self._streams.pop(msg.request_id, None)
             self.engine.fail_request(msg.request_id, exc)

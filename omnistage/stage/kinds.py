@@ -76,6 +76,7 @@ STAGE_KINDS: dict[str, KindSpec] = {
             has_prefix_cache=True,
             tensor_parallel=True,
             preflight="omnistage.stage.ar.resolve:check_limits",
+            takes_stream=True,  # its prompt and decode embeddings (a talker's)
         ),
         KindSpec(
             name="diffusion",

@@ -95,6 +95,7 @@ class AddRequest(msgspec.Struct, tag=True):
     forward: bool = False
     upstream: Upstream | None = None
     stream: str | None = None
+    params: dict[str, dict[str, Any]] = {}  # with ``stream``: the request's, for its processor
 
 
 class AppendInput(msgspec.Struct, tag=True):
@@ -104,6 +105,7 @@ class AppendInput(msgspec.Struct, tag=True):
     request_id: str
     token_ids: list[int]
     final: bool = False
+    delta: Handoff | None = None  # what the stage before's output added to its hand-off
 
 
 class DiscardHandoff(msgspec.Struct, tag=True):
@@ -176,6 +178,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     queue_time_s: float | None = None  # on a request's first output: its wait to be scheduled
+    delta: Handoff | None = None  # a streamed edge's input (``StageOutput.delta``)
 
 
 class OutputBatch(msgspec.Struct, tag=True):

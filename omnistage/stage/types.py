@@ -36,3 +36,6 @@ class StageOutput:
     # Seconds between the request's arrival at the stage and its first scheduling; set on
     # the first output of each request (the scheduler's wait, not the compute).
     queue_time_s: float | None = None
+    # A streamed edge's input from this output (``Handoff``-shaped: the step's hidden-state
+    # rows; the first output also the prompt's ids, token embeddings and positions).
+    delta: dict[str, Any] | None = None

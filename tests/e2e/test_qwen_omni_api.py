@@ -280,7 +280,8 @@ def test_bench_serve_times_the_first_audio(server, tmp_path):
     assert result["audio_out_s"] > 0  # read from the WAV headers of the streamed chunks
 
 
-# -- speech streamed while the talker speaks (the pipeline's code2wav edge has stream: true) --
+# -- speech streamed while the thinker thinks and the talker speaks (the pipeline's talker and
+# code2wav edges have stream: true) ---------------------------------------------------------
 
 LONG = {"talker_params": {"temperature": 0.9, "max_tokens": 160}, "audio_params": {"num_steps": 2}}
 
@@ -387,16 +388,19 @@ def test_a_client_that_leaves_mid_stream_stops_every_stage(server):
 
 
 @pytest.mark.parametrize("mode", ["abort", "keep"])
-def test_a_code2wav_sleep_mid_stream_follows_its_mode(server, long_speech, mode):
+@pytest.mark.parametrize("stage_id", [1, 2])
+def test_a_talker_or_code2wav_sleep_mid_stream_follows_its_mode(
+    server, long_speech, mode, stage_id
+):
     # Aborted: a reply long enough to be surely mid-way; kept: the one heard alone before.
     extra = {**LONG, "talker_params": {"max_tokens": 1500}} if mode == "abort" else LONG
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         run = pool.submit(stream_speech, server, extra)
-        wait_for_work(server, 2, "num_synthesis_steps", 1)
-        body = {"stage_ids": [2], "level": 1, "mode": mode}
+        wait_for_work(server, 2, "num_synthesis_steps", 1)  # both are at work on it
+        body = {"stage_ids": [stage_id], "level": 1, "mode": mode}
         r = httpx.post(server.url + "/v1/omni/sleep", json=body, timeout=60)
         assert r.status_code == 200, r.text
-        r = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [2]}, timeout=60)
+        r = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [stage_id]}, timeout=60)
         assert r.status_code == 200, r.text
         pcm, _, reason, error = run.result()
     if mode == "abort":

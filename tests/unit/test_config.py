@@ -71,7 +71,7 @@ def test_the_speech_pipelines_stream_and_no_stream_hands_every_output_over_whole
     from omnistage.pipelines import load_pipeline
 
     streamed = load_pipeline("tiny-qwen2.5-omni", build=False)
-    assert [s.stream for s in streamed.stages] == [False, False, True]
+    assert [s.stream for s in streamed.stages] == [False, True, True]
     whole = load_pipeline("tiny-qwen2.5-omni", build=False, stream=False)
     assert not any(s.stream for s in whole.stages)
 
@@ -82,13 +82,16 @@ def test_stream_needs_an_input_and_a_kind_that_takes_it():
     stage = {"kind": "ar", "model": "m"}
     with pytest.raises(ValueError, match="stream needs input_from"):
         parse_pipeline_config({"stages": [{"stage_id": 0, **stage, "stream": True}]})
+    image = {"kind": "diffusion", "model": "m"}
     config = parse_pipeline_config(
         {
             "stages": [
                 {"stage_id": 0, **stage},
-                {"stage_id": 1, **stage, "input_from": 0, "input_processor": "x", "stream": True},
+                {"stage_id": 1, **image, "input_from": 0, "input_processor": "x", "stream": True},
             ]
         }
     )
-    with pytest.raises(ConfigError, match=r"stages.1.stream: a 'ar' stage takes its input whole"):
+    with pytest.raises(
+        ConfigError, match=r"stages.1.stream: a 'diffusion' stage takes its input whole"
+    ):
         check_kinds(config)

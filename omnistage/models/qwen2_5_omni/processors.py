@@ -12,6 +12,7 @@ from omnistage.errors import InvalidRequestError, StageInternalError
 from omnistage.models.processors import (
     InputProcessor,
     RequestParams,
+    RowsStream,
     UpstreamResult,
     Wants,
     hidden_states_of,
@@ -119,5 +120,18 @@ class TalkerCodes:
         return codes, self.ended
 
 
-THINKER_TO_TALKER = InputProcessor(thinker_to_talker, talker_wants)
+def _end_rows(first: UpstreamResult) -> torch.Tensor:
+    """After the reply: the text-eos embedding, then text-pad (repeating)."""
+    if first.token_embeddings is None or len(first.token_embeddings) != 3:
+        raise StageInternalError("the thinker handed over no voice/eos/pad token embeddings")
+    return first.token_embeddings[1:]
+
+
+def thinker_rows(folder: str, params: RequestParams) -> RowsStream:
+    """The streamed form of ``thinker_to_talker``: each reply token's (embedding + hidden
+    state) as the thinker makes it."""
+    return RowsStream(folder, params, thinker_to_talker, lambda rows: rows, _end_rows)
+
+
+THINKER_TO_TALKER = InputProcessor(thinker_to_talker, talker_wants, stream_embeds=thinker_rows)
 TALKER_TO_CODE2WAV = InputProcessor(talker_to_code2wav, stream=TalkerCodes)

@@ -29,6 +29,7 @@ from omnistage.errors import InvalidRequestError, StageInternalError
 from omnistage.models.processors import (
     InputProcessor,
     RequestParams,
+    RowsStream,
     UpstreamResult,
     Wants,
     hidden_states_of,
@@ -209,5 +210,23 @@ class TalkerFrames:
         return codes, self.ended
 
 
-THINKER_TO_TALKER = InputProcessor(thinker_to_talker, talker_wants)
+def _decode_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Reply tokens' rows as the talker's decode embeddings: their embeddings, as text."""
+    embeds = rows[:, : rows.shape[1] // 2]
+    return torch.cat([embeds, embeds.new_zeros(len(embeds), 1)], dim=1)
+
+
+def _end_rows(first: UpstreamResult) -> torch.Tensor:
+    """After the reply: the tts eos, then tts pad (repeating), as text."""
+    assert first.token_embeddings is not None
+    _, eos, pad = first.token_embeddings
+    end = torch.stack([eos, pad])
+    return torch.cat([end, end.new_zeros(2, 1)], dim=1)
+
+
+def thinker_rows(folder: str, params: RequestParams) -> RowsStream:
+    return RowsStream(folder, params, thinker_to_talker, _decode_rows, _end_rows)
+
+
+THINKER_TO_TALKER = InputProcessor(thinker_to_talker, talker_wants, stream_embeds=thinker_rows)
 TALKER_TO_CODE2WAV = InputProcessor(talker_to_code2wav, stream=TalkerFrames)

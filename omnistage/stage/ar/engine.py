@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Any
 
 import torch
 
@@ -29,13 +30,14 @@ from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.multi_modal import modalities
-from omnistage.stage.ar.output import abort_output, append_token
+from omnistage.stage.ar.output import abort_output, append_token, streamed_rows
 from omnistage.stage.ar.ranks import TensorParallelWorker, make_worker
 from omnistage.stage.ar.requests import RequestTable, from_wire
 from omnistage.stage.ar.resolve import resolve_ar_stage
 from omnistage.stage.ar.sampler import Sampler
 from omnistage.stage.ar.scheduler import Scheduler
 from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.streamed_input import StreamedInput
 from omnistage.stage.ar.wire import KIND, ARStageInfo
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.control import Ack
@@ -47,7 +49,7 @@ from omnistage.stage.vocabulary import KV_CACHE
 logger = logging.getLogger(__name__)
 
 
-class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
+class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWorker]):
     """One AR stage on one device. Not thread-safe: one caller drives it."""
 
     def __init__(
@@ -98,6 +100,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
             suppressed=self.model_config.suppress_token_ids,
         )
         self._held: list[Sequence] = []  # arrived while paused; scheduled on resume
+        self._awaiting: dict[str, Any] = {}  # streamed requests whose prompt has not come
         self._queued_outputs: list[StageOutput] = []  # ended from outside (abort)
         self.requests = RequestTable(
             config,
@@ -166,6 +169,7 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
     def abort(self, request_id: str) -> None:
         """End every sample of a request with ``finish_reason="abort"`` (delivered by the next
         ``step()``)."""
+        self._drop_awaiting(request_id)
         for seq in self.requests.samples(request_id):
             self.scheduler.remove_sequence(seq)
             if seq in self._held:
@@ -180,13 +184,16 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
         seq.pending_samples = []
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.has_unfinished() or self._held or self._queued_outputs)
+        return bool(
+            self.scheduler.has_unfinished() or self._held or self._queued_outputs or self._awaiting
+        )
 
     def has_runnable_work(self) -> bool:
         """Whether a step would make progress even if it answered nothing: sequences that
         replay their tokens after a recompute (``Sequence.rewind``) step with no output."""
         return self._can_run() and (
-            bool(self.scheduler.running) or any(seq.replay for seq in self.scheduler.waiting)
+            any(seq.is_ready for seq in self.scheduler.running)
+            or any(seq.replay for seq in self.scheduler.waiting)
         )
 
     # -- the loop -----------------------------------------------------------------------
@@ -258,6 +265,8 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
                 )
             self.num_generated_tokens += 1
             output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
+            if seq.stream_hidden_states:
+                output.delta = streamed_rows(seq)
             self._queued_outputs.append(output)
             self.block_manager.cache_computed_blocks(seq)
             if seq.finish_reason is not None:
@@ -332,6 +341,8 @@ class ARStageEngine(StageEngineBase[ARWorker | TensorParallelWorker]):
         preempted and continue after ``resume()``; ``wait``: requests already here run to
         completion (see ``is_drained``). New requests queue until ``resume()``."""
         if mode == "abort":
+            for request_id in list(self._awaiting):
+                self._drop_awaiting(request_id)
             seqs = [*self.scheduler.remove_all(), *self._held]
             self._held.clear()
             for seq in seqs:

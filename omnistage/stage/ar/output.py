@@ -91,6 +91,27 @@ def final_handoff(seq: Sequence) -> dict[str, Any] | None:
     return payload or None
 
 
+def streamed_rows(seq: Sequence) -> dict[str, Any] | None:
+    """The hidden-state rows ``seq`` recorded since its last output said (rows a recompute
+    records again were said already); the first also says its prompt, as ``final_handoff``."""
+    total = sum(len(rows) for rows in seq.hidden_states)
+    fresh = total - seq.num_streamed_rows
+    if fresh <= 0:
+        return None
+    delta: dict[str, Any] = {"hidden_states": torch.cat(seq.hidden_states[-fresh:])[-fresh:].cpu()}
+    if seq.num_streamed_rows == 0:
+        delta.update(
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            token_embeddings=seq.token_embeddings,
+            position_delta=seq.position_delta,
+        )
+        if seq.positions is not None:
+            delta["positions"] = seq.positions.cpu()
+    seq.num_streamed_rows = total
+    return delta
+
+
 def abort_output(
     seq: Sequence, reason: FinishReason = "abort", error: Exception | None = None
 ) -> StageOutput:

@@ -85,6 +85,7 @@ class ARRequestPreparer:
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
             text_embeddings_only=wants.text_embeddings_only,
             hidden_layer=wants.hidden_layer,
+            stream_hidden_states=wants.streamed,
             embed_token_ids=list(wants.embed_token_ids) or None,
         )
 
@@ -185,6 +186,7 @@ class ARRequestPreparer:
             hidden_states_with_embeddings=wants.hidden_states_with_embeddings,
             text_embeddings_only=wants.text_embeddings_only,
             hidden_layer=wants.hidden_layer,
+            stream_hidden_states=wants.streamed,
             embed_token_ids=list(wants.embed_token_ids) or None,
             prompt_embeds=embeds.get("prompt_embeds"),
             token_embeds_from=prompt.get("token_embeds_from"),

@@ -42,6 +42,7 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.position_delta,
         request.text_embeddings_only,
         request.hidden_layer,
+        request.stream_hidden_states,
     )
 
 

@@ -51,6 +51,8 @@ class Scheduler:
         computing: set[bytes] = set()  # prefix blocks this step's prefills compute
         while self.waiting:
             seq = self.waiting[0]
+            if not seq.is_ready:
+                break  # a recompute whose streamed input has not caught up
             if scheduled and self.block_manager.waits_for(seq, computing):
                 break  # its prefix is computed now: a step later it is a cache hit
             forks = len(seq.pending_samples)
@@ -75,6 +77,10 @@ class Scheduler:
         if scheduled:
             self.running.extend(scheduled)
             return scheduled, True
+        # Sequences waiting for their streamed input sit this step out, in their places.
+        idle = [seq for seq in self.running if not seq.is_ready]
+        if idle:
+            self.running = deque(seq for seq in self.running if seq.is_ready)
         while self.running:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
@@ -87,6 +93,7 @@ class Scheduler:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
+        self.running.extend(idle)
         return scheduled, False
 
     def _fits(self, seq: Sequence, slots: int) -> bool:

@@ -40,6 +40,8 @@ class ARRequest:
     position_delta: int = 0  # generated token i sits at i + position_delta
     text_embeddings_only: bool = False  # hidden states add no encoder output
     hidden_layer: int | None = None  # hand over this layer's hidden states (see ``Wants``)
+    # Each output carries what the step added to the hand-off (a streamed edge's input).
+    stream_hidden_states: bool = False
 
 
 class SequenceStatus(Enum):
@@ -67,6 +69,11 @@ class Sequence:
         self.hidden_states_with_embeddings = request.hidden_states_with_embeddings
         self.text_embeddings_only = request.text_embeddings_only
         self.hidden_layer = request.hidden_layer
+        self.stream_hidden_states = request.stream_hidden_states
+        # A streamed input still open: its decode embeddings arrive while it runs, and a
+        # step whose row has not arrived yet waits (``is_ready``).
+        self.input_open = False
+        self.num_streamed_rows = 0  # hidden-state rows its outputs carried (``delta``)
         self.embed_token_ids = request.embed_token_ids
         self.prompt_embeds = request.prompt_embeds
         self.token_embeds_from = request.token_embeds_from
@@ -147,6 +154,15 @@ class Sequence:
             or self.decode_embeds is not None
             or bool(self.frame_embeds)
         )
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether its next step has its input: every fed token's decode embedding has come
+        (or its input is complete: the last row then repeats)."""
+        if not self.input_open:
+            return True
+        rows = 0 if self.decode_embeds is None else len(self.decode_embeds)
+        return rows >= self.num_output_tokens
 
     @property
     def key(self) -> tuple[str, int]:

@@ -62,6 +62,7 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     hidden_states_with_embeddings: bool = False
     text_embeddings_only: bool = False  # ... but zeros at multimodal placeholders
     hidden_layer: int | None = None  # that layer's hidden states (see ``Wants``)
+    stream_hidden_states: bool = False  # each output carries its step's rows (``Wants``)
     embed_token_ids: list[int] | None = None
     prompt_embeds: torch.Tensor | None = None
     token_embeds_from: int | None = None  # prompt positions from here add their tokens' too

@@ -88,6 +88,7 @@ class FakeStage:
         forward: bool = False,
         upstream: Any = None,
         stream: str | None = None,
+        params: Any = None,
     ) -> asyncio.Queue[OutputMessage]:
         if self.is_dead:
             raise StageDeadError(self.stage_id, self.death_reason)
@@ -100,8 +101,10 @@ class FakeStage:
     def abort(self, request_ids: list[str]) -> None:
         self.sent.append(AbortRequest(request_ids=request_ids))
 
-    def append_input(self, request_id: str, token_ids: list[int], final: bool) -> None:
-        self.sent.append(AppendInput(request_id, token_ids, final))
+    def append_input(
+        self, request_id: str, token_ids: list[int], final: bool, delta: Any = None
+    ) -> None:
+        self.sent.append(AppendInput(request_id, token_ids, final, delta))
 
     def discard(self, ref: Any) -> None:
         self.sent.append(DiscardHandoff(ref))

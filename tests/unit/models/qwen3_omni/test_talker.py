@@ -211,3 +211,76 @@ def test_a_seeded_sampled_request_repeats_itself(stages):
     first = talker_frames(stages, prompt_ids, sampled, seed=1)[1]
     assert talker_frames(stages, prompt_ids, sampled, seed=2)[1] == first
     assert len(first) == 5
+
+
+@pytest.mark.parametrize("case", ["text", "image"])
+def test_the_talker_fed_while_the_thinker_runs_speaks_the_same(stages, case):
+    """The talker's request opens when the thinker starts; the thinker's rows reach it step
+    by step (``ThinkerRows``), and the two engines take turns: the talker waits for each
+    decode embedding it needs, and its frames are those of the whole hand-off."""
+    from omnistage.stage.ar.wire import ARStageRequest
+    from omnistage.stage.core import upstream_update
+    from omnistage.stage.messages import AppendInput, Handoff
+
+    folder, thinker, talker = stages
+    prompt_ids, thinker_ids, frames = reference(case)
+    omni, tokens = processors.checkpoint_tokens(folder)
+    params = {"audio_params": {"voice": "Ethan"}}
+    wants = processors.talker_wants(folder, params)
+    media: dict = {}
+    if case != "text":
+        from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
+
+        processed = Qwen3OmniPromptProcessor(folder).process(
+            prompt_ids_of(folder, case), media_of(case), {}
+        )
+        media = {
+            "multi_modal": [
+                MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
+                for i in processed.items
+            ],
+            "positions": processed.positions,
+            "position_delta": processed.position_delta,
+        }
+    thinker.add_request(
+        ARRequest(
+            "streamed",
+            prompt_ids,
+            SamplingParams(
+                temperature=0.0, max_tokens=THINKER_TOKENS, stop_token_ids=[omni.im_end]
+            ),
+            return_hidden_states=True,
+            hidden_states_with_embeddings=True,
+            text_embeddings_only=True,
+            embed_token_ids=list(wants.embed_token_ids),
+            hidden_layer=wants.hidden_layer,
+            stream_hidden_states=True,
+            **media,
+        )
+    )
+    rows = processors.thinker_rows(folder, params)
+    talker.add_streamed_request("streamed", ARStageRequest([], greedy()))
+    said, codes, thinker_done, talker_done = [], [], False, False
+    while not talker_done:
+        if not thinker_done:
+            for out in thinker.step():
+                said += out.new_token_ids
+                thinker_done = out.finished
+                delta = Handoff(**out.delta) if out.delta else None
+                msg = AppendInput("streamed", list(out.new_token_ids), out.finished, delta)
+                fields, ended = rows.feed_update(upstream_update(msg), out.finished)
+                talker.append_input("streamed", fields, ended)
+        for out in talker.step():
+            assert out.error is None, out.error
+            codes += out.new_token_ids
+            talker_done = out.finished
+    assert said == thinker_ids
+    flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
+    g = tokens.groups
+    assert [flat[i : i + g] for i in range(0, len(flat), g)] == frames
+
+
+def prompt_ids_of(folder: str, case: str) -> list[int]:
+    from omnistage.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
