@@ -1,0 +1,177 @@
+"""Qwen3-Omni served as thinker → talker → code2wav (``Omni.from_model`` on the tiny-qwen3-omni
+preset, stages in process) against transformers' own
+``Qwen3OmniMoeForConditionalGeneration.generate`` (greedy thinker and talker, the thinker
+stopping at ``<|im_end|>``; tests/qwen3_omni_reference.py) for a text, an audio and an image
+prompt: the thinker's ids, every codebook of the talker's codes (as the code2wav stage reports
+them: frame-major and flat, ``audio.codes``) and the waveform are the same — alone, two
+requests at once, after every stage slept (level 1, then level 2) and woke. Speech streamed
+while the talker speaks (the pipeline's ``stream: true``, through ``AsyncOmni``, whose updates
+carry each piece) joins into the same samples, bit for bit, as speech synthesised in one piece
+(``stream=False``), also for a reply long enough to be cut into pieces.
+
+The reference restores the talker's audio window that transformers 5.24 loses for audio +
+image prompts (see its docstring); the prompts here carry one medium each, where nothing is
+restored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from omnistage.engine.async_omni import AsyncOmni
+from omnistage.entrypoints.omni import Omni
+from omnistage.models.media import Audio, MediaItem
+from tests.qwen3_omni_media import media, messages, processor_outputs
+from tests.qwen3_omni_reference import reference_generate
+
+VOICE = "chelsie"
+THINKER_TOKENS, TALKER_TOKENS = 8, 16  # 15 frames (the last code sampled has no frame)
+# A reply the tiny code2wav streams in pieces: at its sizes the CPU convolutions of a decode
+# under 224 frames run other kernels than the 300-frame window's, so no chunk goes out earlier
+LONG_TALKER_TOKENS = 260
+GREEDY = {"temperature": 0.0, "max_tokens": THINKER_TOKENS}
+TEXT = "Hello there"
+CASES = ("text", "audio", "image")  # audio: 2.5 s (33 placeholders); image: 10 x 16 patches
+# transformers' talker generate gets embeddings only: its penalty warning is expected
+pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
+
+
+def prompt_of(case: str) -> dict:
+    """The case as ``Omni.generate`` takes it: chat messages, media in prompt order."""
+    if case == "text":
+        return {"messages": [{"role": "user", "content": TEXT}]}
+    given = media(case)
+    items = [
+        MediaItem("audio", Audio(a, 16000), f"{case}-a{k}") for k, a in enumerate(given["audio"])
+    ]
+    items += [MediaItem("image", im, f"{case}-i{k}") for k, im in enumerate(given["images"])]
+    return {"messages": messages(case), "multi_modal_data": items}
+
+
+def speech_params(talker_tokens: int = TALKER_TOKENS) -> dict:
+    return {
+        "talker_params": {"temperature": 0.0, "max_tokens": talker_tokens},
+        "audio_params": {"voice": VOICE},
+    }
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_qwen3_omni_folder):
+    return str(tiny_qwen3_omni_folder)
+
+
+@pytest.fixture(scope="module")
+def whole(folder):
+    """Speech synthesised in one piece, as transformers speaks it."""
+    omni = Omni.from_model(folder, in_process=True, enable_sleep_mode=True, stream=False)
+    yield omni
+    omni.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def streamed(folder):
+    """The pipeline as it comes: code2wav speaks the frames as the talker makes them."""
+    engine = AsyncOmni.from_model(folder, in_process=True)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """Per case: transformers' generate (computed once)."""
+    cache: dict[str, object] = {}
+
+    def get(case: str):
+        if case not in cache:
+            outputs = None if case == "text" else processor_outputs(folder, case)
+            cache[case] = reference_generate(
+                folder,
+                TEXT,
+                voice=VOICE,
+                thinker_max_new_tokens=THINKER_TOKENS,
+                talker_max_new_tokens=TALKER_TOKENS,
+                processor_outputs=outputs,
+            )
+        return cache[case]
+
+    return get
+
+
+def speak(omni: Omni, cases: list[str], talker_tokens: int = TALKER_TOKENS):
+    return omni.generate(
+        [prompt_of(c) for c in cases], GREEDY, ["text", "audio"], **speech_params(talker_tokens)
+    )
+
+
+def assert_same(out, ref) -> None:
+    assert out.token_ids == ref.thinker_ids
+    (audio,) = out.audio
+    assert audio.codes == ref.talker_codes.T.reshape(-1).tolist()  # frame-major, every codebook
+    assert audio.sample_rate == 24000 and audio.samples.dtype == np.float32
+    assert audio.voice == VOICE
+    assert np.array_equal(audio.samples, ref.waveform)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_ids_codes_and_waveform_match_transformers(whole, reference, case):
+    (out,) = speak(whole, [case])
+    assert_same(out, reference(case))
+    assert len(out.audio[0].codes) == 4 * (TALKER_TOKENS - 1)  # 4 code groups per frame
+
+
+def test_two_requests_at_once_give_what_each_gives_alone(whole, reference):
+    audio, image = speak(whole, ["audio", "image"])
+    assert_same(audio, reference("audio"))
+    assert_same(image, reference("image"))
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_after_every_stage_slept_and_woke(whole, reference, level):
+    acks = whole.sleep([0, 1, 2], level=level)
+    assert [a["status"] for a in acks] == ["SUCCESS"] * 3
+    assert {s["state"] for s in whole.stage_status()} == {"asleep"}
+    whole.wake_up([0, 1, 2])
+    whole.resume_generation([0, 1])  # AR stages wait for it after a wake (the Python API)
+    (out,) = speak(whole, ["image"])
+    assert_same(out, reference("image"))
+
+
+async def stream_speech(
+    engine: AsyncOmni, case: str, talker_tokens: int = TALKER_TOKENS
+) -> tuple[list[np.ndarray], object]:
+    """A streamed reply's audio pieces, in order, and the whole its last update carries."""
+    pieces, final = [], None
+    params = speech_params(talker_tokens)
+    async for out in engine.generate(prompt_of(case), GREEDY, ["text", "audio"], **params):
+        pieces += [a.samples for a in out.audio_delta]
+        if out.audio:
+            final = out.audio[0]
+    return pieces, final
+
+
+async def test_streamed_speech_is_the_whole_synthesis_bit_for_bit(streamed, reference):
+    runs = await asyncio.gather(*(stream_speech(streamed, c) for c in CASES))
+    for case, (pieces, final) in zip(CASES, runs, strict=True):
+        ref = reference(case)  # equal to the whole synthesis (the tests above)
+        assert pieces and np.array_equal(np.concatenate(pieces), ref.waveform)
+        assert final.codes == ref.talker_codes.T.reshape(-1).tolist()
+        assert np.array_equal(final.samples, ref.waveform)
+
+
+async def test_a_long_streamed_reply_joins_into_the_whole_synthesis(whole, streamed):
+    """Pieces cut inside code2wav's first 300-frame window (the stages of both pipelines
+    speak at once)."""
+    alone = asyncio.to_thread(speak, whole, ["text"], LONG_TALKER_TOKENS)
+    (pieces, final), (out,) = await asyncio.gather(
+        stream_speech(streamed, "text", LONG_TALKER_TOKENS), alone
+    )
+    (audio,) = out.audio
+    assert len(audio.codes) == 4 * (LONG_TALKER_TOKENS - 1) and final.codes == audio.codes
+    assert np.array_equal(np.concatenate(pieces), audio.samples)
+    assert np.array_equal(final.samples, audio.samples)
