@@ -111,11 +111,18 @@ _ORDER = (  # `all` runs them in this order
     ),
     Benchmark(
         "omni",
-        "Qwen2.5-Omni speech against transformers; sleep/wake",
+        "Qwen2.5-Omni and Qwen3-Omni speech against transformers; sleep/wake",
         "Qwen2.5-Omni speech (thinker, talker, code2wav) on tiny-qwen2.5-omni: throughput at "
         "1 and 8 concurrent against transformers' generate, whether the audio agrees, "
-        "sleep/wake per stage, audio-in requests, the encoders and the encoder cache.",
-        "1-15 minutes: 1 on an idle machine (docs/benchmarks.md), 15 in the loaded run",
+        "sleep/wake per stage, audio-in requests, the encoders and the encoder cache; then "
+        "Qwen3-Omni beside it (tiny-qwen3-omni; the families table): time to first audio, "
+        "real-time factor and requests/s at 1 and 8 concurrent, each against its own "
+        "transformers generate in the same run, and whether the speech codes agree. "
+        "--pipelines picks either or both.",
+        "1-15 minutes: 1 on an idle machine (docs/benchmarks.md), 15 in the loaded run; the "
+        "families table alone (--pipelines tiny-qwen3-omni) about 1-3 minutes",
+        ("pipelines",),
+        "tiny-qwen2.5-omni,tiny-qwen3-omni",
     ),
 )
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in _ORDER}

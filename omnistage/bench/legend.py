@@ -180,6 +180,7 @@ GLOSSARY: dict[str, str] = {
     "vs_concurrency_1": "requests per second over the same mode's at concurrency 1",
     "vs_transformers": "requests per second over transformers' generate, one after another",
     "ttfa_vs_whole": "ttfa_ms over the whole mode's e2e_ms at this concurrency",
+    "ttfa_vs_transformers": "ttfa_ms over transformers' (its audio comes whole: its e2e_ms)",
     "audio_as_alone": "of the prompts also sent at concurrency 1, those with the same audio bytes",
 }
 

@@ -1,31 +1,25 @@
 """Qwen2.5-Omni (thinker → talker → code2wav) on the built-in ``tiny-qwen2.5-omni`` pipeline:
-speech throughput against transformers' own ``Qwen2_5OmniForConditionalGeneration.generate``
-in the same run, whether the audio is the same, and sleep/wake of each stage (see
-docs/benchmarks.md for how to read the tables).
+speech throughput against transformers' ``Qwen2_5OmniForConditionalGeneration.generate`` in
+the same run, whether the audio is the same, sleep/wake of each stage; and Qwen3-Omni beside
+it (``omni_families``). docs/benchmarks.md says how to read the tables.
 
 Every request is a chat prompt answered with text and audio: greedy thinker and talker (the
 tiny random model reaches neither eos, so each request does the same work), one voice and
 seed. Throughput: the stages are processes; prompts go ``concurrency`` at a time after a
-warm-up. The baseline is transformers' ``generate`` on the same prompts one after another (it
-decodes one request at a time), in this process, after the pipeline has shut down. ``rtf``
-(real-time factor) = wall seconds of compute per second of audio (lower is better).
+warm-up. The baseline is transformers' ``generate`` on the same prompts one after another, in
+this process, after the pipeline has shut down. ``rtf`` = wall seconds per second of audio.
 ``<stage>_ms``: mean time per request in a stage (omnistage: admission to the stage → its end
-there, so with concurrency it includes waiting; transformers: inside ``thinker.generate``,
-``talker.generate``, ``token2wav.forward``).
+there, waiting included; transformers: inside ``thinker.generate``, ``talker.generate``,
+``token2wav.forward``).
 
 Audio: every request against the same prompt sent alone to omnistage, and against
 transformers as shipped — whose 5.x ``generate`` drops an all-ones attention mask, so its
-talker never adds the codec pad / bos embeddings to its prefill as the original Qwen code,
-transformers 4.x and omnistage do — and, untimed, with that mask handed back to the talker's
-forward (as ``tests/qwen_omni_reference.py`` does).
-
-Sleep: per stage and level, medians over ``repeats`` cycles of sleep → wake (+ resume for AR
-stages) → one audio request, end to end through ``Omni``; ``freed_mib`` from the sleep ACK;
-the baseline is the pipeline's cold start (spawn, imports, model load) to its first audio.
-
-Media (``omnistage.bench.omni_media``): audio-in requests' throughput and agreement, the
-encoders' cost, the encoder cache's hit speedup. Streamed speech (``omni_stream``): time to
-first audio and throughput over HTTP, streamed and whole.
+talker never adds the codec pad / bos embeddings to its prefill as the original Qwen code does
+— and, untimed, with that mask handed back (as ``tests/qwen_omni_reference.py`` does). Sleep:
+per stage and level, medians over ``repeats`` cycles of sleep → wake (+ resume) → one audio
+request through ``Omni``; the baseline is the pipeline's cold start to its first audio. Media
+(``omni_media``): audio-in requests, the encoders, the encoder cache. Streamed speech
+(``omni_stream``): time to first audio and throughput over HTTP, streamed and whole.
 """
 
 from __future__ import annotations
@@ -42,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.bench import omni_families as families
 from omnistage.bench import omni_media as media
 from omnistage.bench import omni_stream
 from omnistage.bench.report import write_results
@@ -384,18 +379,23 @@ class TransformersRunner:
         return Timed(seconds, speech, stage_s)
 
 
-def run(
-    out_dir: str, device: str = "cpu", settings: Settings | None = None, in_process: bool = False
-) -> str:
-    """Write ``omni-<device>-{throughput,audio,sleep,media,encoders,encoder-cache}.{json,md}``;
-    return the tables. ``in_process`` runs the stages as threads (for tests; the benchmark
-    uses processes)."""
-    import transformers
-
+def run(out_dir: str, device: str = "cpu", settings: Settings | None = None, in_process: bool = False,
+        pipelines: Sequence[str] = families.PIPELINES) -> str:  # fmt: skip
+    """Write and return the tables: tiny-qwen2.5-omni's, and ``omni_families``' when
+    tiny-qwen3-omni is chosen. ``in_process``: stages as threads (tests; here processes)."""
     s = settings or Settings()
     if s.repeats < 1 or not s.prompts or 1 not in s.concurrency or min(s.concurrency) < 1:
         raise ValueError(f"need repeats >= 1, prompts and concurrency 1 (and >= 1): {s}")
-    name = f"omni-{device.replace(':', '')}"
+    name, chosen = f"omni-{device.replace(':', '')}", families.check_pipelines(pipelines)
+    tables = [_qwen2_5(out_dir, name, s, device, in_process)] if PIPELINE in chosen else []
+    if families.QWEN3 in chosen:  # Qwen3-Omni beside Qwen2.5-Omni (if chosen too)
+        tables.append(families.run(out_dir, name, chosen, s, device, in_process, TransformersRunner))  # fmt: skip
+    return "\n\n".join(tables)
+
+
+def _qwen2_5(out_dir: str, name: str, s: Settings, device: str, in_process: bool) -> str:
+    import transformers
+
     ours = OmnistageRunner(s, device, in_process=in_process)
     try:
         heard = media.AudioRequests(ours.folder, s.prompts, s.media)

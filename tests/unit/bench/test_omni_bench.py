@@ -124,7 +124,9 @@ def test_a_tiny_run_writes_the_six_tables(tmp_path):
             cache_repeats=1,
         ),
     )
-    tables = bench.run(str(tmp_path), settings=settings, in_process=True)
+    tables = bench.run(
+        str(tmp_path), settings=settings, in_process=True, pipelines=[bench.PIPELINE]
+    )
     assert tables.count("| engine |") == 2 and "| 2 (code2wav) | 2 |" in tables
 
     def load(part: str) -> dict[str, Any]:
