@@ -1,5 +1,6 @@
 """The documents users follow stay true: the README's pipeline example is the example file,
-which names every stage field and loads; links point at files that exist."""
+which names every stage field and loads; the README's built-in pipelines are the ones
+`omnistage serve --help` lists, and those that exist; links point at files that exist."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from omnistage.config import StageConfig, load_pipeline_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline.yaml"
+README = ROOT / "README.md"
 
 
 def test_the_readme_shows_the_example_pipeline_verbatim():
@@ -31,6 +33,19 @@ def test_readme_make_serve_settings_exist_in_the_makefile():
     for name in ("HOST", "PORT", "PIPELINE"):
         assert re.search(rf"^{name} \?=", makefile, flags=re.M), name
         assert f"{name}=" in (ROOT / "README.md").read_text()
+
+
+def test_the_readme_and_serve_help_list_the_built_in_pipelines():
+    from omnistage.entrypoints.openai.server_config import ServerConfig
+    from omnistage.pipelines import builtin_pipelines
+
+    described = ServerConfig.model_fields["pipeline"].description or ""
+    listed = described.split("): ", 1)[1].removesuffix(".").split(", ")
+    assert sorted(listed) == builtin_pipelines()
+    block = re.search(r"built-in pipelines: (.*?)\nomnistage/bench", README.read_text(), re.S)
+    assert block is not None
+    names = " ".join(block.group(1).split()).replace(" (default)", "").split(", ")
+    assert sorted(names) == builtin_pipelines(), "README's Layout: list every built-in pipeline"
 
 
 def test_relative_links_in_the_docs_resolve():

@@ -19,6 +19,7 @@ from pydantic import (
 )
 
 from omnistage.config import AttentionBackendName, ByteCount, DTypeSetting, PipelineConfig
+from omnistage.pipelines import builtin_pipelines
 
 # The media modalities a prompt may bring (``omnistage.models.media.MODALITIES``, spelled out
 # here so that the command line does not import numpy), and how many of each by default.
@@ -68,13 +69,17 @@ class ServerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pipeline: str | None = Field(
-        default=None, description="Built-in pipeline to serve (default tiny-omni)."
+        default=None,
+        description="Built-in pipeline to serve (default tiny-omni): "
+        f"{', '.join(builtin_pipelines())}.",
     )
     config: str | None = Field(default=None, description="Pipeline YAML file to serve.")
     model: str | None = Field(
         default=None,
         description="Local HF checkpoint folder (or a hub id whose snapshot is in the local "
-        "Hugging Face cache), served as one AR stage.",
+        "Hugging Face cache), served as the pipeline its model family forms (one AR stage for "
+        "a decoder-only model, thinker, talker and code2wav for a speaking omni model, a "
+        "diffusion stage for a diffusers folder).",
     )
     served_model_name: Annotated[list[str], BeforeValidator(_names)] = Field(
         default_factory=list,
