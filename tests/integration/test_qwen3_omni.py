@@ -1,17 +1,18 @@
 """Qwen3-Omni served as thinker → talker → code2wav (``Omni.from_model`` on the tiny-qwen3-omni
 preset, stages in process) against transformers' own
 ``Qwen3OmniMoeForConditionalGeneration.generate`` (greedy thinker and talker, the thinker
-stopping at ``<|im_end|>``; tests/qwen3_omni_reference.py) for a text, an audio and an image
-prompt: the thinker's ids, every codebook of the talker's codes (as the code2wav stage reports
-them: frame-major and flat, ``audio.codes``) and the waveform are the same — alone, two
-requests at once, after every stage slept (level 1, then level 2) and woke. Speech streamed
-while the talker speaks (the pipeline's ``stream: true``, through ``AsyncOmni``, whose updates
-carry each piece) joins into the same samples, bit for bit, as speech synthesised in one piece
-(``stream=False``), also for a reply long enough to be cut into pieces.
+stopping at ``<|im_end|>``; tests/qwen3_omni_reference.py) for a text, an audio, an image and
+an audio + image prompt: the thinker's ids, every codebook of the talker's codes (as the
+code2wav stage reports them: frame-major and flat, ``audio.codes``) and the waveform are the
+same — alone, two requests at once, after every stage slept (level 1, then level 2) and
+woke. Speech streamed as the stages speak (the pipeline's ``stream: true``, through
+``AsyncOmni``, whose updates carry each piece) joins into the same samples, bit for bit, as
+speech synthesised in one piece (``stream=False``), also for a reply long enough to be cut
+into pieces.
 
-The reference restores the talker's audio window that transformers 5.24 loses for audio +
-image prompts (see its docstring); the prompts here carry one medium each, where nothing is
-restored.
+For the audio + image prompt transformers 5.24's talker raises (it reads an audio window its
+config lacks); the reference gives it the original code's window (see its docstring), and
+omnistage's talker positions equal what it then computes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ THINKER_TOKENS, TALKER_TOKENS = 8, 16  # 15 frames (the last code sampled has no
 LONG_TALKER_TOKENS = 260
 GREEDY = {"temperature": 0.0, "max_tokens": THINKER_TOKENS}
 TEXT = "Hello there"
-CASES = ("text", "audio", "image")  # audio: 2.5 s (33 placeholders); image: 10 x 16 patches
+# audio: 2.5 s (33 placeholders); image: 10 x 16 patches; audio_image: 1.3 s and 60 x 90 px
+CASES = ("text", "audio", "image", "audio_image")
 # transformers' talker generate gets embeddings only: its penalty warning is expected
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
 
