@@ -25,6 +25,7 @@ PRESETS: dict[str, str] = {
     "tiny-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build",
     "tiny-qwen2.5-omni-alt": "omnistage.models.qwen2_5_omni.tiny:build_alt",
     "tiny-qwen3-omni": "omnistage.models.qwen3_omni.tiny:build",
+    "bench-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build_bench",
 }
 
 _DONE_MARKER = ".omnistage-built"

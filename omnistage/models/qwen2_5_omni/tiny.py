@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 from omnistage.models import tiny_ar
 from omnistage.models.qwen2_5_omni.tiny_specs import (  # noqa: F401  (re-exported)
     ALT,
+    BENCH,
     DEFAULT,
     TINY_QWEN_OMNI_SPECS,
     TinyQwenOmniSpec,
@@ -383,3 +384,8 @@ def build(out: str | Path) -> Path:
 def build_alt(out: str | Path) -> Path:
     """The second tiny config (spec ``ALT``: other sizes, tied thinker embeddings, one shard)."""
     return build_tiny_qwen_omni(out, ALT)
+
+
+def build_bench(out: str | Path) -> Path:
+    """The ``bench-qwen2.5-omni`` preset (spec ``BENCH``: bench-size, one shard, seed 0)."""
+    return build_tiny_qwen_omni(out, BENCH)

@@ -1,6 +1,7 @@
 """The sizes of the tiny Qwen2.5-Omni checkpoints ``tiny_qwen_omni`` builds: the default
-(the ``tiny-qwen2.5-omni`` preset) and an alternative with other head and layer counts, tied
-thinker embeddings and one unsharded file, so tests cover two configurations."""
+(the ``tiny-qwen2.5-omni`` preset), an alternative with other head and layer counts, tied
+thinker embeddings and one unsharded file, so tests cover two configurations, and a
+bench-size one (the ``bench-qwen2.5-omni`` preset) for ``omnistage bench``."""
 
 from __future__ import annotations
 
@@ -117,6 +118,52 @@ ALT = TinyQwenOmniSpec(
     resblock_kernel_sizes=(3,),
     resblock_dilation_sizes=((1, 3, 5),),
     ref_mel_frames=24,
+    max_shard_size=None,
+)
+# Bench size: laid out like the real Qwen2.5-Omni-7B (head_dim 64, the real 128 halved; the
+# DiT's 24-frame blocks; BigVGAN's six upsamplings to 480 samples per code: 50 codes per
+# second of 24 kHz audio), narrower and shallower so that a request of a few hundred codes
+# takes seconds on 2 CPU cores, code2wav a large share of it. 256 greedy codes are ~5 s of
+# audio. (Not in TINY_QWEN_OMNI_SPECS: the tests' specs, each built several times.)
+BENCH = TinyQwenOmniSpec(
+    vocab_size=2048,
+    hidden_size=384,
+    intermediate_size=1024,
+    num_layers=4,
+    num_heads=6,
+    num_kv_heads=2,
+    mrope_section=(8, 12, 12),
+    talker_vocab_size=1024,
+    talker_hidden_size=256,
+    talker_intermediate_size=768,
+    talker_num_layers=4,
+    talker_num_heads=4,
+    talker_num_kv_heads=2,
+    talker_head_dim=64,
+    talker_mrope_section=(8, 12, 12),
+    codec_pad_id=1000,
+    codec_bos_id=1001,
+    codec_eos_id=1002,
+    codec_mask_id=1004,
+    dit_hidden_size=128,
+    dit_num_layers=4,
+    dit_num_heads=2,
+    dit_head_dim=64,
+    dit_emb_dim=64,
+    dit_block_size=24,
+    dit_look_ahead_layers=(2,),
+    dit_look_backward_layers=(0, 3),
+    enc_emb_dim=64,
+    enc_dim=64,
+    enc_channels=(64, 64, 64, 64, 192),
+    enc_attention_channels=32,
+    enc_se_channels=32,
+    bigvgan_initial_channel=64,
+    upsample_rates=(5, 3, 2, 2, 2, 2),
+    upsample_kernel_sizes=(11, 7, 4, 4, 4, 4),
+    resblock_kernel_sizes=(3, 7),
+    resblock_dilation_sizes=((1, 3, 5), (1, 3, 5)),
+    ref_mel_frames=100,
     max_shard_size=None,
 )
 TINY_QWEN_OMNI_SPECS: dict[str, TinyQwenOmniSpec] = {"default": DEFAULT, "alt": ALT}
