@@ -124,6 +124,17 @@ _ORDER = (  # `all` runs them in this order
         ("pipelines",),
         "tiny-qwen2.5-omni,tiny-qwen3-omni",
     ),
+    Benchmark(
+        "omni_load",
+        "Qwen2.5-Omni streamed speech under load, tiny and bench-size",
+        "Qwen2.5-Omni streamed speech over HTTP on tiny-qwen2.5-omni and bench-qwen2.5-omni: "
+        "time to first audio against the whole audio (--no-stream), requests/s at 1 and 8 "
+        "concurrent against one at a time and transformers' generate in the same run, "
+        "whether each request's audio is its audio alone, and each stage's CPU seconds.",
+        "about 15-20 minutes (transformers' generate is most of it)",
+        ("pipelines",),
+        "tiny-qwen2.5-omni,bench-qwen2.5-omni",
+    ),
 )
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in _ORDER}
 

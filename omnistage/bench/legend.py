@@ -182,6 +182,13 @@ GLOSSARY: dict[str, str] = {
     "ttfa_vs_whole": "ttfa_ms over the whole mode's e2e_ms at this concurrency",
     "ttfa_vs_transformers": "ttfa_ms over transformers' (its audio comes whole: its e2e_ms)",
     "audio_as_alone": "of the prompts also sent at concurrency 1, those with the same audio bytes",
+    # speech under load (bench omni_load)
+    "variant": "how the pipeline ran: streamed (as shipped), whole (--no-stream), or a change",
+    "thinker_cpu_s": "CPU seconds of the thinker stage process per request (warm-up included)",
+    "talker_cpu_s": "CPU seconds of the talker stage process per request (warm-up included)",
+    "code2wav_cpu_s": "CPU seconds of the code2wav stage process per request (warm-up included)",
+    "cpu_busy": "the stage processes' CPU seconds over the run's wall seconds (cores kept busy)",
+    "batched_steps": "code2wav synthesis steps several utterances shared, of all its steps",
 }
 
 
