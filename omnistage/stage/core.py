@@ -207,7 +207,9 @@ class StageCore:
         self._waiting: list[tuple[int, Any]] = []  # ACKED calls held until that work ends
         self._handlers = control_handlers(engine)
         self.handoffs = Handoffs(transport or SharedMemoryTransport(), engine.config.model)
-        self._streams: dict[str, Any] = {}  # a TokenStream or an EmbedStream  # streamed requests' input, by request
+        self._streams: dict[
+            str, Any
+        ] = {}  # a TokenStream or an EmbedStream  # streamed requests' input, by request
 
     def has_work(self) -> bool:
         return (
