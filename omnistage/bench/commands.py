@@ -119,8 +119,8 @@ _ORDER = (  # `all` runs them in this order
         "real-time factor and requests/s at 1 and 8 concurrent, each against its own "
         "transformers generate in the same run, and whether the speech codes agree. "
         "--pipelines picks either or both.",
-        "1-15 minutes: 1 on an idle machine (docs/benchmarks.md), 15 in the loaded run; the "
-        "families table alone (--pipelines tiny-qwen3-omni) about 1-3 minutes",
+        "2-17 minutes: ~2 on an idle machine (docs/benchmarks.md), 17 in a loaded run; "
+        "its Qwen3-Omni rows alone (--pipelines tiny-qwen3-omni) about 20 seconds",
         ("pipelines",),
         "tiny-qwen2.5-omni,tiny-qwen3-omni",
     ),
