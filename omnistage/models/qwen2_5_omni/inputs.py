@@ -38,14 +38,8 @@ import torch.nn.functional as F
 
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.ar_config import read_json_object
-from omnistage.models.media import (
-    Audio,
-    EncoderInput,
-    MediaItem,
-    ProcessedPrompt,
-    Video,
-    content_hash,
-)
+from omnistage.models.media import MediaItem, ProcessedPrompt, Video
+from omnistage.models.omni_inputs import OmniPromptProcessor, Prepared
 from omnistage.models.qwen2_5_omni.config import read_config
 from omnistage.models.qwen2_5_omni.rope_index import (
     PositionSettings,
@@ -58,16 +52,6 @@ from omnistage.models.qwen2_5_omni.rope_index import (
 VIDEO_MIN_PIXELS = 128 * 28 * 28
 VIDEO_MAX_PIXELS = 768 * 28 * 28
 OPTIONS = ("fps", "max_pixels", "min_pixels", "use_audio_in_video")
-MAX_ASPECT_RATIO = 200  # smart_resize's
-_WHISPER_KEYS = (
-    "feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "padding_value",
-    "dither", "return_attention_mask",
-)  # fmt: skip
-_IMAGE_KEYS = (
-    "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
-    "image_std", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
-    "do_convert_rgb",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,21 +62,6 @@ class Options:
     fps: float | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
-
-
-@dataclass
-class Prepared:
-    """One medium, processed: its placeholder tokens, the encoder's data, what the positions
-    need (an image's or video's grid and seconds per temporal patch, its audio's mel frames),
-    what of the options changed it (for its hash)."""
-
-    tokens: list[int]
-    data: dict[str, torch.Tensor]
-    grid: list[int] | None = None
-    seconds_per_grid: float | None = None  # a video's
-    audio_frames: int | None = None
-    framed: bool = False  # the run sits inside <|audio_bos|> .. <|audio_eos|> of its own
-    hash_extra: str = ""
 
 
 def video_pixels(
@@ -130,16 +99,11 @@ def video_pixels(
     return patches.reshape(grid[0] * grid[1] * grid[2], -1), grid
 
 
-class Qwen25OmniPromptProcessor:
+class Qwen25OmniPromptProcessor(OmniPromptProcessor):
     """The ``PromptProcessor`` of a Qwen2.5-Omni folder (``preprocessor_config.json``,
     ``config.json``)."""
 
     def __init__(self, folder: str | Path) -> None:
-        from transformers import WhisperFeatureExtractor
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-            Qwen2VLImageProcessorPil,
-        )
-
         folder = Path(folder)
         pre = read_json_object(folder / "preprocessor_config.json")
         raw = read_config(folder)
@@ -165,84 +129,29 @@ class Qwen25OmniPromptProcessor:
             s.image_token_id: (self.vision_bos, self.vision_eos),
             s.video_token_id: (self.vision_bos, self.vision_eos),
         }
-        self.features = WhisperFeatureExtractor(**{k: pre[k] for k in _WHISPER_KEYS if k in pre})
-        self.images = Qwen2VLImageProcessorPil(**{k: pre[k] for k in _IMAGE_KEYS if k in pre})
-        self.min_pixels = int(self.images.size["shortest_edge"])
-        self.max_pixels = int(self.images.size["longest_edge"])
+        self._media_processors(pre)
 
     # -- options and the prompt's placeholders --------------------------------------------
 
     def options(self, options: dict[str, Any]) -> Options:
         """The request's ``mm_processor_kwargs``, checked."""
-        prefix = "mm_processor_kwargs"
-        if not isinstance(options, dict):
-            raise InvalidRequestError(prefix, "must be an object")
-        for name, value in options.items():
-            where = f"{prefix}.{name}"
-            if name not in OPTIONS:
-                raise InvalidRequestError(where, f"unknown option; this model takes {OPTIONS}")
-            if name == "use_audio_in_video" and not isinstance(value, bool):
-                raise InvalidRequestError(where, "must be true or false")
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if name == "fps" and not (number and math.isfinite(value) and value > 0):
-                raise InvalidRequestError(where, "must be a positive number")
-            if name.endswith("_pixels") and not (
-                isinstance(value, int) and number and self.min_pixels <= value <= self.max_pixels
-            ):
-                raise InvalidRequestError(
-                    where, f"must be an integer in [{self.min_pixels}, {self.max_pixels}]"
-                )
-        opts = Options(**options)
-        if (opts.min_pixels or 0) > (opts.max_pixels or self.max_pixels):
-            raise InvalidRequestError(f"{prefix}.min_pixels", "must not exceed max_pixels")
-        return opts
+        self._check_options(options, OPTIONS)
+        return Options(**options)
 
-    def placeholders(self, token_ids: list[int], media: list[MediaItem], field: str) -> list[int]:
-        """Where each medium's placeholder sits, checked against the media and its framing."""
-        modality_of = {v: k for k, v in self.placeholder_ids.items()}
-        found = [i for i, t in enumerate(token_ids) if t in modality_of]
-        if len(found) != len(media):
-            raise InvalidRequestError(
-                field,
-                f"the prompt has {len(found)} media placeholders "
-                f"({', '.join(modality_of[token_ids[i]] for i in found) or 'none'}) "
-                f"but {len(media)} media were given",
-            )
-        for k, (at, item) in enumerate(zip(found, media, strict=True)):
-            token = token_ids[at]
-            if item.modality != modality_of[token]:
-                raise InvalidRequestError(
-                    f"{field}[{k}]",
-                    f"is {item.modality}, but the prompt's placeholder #{k} is for "
-                    f"{modality_of[token]}",
-                )
-            bos, eos = self.framing[token]
-            framed = 0 < at < len(token_ids) - 1 and token_ids[at - 1] == bos
-            if not framed or token_ids[at + 1] != eos:
-                raise InvalidRequestError(
-                    f"{field}[{k}]",
-                    f"its placeholder (token {at}) must sit between its start and end tokens "
-                    f"({bos}, {eos}), as the chat template puts it",
-                )
-        return found
+    def _check_option(self, name: str, value: Any, where: str) -> None:
+        if name == "use_audio_in_video" and not isinstance(value, bool):
+            raise InvalidRequestError(where, "must be true or false")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if name == "fps" and not (number and math.isfinite(value) and value > 0):
+            raise InvalidRequestError(where, "must be a positive number")
+        super()._check_option(name, value, where)
 
     # -- media ----------------------------------------------------------------------------
 
     def audio_features(self, audio: Any, where: str) -> torch.Tensor:
         """``[mel, frames]``: the unpadded log-mel frames of ``audio``."""
-        if not isinstance(audio, Audio):
-            raise InvalidRequestError(where, "must be audio")
-        samples = np.asarray(audio.samples)
-        if samples.ndim != 1 or samples.dtype.kind != "f" or not np.isfinite(samples).all():
-            raise InvalidRequestError(where, "audio must be finite mono float samples")
-        if audio.sampling_rate <= 0:
-            raise InvalidRequestError(where, "audio needs a positive sampling rate")
+        samples = self._samples(audio, where)
         rate = int(self.features.sampling_rate)
-        samples = samples.astype(np.float32, copy=False)
-        if audio.sampling_rate != rate:
-            import soxr
-
-            samples = soxr.resample(samples, audio.sampling_rate, rate)
         frames = min(-(-len(samples) // self.features.hop_length), self.features.nb_max_frames)
         if audio_output_length(frames) < 1:
             shortest = 2 * self.features.hop_length + 1
@@ -266,42 +175,10 @@ class Qwen25OmniPromptProcessor:
         frames = int(out["attention_mask"].sum())
         return out["input_features"][0, :, :frames].contiguous()
 
-    def _pixel_bounds(self, opts: Options, video: bool) -> tuple[int, int]:
-        low, high = (
-            (VIDEO_MIN_PIXELS, VIDEO_MAX_PIXELS) if video else (self.min_pixels, self.max_pixels)
-        )
-        return opts.min_pixels or low, opts.max_pixels or high
-
-    def _target_size(self, height: int, width: int, bounds: tuple[int, int], where: str) -> Any:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-        if min(height, width) < 1 or max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-            raise InvalidRequestError(
-                where, f"{width}x{height} pixels: needs sides >= 1 and an aspect ratio <= 200"
-            )
-        factor = self.images.patch_size * self.images.merge_size
-        size = smart_resize(height, width, factor, min_pixels=bounds[0], max_pixels=bounds[1])
-        if min(size) < factor:
-            raise InvalidRequestError(where, f"{width}x{height} pixels: too small for one patch")
-        return size
-
-    def image(self, image: Any, opts: Options, where: str) -> Prepared:
-        from PIL.Image import Image
-
-        if not isinstance(image, Image):
-            raise InvalidRequestError(where, "must be an image")
-        bounds = self._pixel_bounds(opts, video=False)
-        self._target_size(image.height, image.width, bounds, where)
-        out = self.images(
-            images=[image],
-            size={"shortest_edge": bounds[0], "longest_edge": bounds[1]},
-            return_tensors="pt",
-        )
-        grid = [int(v) for v in out["image_grid_thw"][0]]
-        count = math.prod(grid) // self.images.merge_size**2
-        data = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-        extra = f"pixels={bounds}" if opts.min_pixels or opts.max_pixels else ""
-        return Prepared([self.settings.image_token_id] * count, data, grid, hash_extra=extra)
+    @staticmethod
+    def _video_bounds(opts: Options) -> tuple[int, int]:
+        """A video's frame pixel bounds: the request's, else the processor's own."""
+        return opts.min_pixels or VIDEO_MIN_PIXELS, opts.max_pixels or VIDEO_MAX_PIXELS
 
     def video(self, video: Any, opts: Options, where: str) -> Prepared:
         frames = getattr(video, "frames", None)
@@ -312,7 +189,7 @@ class Qwen25OmniPromptProcessor:
         fps = opts.fps or video.fps
         if not (isinstance(fps, int | float) and math.isfinite(fps) and fps > 0):
             raise InvalidRequestError(where, "the video needs a positive frame rate")
-        bounds = self._pixel_bounds(opts, video=True)
+        bounds = self._video_bounds(opts)
         size = self._target_size(frames.shape[1], frames.shape[2], bounds, where)
         ip = self.images
         pixels, grid = video_pixels(
@@ -362,19 +239,7 @@ class Qwen25OmniPromptProcessor:
         opts = self.options(options)
         found = self.placeholders(list(token_ids), media, field)
         prepared = [self.prepare(item, opts, f"{field}[{k}]") for k, item in enumerate(media)]
-        ids: list[int] = []
-        items = []
-        cursor = 0
-        for at, item, prep in zip(found, media, prepared, strict=True):
-            ids += token_ids[cursor:at]
-            if prep.framed:
-                ids.append(self.audio_bos)
-            items.append(self._item(item, prep, len(ids)))
-            ids += prep.tokens
-            if prep.framed:
-                ids.append(self.audio_eos)
-            cursor = at + 1
-        ids += token_ids[cursor:]
+        ids, items = self._expand(token_ids, found, media, prepared)
         positions, delta = rope_index(
             ids,
             self.settings,
@@ -400,18 +265,3 @@ class Qwen25OmniPromptProcessor:
             raise InvalidRequestError(where, f"cannot be processed: {exc}") from exc
         tokens = [self.settings.audio_token_id] * audio_output_length(features.shape[1])
         return Prepared(tokens, {"input_features": features}, audio_frames=features.shape[1])
-
-    @staticmethod
-    def _item(media: MediaItem, prep: Prepared, offset: int) -> EncoderInput:
-        """The item of one medium whose placeholder run starts at ``offset``. Its hash is the
-        medium's, with the options that change what it becomes (or, for a medium without
-        one, the hash of its processed data)."""
-        if not media.content_hash:
-            parts = [f"{k}:{v.dtype}:{list(v.shape)}" for k, v in sorted(prep.data.items())]
-            arrays = [v.contiguous().numpy() for _, v in sorted(prep.data.items())]
-            digest = content_hash(media.modality, *parts, *arrays)
-        elif prep.hash_extra:
-            digest = content_hash(media.content_hash, prep.hash_extra)
-        else:
-            digest = media.content_hash
-        return EncoderInput(media.modality, offset, len(prep.tokens), prep.data, digest)
