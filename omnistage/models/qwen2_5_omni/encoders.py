@@ -22,40 +22,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.errors import InvalidRequestError
-from omnistage.models.meta import parameters_on_meta
-
-ATTENTION = "sdpa"
-
-
-def _follow_weights(module: nn.Module) -> None:
-    """Put ``module``'s non-persistent buffers on its weights' device (the arena holds only
-    weights; derived buffers are built on the CPU)."""
-    device = next(module.parameters()).device
-    for sub in module.modules():
-        for name in getattr(sub, "_non_persistent_buffers_set", set()):
-            buf = sub._buffers.get(name)
-            if buf is not None and buf.device != device:
-                sub._buffers[name] = buf.to(device)
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(f"multi_modal.data.{name}", message)
+from omnistage.models.omni_encoders import build_towers, check, checked_grid, follow_weights
 
 
 def audio_embeddings(tower: Any, input_features: torch.Tensor) -> torch.Tensor:
     """``[tokens, hidden]`` of one audio's mel frames ``[mel, frames]`` (its unpadded frames),
     as ``get_audio_features`` computes them."""
     mel = tower.config.num_mel_bins
-    _check(
+    check(
         input_features.dim() == 2
         and input_features.shape[0] == mel
         and input_features.shape[1] > 2,
         "input_features",
         f"must be [{mel}, frames >= 3]",
     )
-    _follow_weights(tower)
+    follow_weights(tower)
     lengths = torch.tensor([input_features.shape[1]], device=input_features.device)
     after_cnn = (lengths - 1) // 2 + 1  # the first convolution's output length
     out = tower(input_features, feature_lens=lengths, aftercnn_lens=after_cnn)
@@ -65,21 +46,13 @@ def audio_embeddings(tower: Any, input_features: torch.Tensor) -> torch.Tensor:
 
 def vision_embeddings(visual: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """``[patches / merge^2, hidden]`` of one image's or video's patches and grid ``[1, 3]``."""
-    grid = grid.reshape(-1, 3)
-    _check(len(grid) == 1, "grid_thw", "must be one [t, h, w]")
-    t, h, w = (int(v) for v in grid[0])
-    merge = int(visual.config.spatial_merge_size)
-    _check(
-        min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0,
-        "grid_thw",
-        f"must be positive, h and w multiples of {merge}",
-    )
-    _check(
+    grid, t, h, w = checked_grid(visual, grid)
+    check(
         pixels.dim() == 2 and pixels.shape[0] == t * h * w,
         "pixel_values",
         f"must be [{t * h * w}, patch] for grid {[t, h, w]}",
     )
-    _follow_weights(visual)
+    follow_weights(visual)
     weight = next(visual.parameters())
     embeds: torch.Tensor = visual(pixels.type(weight.dtype), grid_thw=grid).pooler_output
     return embeds
@@ -128,7 +101,7 @@ class VideoEncoder(nn.Module):
         video = vision_embeddings(visual, pixel_values_videos, video_grid_thw)
         if input_features is None and is_video is None:
             return video
-        _check(
+        check(
             input_features is not None and is_video is not None,
             "is_video",
             "input_features and is_video come together",
@@ -136,7 +109,7 @@ class VideoEncoder(nn.Module):
         assert input_features is not None and is_video is not None
         audio = audio_embeddings(audio_tower, input_features)
         mask = is_video.to(device=video.device, dtype=torch.bool).flatten()
-        _check(
+        check(
             int(mask.sum()) == len(video) and len(mask) == len(video) + len(audio),
             "is_video",
             f"must mark {len(video)} video tokens among {len(video) + len(audio)}",
@@ -161,17 +134,9 @@ def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str
 
     audio_config = Qwen2_5OmniAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
     vision_config = Qwen2_5OmniVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
-    for config in (audio_config, vision_config):
-        config._attn_implementation = ATTENTION
-    with parameters_on_meta():
-        audio_tower = Qwen2_5OmniAudioEncoder(audio_config)
-        visual = Qwen2_5OmniVisionEncoder(vision_config)
-    for module in (audio_tower, visual):
-        module.eval()
-        for sub in module.modules():
-            for name, param in sub._parameters.items():
-                if param is not None and param.dtype != dtype:
-                    sub._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+    audio_tower, visual = build_towers(
+        Qwen2_5OmniAudioEncoder, audio_config, Qwen2_5OmniVisionEncoder, vision_config, dtype
+    )
     return {
         "audio": AudioEncoder(audio_tower),
         "image": ImageEncoder(visual),

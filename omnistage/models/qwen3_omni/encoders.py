@@ -33,26 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.errors import InvalidRequestError
-from omnistage.models.meta import parameters_on_meta
-
-ATTENTION = "sdpa"
-
-
-def _follow_weights(module: nn.Module) -> None:
-    """Put ``module``'s non-persistent buffers on its weights' device (the arena holds only
-    weights; derived buffers are built on the CPU)."""
-    device = next(module.parameters()).device
-    for sub in module.modules():
-        for name in getattr(sub, "_non_persistent_buffers_set", set()):
-            buf = sub._buffers.get(name)
-            if buf is not None and buf.device != device:
-                sub._buffers[name] = buf.to(device)
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise InvalidRequestError(f"multi_modal.data.{name}", message)
+from omnistage.models.omni_encoders import build_towers, check, checked_grid, follow_weights
 
 
 def audio_output_length(frames: int, n_window: int) -> int:
@@ -74,14 +55,14 @@ class AudioEncoder(nn.Module):
     def forward(self, input_features: torch.Tensor) -> torch.Tensor:
         tower: Any = self.audio_tower
         mel = tower.config.num_mel_bins
-        _check(
+        check(
             input_features.dim() == 2
             and input_features.shape[0] == mel
             and input_features.shape[1] >= 1,
             "input_features",
             f"must be [{mel}, frames >= 1]",
         )
-        _follow_weights(tower)
+        follow_weights(tower)
         lengths = torch.tensor([input_features.shape[1]], device=input_features.device)
         embeds: torch.Tensor = tower(input_features, feature_lens=lengths).last_hidden_state
         return embeds
@@ -90,23 +71,15 @@ class AudioEncoder(nn.Module):
 def vision_features(visual: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
     """``[1 + k, patches / merge^2, hidden]``: one image's (or video's) embeddings and its k
     DeepStack features, from its patches and grid ``[1, 3]``."""
-    grid = grid.reshape(-1, 3)
-    _check(len(grid) == 1, "grid_thw", "must be one [t, h, w]")
-    t, h, w = (int(v) for v in grid[0])
-    merge = int(visual.config.spatial_merge_size)
-    _check(
-        min(t, h, w) >= 1 and h % merge == 0 and w % merge == 0,
-        "grid_thw",
-        f"must be positive, h and w multiples of {merge}",
-    )
+    grid, t, h, w = checked_grid(visual, grid)
     config = visual.config
     patch = config.in_channels * config.temporal_patch_size * config.patch_size**2
-    _check(
+    check(
         pixels.dim() == 2 and tuple(pixels.shape) == (t * h * w, patch),
         "pixel_values",
         f"must be [{t * h * w}, {patch}] for grid {[t, h, w]}",
     )
-    _follow_weights(visual)
+    follow_weights(visual)
     weight = next(visual.parameters())
     out = visual(pixels.type(weight.dtype), grid_thw=grid)
     return torch.stack([out.pooler_output, *out.deepstack_features])
@@ -139,15 +112,7 @@ def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str
 
     audio_config = Qwen3OmniMoeAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
     vision_config = Qwen3OmniMoeVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
-    for config in (audio_config, vision_config):
-        config._attn_implementation = ATTENTION
-    with parameters_on_meta():
-        audio_tower = Qwen3OmniMoeAudioEncoder(audio_config)
-        visual = Qwen3OmniMoeVisionEncoder(vision_config)
-    for module in (audio_tower, visual):
-        module.eval()
-        for sub in module.modules():
-            for name, param in sub._parameters.items():
-                if param is not None and param.dtype != dtype:
-                    sub._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
+    audio_tower, visual = build_towers(
+        Qwen3OmniMoeAudioEncoder, audio_config, Qwen3OmniMoeVisionEncoder, vision_config, dtype
+    )
     return {"audio": AudioEncoder(audio_tower), "image": ImageEncoder(visual)}
