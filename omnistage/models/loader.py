@@ -313,13 +313,15 @@ def load_into(
     strict: bool = True,
     check_finite: bool = False,
     shards: Mapping[str, Shard] | None = None,
+    hint: str = "",
 ) -> LoadReport:
     """Copy a checkpoint's tensors into ``targets`` in place (addresses do not change).
 
     ``rename`` maps a checkpoint name to a target name (``None`` skips it); ``shards`` names
     the targets that take a slice of their tensor (a tensor-parallel rank's). Raises
     ``CheckpointError`` as ``plan_copies`` says (a missing tensor only with ``strict``: a
-    partial update may leave tensors out; non-finite values only with ``check_finite``).
+    partial update may leave tensors out; non-finite values only with ``check_finite``;
+    ``hint`` follows the message of unknown names).
     Every check runs before the first copy, so a checkpoint that does not fit leaves the
     targets as they were: an update of live weights never half-applies, nor passes for a
     success having loaded nothing.
@@ -332,7 +334,13 @@ def load_into(
             for key in st.keys()  # noqa: SIM118 - not a dict
         ]
         plan = plan_copies(
-            sources, targets, path, strict=strict, check_finite=check_finite, shards=shards
+            sources,
+            targets,
+            path,
+            strict=strict,
+            check_finite=check_finite,
+            hint=hint,
+            shards=shards,
         )
         num_bytes = plan.run()
     return LoadReport(len(plan.copies), num_bytes, [str(f) for f in files], plan.missing)

@@ -11,6 +11,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 _META_LOCK = threading.RLock()  # one ``parameters_on_meta`` / ``no_weight_init`` at a time
@@ -72,3 +73,18 @@ def parameters_on_meta() -> Iterator[None]:
             yield
         finally:
             nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def move_derived_buffers(module: nn.Module, device: torch.device) -> set[str]:
+    """Put ``module``'s non-persistent buffers (derived data, outside the arena, built on
+    the CPU) on ``device``; returns their names."""
+    names = set()
+    for prefix, mod in module.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", set()):
+            buf = mod._buffers.get(name)
+            if buf is None:
+                continue
+            if buf.device != device:
+                mod._buffers[name] = buf.to(device)
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return names

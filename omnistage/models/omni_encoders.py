@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from omnistage.errors import InvalidRequestError
-from omnistage.models.meta import parameters_on_meta
+from omnistage.models.meta import move_derived_buffers, parameters_on_meta
 
 ATTENTION = "sdpa"
 
@@ -20,12 +20,7 @@ ATTENTION = "sdpa"
 def follow_weights(module: nn.Module) -> None:
     """Put ``module``'s non-persistent buffers on its weights' device (the arena holds only
     weights; derived buffers are built on the CPU)."""
-    device = next(module.parameters()).device
-    for sub in module.modules():
-        for name in getattr(sub, "_non_persistent_buffers_set", set()):
-            buf = sub._buffers.get(name)
-            if buf is not None and buf.device != device:
-                sub._buffers[name] = buf.to(device)
+    move_derived_buffers(module, next(module.parameters()).device)
 
 
 def check(ok: bool, name: str, message: str) -> None:

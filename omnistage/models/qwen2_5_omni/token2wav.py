@@ -28,15 +28,8 @@ import torch
 from torch import nn
 
 from omnistage.memory import Arena
-from omnistage.models.loader import (
-    CheckpointError,
-    checkpoint_files,
-    module_targets,
-    open_files,
-    plan_copies,
-    shown,
-)
-from omnistage.models.meta import parameters_on_meta
+from omnistage.models.loader import CheckpointError, load_into, module_targets, shown
+from omnistage.models.meta import move_derived_buffers, parameters_on_meta
 from omnistage.models.qwen2_5_omni import config as qwen_omni
 from omnistage.models.qwen2_5_omni.voices import SPEAKERS_FILE
 
@@ -152,7 +145,7 @@ class Token2WavPipeline:
         self._derived: set[str] = set()  # non-persistent buffers: never read from a source
         for name, module in self.modules.items():
             self.weight_bytes += arena.adopt(module)
-            self._derived |= {f"{name}.{key}" for key in _move_derived_buffers(module, self.device)}
+            self._derived |= {f"{name}.{key}" for key in move_derived_buffers(module, self.device)}
         self.mel_dim = int(dit_config.mel_dim)
         self.repeats = int(dit_config.repeats)
         self.voices = load_voices(
@@ -227,22 +220,15 @@ class Token2WavPipeline:
         tensors raise ``CheckpointError``; missing ones only with ``strict``. Returns the
         bytes copied.
         """
-        files = checkpoint_files(path)
-        with open_files(files) as opened:
-            sources = [
-                (self.rename(key), st, key)
-                for st in opened
-                for key in st.keys()  # noqa: SIM118 - not a dict
-            ]
-            plan = plan_copies(
-                sources,
-                self.weight_targets(),
-                path,
-                strict=strict,
-                check_finite=check_finite,
-                hint=_NAMES_HINT,
-            )
-            return plan.run()
+        report = load_into(
+            self.weight_targets(),
+            path,
+            rename=self.rename,
+            strict=strict,
+            check_finite=check_finite,
+            hint=_NAMES_HINT,
+        )
+        return report.num_bytes
 
 
 def section_value(raw: dict[str, Any], key: str) -> Any:
@@ -250,18 +236,3 @@ def section_value(raw: dict[str, Any], key: str) -> Any:
     section = raw.get("token2wav_config") or {}
     vocoder = section.get("bigvgan_config") or {}
     return section.get(key, vocoder.get(key) if isinstance(vocoder, dict) else None)
-
-
-def _move_derived_buffers(module: nn.Module, device: torch.device) -> list[str]:
-    """Put the non-persistent buffers (outside the arena) on the stage's device; returns
-    their names."""
-    names = []
-    for prefix, mod in module.named_modules():
-        for name in getattr(mod, "_non_persistent_buffers_set", set()):
-            buf = mod._buffers.get(name)
-            if buf is None:
-                continue
-            if buf.device != device:
-                mod._buffers[name] = buf.to(device)
-            names.append(f"{prefix}.{name}" if prefix else name)
-    return names

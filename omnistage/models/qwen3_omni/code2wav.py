@@ -42,14 +42,8 @@ from torch import nn
 
 from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
-from omnistage.models.loader import (
-    checkpoint_files,
-    module_targets,
-    open_files,
-    plan_copies,
-    shown,
-)
-from omnistage.models.meta import parameters_on_meta
+from omnistage.models.loader import load_into, module_targets, shown
+from omnistage.models.meta import move_derived_buffers, parameters_on_meta
 from omnistage.models.qwen3_omni.config import MODEL_TYPE, read_config
 
 PART = "code2wav."
@@ -115,21 +109,6 @@ def build_empty(config: Any) -> nn.Module:
     return module
 
 
-def _move_derived_buffers(module: nn.Module, device: torch.device) -> set[str]:
-    """Put the non-persistent buffers (outside the arena) on the stage's device; returns
-    their names."""
-    names = set()
-    for prefix, mod in module.named_modules():
-        for name in getattr(mod, "_non_persistent_buffers_set", set()):
-            buf = mod._buffers.get(name)
-            if buf is None:
-                continue
-            if buf.device != device:
-                mod._buffers[name] = buf.to(device)
-            names.add(f"{prefix}.{name}" if prefix else name)
-    return names
-
-
 def voices_of(raw: dict[str, Any]) -> list[str]:
     """The talker's speakers (``talker_config.speaker_id``), which the code2wav stage accepts
     as a request's voice; the decoder itself has none."""
@@ -152,7 +131,7 @@ class Code2WavVocoder:
         self.config = code2wav_config(raw, self.folder / "config.json")
         self.module: Any = build_empty(self.config)
         self.weight_bytes = arena.adopt(self.module)
-        self._derived = _move_derived_buffers(self.module, self.device)
+        self._derived = move_derived_buffers(self.module, self.device)
         self._parts = tuple(f"{name}." for name, _ in self.module.named_children())
         self.codes_per_frame = int(self.config.num_quantizers)
         self.samples_per_frame = math.prod(  # the module's ``total_upsample``
@@ -256,22 +235,15 @@ class Code2WavVocoder:
         ``update_weights``) into the adopted tensors in place. Every name and shape (and with
         ``check_finite`` every value) is checked before any byte is copied, so a bad source
         leaves the weights untouched. Returns the bytes copied."""
-        files = checkpoint_files(path)
-        with open_files(files) as opened:
-            sources = [
-                (self.rename(key), st, key)
-                for st in opened
-                for key in st.keys()  # noqa: SIM118 - not a dict
-            ]
-            plan = plan_copies(
-                sources,
-                self.weight_targets(),
-                path,
-                strict=strict,
-                check_finite=check_finite,
-                hint=_NAMES_HINT,
-            )
-            return plan.run()
+        report = load_into(
+            self.weight_targets(),
+            path,
+            rename=self.rename,
+            strict=strict,
+            check_finite=check_finite,
+            hint=_NAMES_HINT,
+        )
+        return report.num_bytes
 
 
 class Code2WavSynthesis:
