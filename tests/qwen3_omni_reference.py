@@ -100,7 +100,6 @@ the thinker only, so the talker positions an audio-in-video prompt without inter
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,6 +109,7 @@ import numpy as np
 import torch
 
 from omnistage.bench.omni_media import patched, quiet
+from tests.omni_reference import detach, load_float32, prompt_ids
 
 
 @dataclass
@@ -145,41 +145,9 @@ class Reference:
     code2wav_codes: torch.Tensor | None = None  # [1, G, frames] as chunked_decode got them
 
 
-@functools.lru_cache(maxsize=4)
 def load_model(folder: str) -> Any:
     """``Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder)`` in float32, eval mode."""
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    with quiet():
-        model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    return model.eval()
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(folder: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def prompt_ids(
-    folder: str | Path, prompt: str | Sequence[int] | Sequence[dict[str, Any]]
-) -> list[int]:
-    """Token ids for ``prompt``: ids as given; a string as one user message, or a list of
-    chat messages, through the tokenizer's chat template with the generation prompt."""
-    if isinstance(prompt, str):
-        messages: Any = [{"role": "user", "content": prompt}]
-    elif prompt and isinstance(prompt[0], dict):
-        messages = list(prompt)
-    else:
-        return [int(i) for i in prompt]  # type: ignore[arg-type]
-    tokenizer = load_tokenizer(str(folder))
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _detach(value: Any) -> Any:
-    return value.detach().clone() if torch.is_tensor(value) else value
+    return load_float32("Qwen3OmniMoeForConditionalGeneration", folder)
 
 
 @contextlib.contextmanager
@@ -234,7 +202,7 @@ def reference_generate(
         return cap["thinker"]
 
     def talker_wrapper(*args: Any, **kwargs: Any) -> Any:
-        cap["talker_kwargs"] = {k: _detach(v) for k, v in kwargs.items()}
+        cap["talker_kwargs"] = {k: detach(v) for k, v in kwargs.items()}
         cap["talker"] = talker_generate(*args, **kwargs)
         return cap["talker"]
 

@@ -99,6 +99,7 @@ import numpy as np
 import torch
 
 from omnistage.bench.omni_media import patched, quiet
+from tests.omni_reference import detach, load_float32, prompt_ids
 
 DEFAULT_NUM_STEPS = 10  # token2wav's default ODE time points
 
@@ -134,41 +135,9 @@ class Reference:
     token2wav_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-@functools.lru_cache(maxsize=4)
 def load_model(folder: str) -> Any:
     """``Qwen2_5OmniForConditionalGeneration.from_pretrained(folder)`` in float32, eval mode."""
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
-    with quiet():
-        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
-    return model.eval()
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(folder: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
-
-
-def prompt_ids(
-    folder: str | Path, prompt: str | Sequence[int] | Sequence[dict[str, Any]]
-) -> list[int]:
-    """Token ids for ``prompt``: ids as given; a string as one user message, or a list of
-    chat messages, through the tokenizer's chat template with the generation prompt."""
-    if isinstance(prompt, str):
-        messages: Any = [{"role": "user", "content": prompt}]
-    elif prompt and isinstance(prompt[0], dict):
-        messages = list(prompt)
-    else:
-        return [int(i) for i in prompt]  # type: ignore[arg-type]
-    tokenizer = load_tokenizer(str(folder))
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _detach(value: Any) -> Any:
-    return value.detach().clone() if torch.is_tensor(value) else value
+    return load_float32("Qwen2_5OmniForConditionalGeneration", folder)
 
 
 def _multimodal_kwargs(outputs: dict[str, Any] | None, input_ids: torch.Tensor) -> dict[str, Any]:
@@ -238,7 +207,7 @@ def reference_generate(
 
     def talker_wrapper(*args: Any, **kwargs: Any) -> Any:
         # inputs_embeds is modified in place by the first forward: keep a copy first.
-        captured["talker_kwargs"] = {k: _detach(v) for k, v in kwargs.items()}
+        captured["talker_kwargs"] = {k: detach(v) for k, v in kwargs.items()}
         result = talker_generate(*args, **kwargs)
         captured["talker_result"] = result
         return result
@@ -263,8 +232,8 @@ def reference_generate(
 
     def token2wav_wrapper(*args: Any, **kwargs: Any) -> Any:
         captured["rng_state"] = torch.get_rng_state()
-        captured["token2wav_args"] = [_detach(a) for a in args]
-        captured["token2wav_kwargs"] = {k: _detach(v) for k, v in kwargs.items()}
+        captured["token2wav_args"] = [detach(a) for a in args]
+        captured["token2wav_kwargs"] = {k: detach(v) for k, v in kwargs.items()}
         return token2wav_forward(*args, **kwargs)
 
     hooks = [
