@@ -5,7 +5,7 @@ stopping at ``<|im_end|>``; tests/qwen3_omni_reference.py) for a text, an audio,
 an audio + image prompt: the thinker's ids, every codebook of the talker's codes (as the
 code2wav stage reports them: frame-major and flat, ``audio.codes``) and the waveform are the
 same — alone, two requests at once, after every stage slept (level 1, then level 2) and
-woke. Speech streamed as the stages speak (the pipeline's ``stream: true``, through
+woke, and with the thinker split over two tensor-parallel ranks. Speech streamed as the stages speak (the pipeline's ``stream: true``, through
 ``AsyncOmni``, whose updates carry each piece) joins into the same samples, bit for bit, as
 speech synthesised in one piece (``stream=False``), also for a reply long enough to be cut
 into pieces.
@@ -174,3 +174,22 @@ async def test_a_long_streamed_reply_joins_into_the_whole_synthesis(whole, strea
     assert len(audio.codes) == 4 * (LONG_TALKER_TOKENS - 1) and final.codes == audio.codes
     assert np.array_equal(np.concatenate(pieces), audio.samples)
     assert np.array_equal(final.samples, audio.samples)
+
+
+def test_the_thinker_split_over_two_ranks_speaks_the_same(folder, reference):
+    """The thinker at tensor_parallel_size=2 (two rank processes; experts split over their
+    features, DeepStack rows on each rank) and its streamed hand-off: the same ids, codes
+    and waveform as transformers for the image prompt."""
+    from omnistage.pipelines import pipeline_from_model
+
+    config = pipeline_from_model(folder)
+    stages = [
+        s.model_copy(update={"tensor_parallel_size": 2}) if s.stage_id == 0 else s
+        for s in config.stages
+    ]
+    omni = Omni.from_config(config.model_copy(update={"stages": stages}), in_process=True)
+    try:
+        (out,) = speak(omni, ["image"])
+    finally:
+        omni.shutdown()
+    assert_same(out, reference("image"))
