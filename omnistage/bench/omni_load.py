@@ -25,13 +25,13 @@ from typing import Any
 
 import httpx
 
+from omnistage.bench.omni_stream import REQUESTS, speech_load
 from omnistage.bench.report import write_results
 from omnistage.bench.serve import ServeBenchConfig, bench
 from omnistage.bench.served import Served
 
 PIPELINES = ("tiny-qwen2.5-omni", "bench-qwen2.5-omni")
 STAGES = ("thinker", "talker", "code2wav")
-REQUESTS = {1: 4, 8: 16}  # per concurrency; the same seed, so the first 4 prompts are shared
 # variant -> (omnistage serve flags, torch threads of the code2wav stage or None: the
 # pipeline's); "whole" (--no-stream) is the time-to-whole-audio baseline
 VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {
@@ -57,24 +57,7 @@ class LoadSettings:
 
 
 def serve_config(url: str, concurrency: int, s: LoadSettings) -> ServeBenchConfig:
-    return ServeBenchConfig(
-        base_url=url,
-        num_prompts=REQUESTS[concurrency],
-        max_concurrency=concurrency,
-        modalities=("text", "audio"),
-        audio_voice="Chelsie",
-        audio_format="pcm16",
-        random_input_len=8,
-        random_output_len=s.thinker_tokens,
-        extra_body={
-            "seed": 7,
-            "talker_params": {"temperature": 0.0, "max_tokens": s.talker_tokens},
-            "audio_params": {"num_steps": s.num_steps},
-        },
-        seed=1,  # the same prompts in every run
-        num_warmups=1,
-        progress=False,
-    )
+    return speech_load(url, concurrency, s.thinker_tokens, s.talker_tokens, s.num_steps)
 
 
 class StageMeter:

@@ -30,7 +30,11 @@ COLUMNS = ["mode", "concurrency", "requests", "ttfa_ms", "e2e_ms", "requests_per
            "vs_concurrency_1", "vs_transformers", "ttfa_vs_whole", "audio_as_alone"]  # fmt: skip
 
 
-def _config(url: str, concurrency: int, settings: Any) -> ServeBenchConfig:
+def speech_load(
+    url: str, concurrency: int, thinker_tokens: int, talker_tokens: int, num_steps: int
+) -> ServeBenchConfig:
+    """``REQUESTS[concurrency]`` seeded greedy speech requests (random 8-token prompts, the
+    same in every run) ``concurrency`` at a time after one warm-up, pcm16 audio."""
     return ServeBenchConfig(
         base_url=url,
         num_prompts=REQUESTS[concurrency],
@@ -39,15 +43,25 @@ def _config(url: str, concurrency: int, settings: Any) -> ServeBenchConfig:
         audio_voice="Chelsie",
         audio_format="pcm16",
         random_input_len=8,
-        random_output_len=settings.thinker_tokens,
+        random_output_len=thinker_tokens,
         extra_body={
             "seed": 7,
-            "talker_params": {"temperature": 0.0, "max_tokens": settings.stream_talker_tokens},
-            "audio_params": {"num_steps": settings.num_steps},
+            "talker_params": {"temperature": 0.0, "max_tokens": talker_tokens},
+            "audio_params": {"num_steps": num_steps},
         },
         seed=1,  # the same prompts in every run
         num_warmups=1,
         progress=False,
+    )
+
+
+def _config(url: str, concurrency: int, settings: Any) -> ServeBenchConfig:
+    return speech_load(
+        url,
+        concurrency,
+        settings.thinker_tokens,
+        settings.stream_talker_tokens,
+        settings.num_steps,
     )
 
 

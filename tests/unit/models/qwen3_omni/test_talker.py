@@ -108,45 +108,54 @@ def run(engine: ARStageEngine, request: ARRequest) -> tuple[list[int], dict]:
                 return ids, out.handoff or {}
 
 
+def media_fields(folder: str, prompt_ids: list[int], case: str) -> dict:
+    """The thinker request's multimodal items and positions for ``case`` (none for text),
+    from our prompt processor (whose ids must be transformers')."""
+    if case == "text":
+        return {}
+    from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
+    from omnistage.models.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
+    processed = Qwen3OmniPromptProcessor(folder).process(ids, media_of(case), {})
+    assert processed.token_ids == prompt_ids
+    return {
+        "multi_modal": [
+            MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
+            for i in processed.items
+        ],
+        "positions": processed.positions,
+        "position_delta": processed.position_delta,
+    }
+
+
+def thinker_request(
+    request_id: str, folder: str, prompt_ids: list[int], case: str, params: dict, **extra
+) -> ARRequest:
+    """A greedy thinker request asking for what the talker's processor wants."""
+    omni, _ = processors.checkpoint_tokens(folder)
+    wants = processors.talker_wants(folder, params)
+    return ARRequest(
+        request_id,
+        prompt_ids,
+        SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, stop_token_ids=[omni.im_end]),
+        return_hidden_states=True,
+        hidden_states_with_embeddings=True,
+        text_embeddings_only=True,
+        embed_token_ids=list(wants.embed_token_ids),
+        hidden_layer=wants.hidden_layer,
+        **media_fields(folder, prompt_ids, case),
+        **extra,
+    )
+
+
 def talker_frames(
     stages, prompt_ids: list[int], talker_params: SamplingParams, seed: int = 0, case: str = "text"
 ):
     folder, thinker, talker = stages
-    media: dict = {}
-    if case != "text":
-        from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
-        from omnistage.models.tokenizer import Tokenizer
-
-        ids = Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
-        processed = Qwen3OmniPromptProcessor(folder).process(ids, media_of(case), {})
-        assert processed.token_ids == prompt_ids
-        media = {
-            "multi_modal": [
-                MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
-                for i in processed.items
-            ],
-            "positions": processed.positions,
-            "position_delta": processed.position_delta,
-        }
-    omni, tokens = processors.checkpoint_tokens(folder)
+    _, tokens = processors.checkpoint_tokens(folder)
     params = {"audio_params": {"voice": "Ethan"}}
-    wants = processors.talker_wants(folder, params)
-    new_ids, handoff = run(
-        thinker,
-        ARRequest(
-            "thinker",
-            prompt_ids,
-            SamplingParams(
-                temperature=0.0, max_tokens=THINKER_TOKENS, stop_token_ids=[omni.im_end]
-            ),
-            return_hidden_states=True,
-            hidden_states_with_embeddings=True,
-            text_embeddings_only=True,
-            embed_token_ids=list(wants.embed_token_ids),
-            hidden_layer=wants.hidden_layer,
-            **media,
-        ),
-    )
+    new_ids, handoff = run(thinker, thinker_request("thinker", folder, prompt_ids, case, params))
     upstream = UpstreamResult(
         token_ids=new_ids,
         hidden_states=handoff["hidden_states"],
@@ -216,7 +225,7 @@ def test_a_seeded_sampled_request_repeats_itself(stages):
 @pytest.mark.parametrize("case", ["text", "image"])
 def test_the_talker_fed_while_the_thinker_runs_speaks_the_same(stages, case):
     """The talker's request opens when the thinker starts; the thinker's rows reach it step
-    by step (``ThinkerRows``), and the two engines take turns: the talker waits for each
+    by step (``thinker_rows``), and the two engines take turns: the talker waits for each
     decode embedding it needs, and its frames are those of the whole hand-off."""
     from omnistage.stage.ar.wire import ARStageRequest
     from omnistage.stage.core import upstream_update
@@ -224,39 +233,10 @@ def test_the_talker_fed_while_the_thinker_runs_speaks_the_same(stages, case):
 
     folder, thinker, talker = stages
     prompt_ids, thinker_ids, frames = reference(case)
-    omni, tokens = processors.checkpoint_tokens(folder)
+    _, tokens = processors.checkpoint_tokens(folder)
     params = {"audio_params": {"voice": "Ethan"}}
-    wants = processors.talker_wants(folder, params)
-    media: dict = {}
-    if case != "text":
-        from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
-
-        processed = Qwen3OmniPromptProcessor(folder).process(
-            prompt_ids_of(folder, case), media_of(case), {}
-        )
-        media = {
-            "multi_modal": [
-                MultiModalItem(i.modality, i.offset, i.length, i.data, i.content_hash)
-                for i in processed.items
-            ],
-            "positions": processed.positions,
-            "position_delta": processed.position_delta,
-        }
     thinker.add_request(
-        ARRequest(
-            "streamed",
-            prompt_ids,
-            SamplingParams(
-                temperature=0.0, max_tokens=THINKER_TOKENS, stop_token_ids=[omni.im_end]
-            ),
-            return_hidden_states=True,
-            hidden_states_with_embeddings=True,
-            text_embeddings_only=True,
-            embed_token_ids=list(wants.embed_token_ids),
-            hidden_layer=wants.hidden_layer,
-            stream_hidden_states=True,
-            **media,
-        )
+        thinker_request("streamed", folder, prompt_ids, case, params, stream_hidden_states=True)
     )
     rows = processors.thinker_rows(folder, params)
     talker.add_streamed_request("streamed", ARStageRequest([], greedy()))
@@ -278,9 +258,3 @@ def test_the_talker_fed_while_the_thinker_runs_speaks_the_same(stages, case):
     flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
     g = tokens.groups
     assert [flat[i : i + g] for i in range(0, len(flat), g)] == frames
-
-
-def prompt_ids_of(folder: str, case: str) -> list[int]:
-    from omnistage.models.tokenizer import Tokenizer
-
-    return Tokenizer.from_pretrained(folder).encode_chat(messages_of(case))
