@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,51 @@ def _special_id(tokenizer: Tokenizer, token: str) -> int:
     return int(token_id)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """A checkpoint's JSON file, byte-stable (sorted keys, no timestamps)."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def tokenizer_config(chat_template: str, max_len: int, **extra: Any) -> dict[str, Any]:
+    """``tokenizer_config.json`` of a tiny checkpoint: its chat template, ``<|im_end|>`` as
+    eos, ``<|endoftext|>`` as pad, a fast tokenizer."""
+    return {
+        "chat_template": chat_template,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": max_len,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+        **extra,
+    }
+
+
+def save_seeded(
+    make: Callable[[], torch.nn.Module],
+    randomise: Callable[[torch.nn.Module, int], None],
+    out: Path,
+    seed: int,
+    max_shard_size: str | None = None,
+) -> None:
+    """Build a transformers model with ``make`` under ``seed`` (the global generator left as it
+    was), randomise it from ``seed`` and ``save_pretrained`` it into ``out``, quietly."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # config chatter
+    hf_logging.disable_progress_bar()  # "Writing model shards"
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = make().eval()
+        randomise(model, seed)
+        kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+        model.save_pretrained(out, safe_serialization=True, **kwargs)  # type: ignore[operator]
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress:
+            hf_logging.enable_progress_bar()
 
 
 def build(spec: TinyARSpec, out: str | Path) -> Path:
@@ -163,22 +207,13 @@ def build(spec: TinyARSpec, out: str | Path) -> Path:
     tokenizer.save(str(out / "tokenizer.json"))
     bos_id, eos_id = _special_id(tokenizer, "<|endoftext|>"), _special_id(tokenizer, "<|im_end|>")
     config = hf_config(spec, bos_id, eos_id)
-    _write_json(out / "config.json", config)
-    _write_json(
+    write_json(out / "config.json", config)
+    write_json(
         out / "generation_config.json",
         {"bos_token_id": bos_id, "eos_token_id": [eos_id, bos_id], "pad_token_id": bos_id},
     )
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "chat_template": CHAT_TEMPLATE,
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "model_max_length": spec.max_position_embeddings,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "clean_up_tokenization_spaces": False,
-        },
+    write_json(
+        out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE, spec.max_position_embeddings)
     )
     weights = random_weights(qwen2.FAMILY.decoder_config(config), spec.seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})

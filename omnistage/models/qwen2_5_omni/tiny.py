@@ -32,7 +32,6 @@ recorded in the JSON files, so the bytes are fixed per transformers version).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -321,49 +320,27 @@ def speakers(spec: TinyQwenOmniSpec, ids: dict[str, int], seed: int) -> dict[str
     return voices
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed: int = 0) -> Path:
     """Write a complete tiny Qwen2.5-Omni checkpoint for ``spec`` into the folder ``out``."""
     from transformers import Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed)
     ids = token_ids(tokenizer)
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "chat_template": CHAT_TEMPLATE,
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "model_max_length": spec.max_position_embeddings,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "clean_up_tokenization_spaces": False,
-        },
+    config = tiny_ar.tokenizer_config(CHAT_TEMPLATE, spec.max_position_embeddings)
+    tiny_ar.write_json(out / "tokenizer_config.json", config)
+    tiny_ar.save_seeded(
+        lambda: Qwen2_5OmniForConditionalGeneration(hf_config(spec, ids)),
+        randomise,
+        out,
+        seed,
+        spec.max_shard_size,
     )
-    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # config chatter
-    hf_logging.disable_progress_bar()  # "Writing model shards"
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen2_5OmniForConditionalGeneration(hf_config(spec, ids)).eval()
-        randomise(model, seed)
-        kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
-        model.save_pretrained(out, safe_serialization=True, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if progress:
-            hf_logging.enable_progress_bar()
     # The thinker's text stops where transformers' thinker stops: its generation config comes
     # from text_config, whose only eos is <|im_end|>.
-    _write_json(
+    tiny_ar.write_json(
         out / "generation_config.json",
         {
             "bos_token_id": ids["<|endoftext|>"],
@@ -372,7 +349,7 @@ def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed
         },
     )
     torch.save(speakers(spec, ids, seed), out / "spk_dict.pt")
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    tiny_ar.write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return out
 
 

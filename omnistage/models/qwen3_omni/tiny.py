@@ -33,7 +33,6 @@ recorded in the JSON files, so the bytes are fixed per transformers version).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -354,52 +353,31 @@ def _last_decoder_conv(model: torch.nn.Module) -> str:
     return [n for n in names if n.endswith("conv.weight")][-1]
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 def build_tiny_qwen3_omni(
     out: str | Path, spec: TinyQwen3OmniSpec = DEFAULT, seed: int = 0
 ) -> Path:
     """Write a complete tiny Qwen3-Omni checkpoint for ``spec`` into the folder ``out``."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed)
     ids = token_ids(tokenizer)
     tokenizer.save(str(out / "tokenizer.json"))
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "chat_template": CHAT_TEMPLATE,
-            "bos_token": None,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-            "model_max_length": spec.max_position_embeddings,
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "clean_up_tokenization_spaces": False,
-            "extra_special_tokens": MEDIA_TOKENS,
-        },
+    config = tiny_ar.tokenizer_config(
+        CHAT_TEMPLATE, spec.max_position_embeddings, extra_special_tokens=MEDIA_TOKENS
     )
-    verbosity, progress = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()  # config chatter
-    hf_logging.disable_progress_bar()  # "Writing model shards"
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen3OmniMoeForConditionalGeneration(hf_config(spec, ids)).eval()
-        randomise(model, seed)
-        kwargs = {} if spec.max_shard_size is None else {"max_shard_size": spec.max_shard_size}
-        model.save_pretrained(out, safe_serialization=True, **kwargs)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if progress:
-            hf_logging.enable_progress_bar()
+    tiny_ar.write_json(out / "tokenizer_config.json", config)
+    tiny_ar.save_seeded(
+        lambda: Qwen3OmniMoeForConditionalGeneration(hf_config(spec, ids)),
+        randomise,
+        out,
+        seed,
+        spec.max_shard_size,
+    )
     # The thinker stops at <|im_end|> (generate's own default, thinker_eos_token_id=151645, is
     # the real vocabulary's id: pass the config's im_end_token_id instead).
-    _write_json(
+    tiny_ar.write_json(
         out / "generation_config.json",
         {
             "bos_token_id": ids["<|endoftext|>"],
@@ -407,7 +385,7 @@ def build_tiny_qwen3_omni(
             "pad_token_id": ids["<|endoftext|>"],
         },
     )
-    _write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+    tiny_ar.write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return out
 
 
