@@ -78,26 +78,33 @@ PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
 MORE_PLATFORMS=(manylinux_2_27_x86_64 manylinux_2_26_x86_64 manylinux_2_24_x86_64
   manylinux2010_x86_64 manylinux1_x86_64)
 
-download() { # download DEST SPEC PLATFORM...
-  local dest="$1" spec="$2"
-  shift 2
-  local args=() p
-  for p in "$@"; do args+=(--platform "$p"); done
+download() { # download DEST SPEC... PLATFORM... (a platform: an argument starting manylinux)
+  local dest="$1"
+  shift
+  local args=() specs=() a
+  for a in "$@"; do
+    if [[ "$a" == manylinux* ]]; then args+=(--platform "$a"); else specs+=("$a"); fi
+  done
   "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
-    --python-version "$PYTHON_VERSION" --implementation cp "${args[@]}" -d "$dest" "$spec"
+    --python-version "$PYTHON_VERSION" --implementation cp "${args[@]}" -d "$dest" "${specs[@]}"
 }
 
 # Download into a fresh folder and swap it in only when complete, so the folder never holds
 # two versions of one package or a partial set.
 tmp="$(mktemp -d "${TMPDIR:-/tmp}/gpu-wheels.XXXXXX")"
 trap 'rm -rf "$tmp"' EXIT
+# One pip for the whole list (each pip takes about a second to start); only when that fails,
+# a package at a time, with the older platforms for those that still fail.
 failed=()
-for spec in "${PACKAGES[@]}"; do
-  if ! download "$tmp" "$spec" "${PLATFORMS[@]}"; then
-    echo "retrying $spec with older manylinux platforms" >&2
-    download "$tmp" "$spec" "${PLATFORMS[@]}" "${MORE_PLATFORMS[@]}" || failed+=("$spec")
-  fi
-done
+if ! download "$tmp" "${PACKAGES[@]}" "${PLATFORMS[@]}" 2>/dev/null; then
+  rm -f "$tmp"/*.whl
+  for spec in "${PACKAGES[@]}"; do
+    if ! download "$tmp" "$spec" "${PLATFORMS[@]}"; then
+      echo "retrying $spec with older manylinux platforms" >&2
+      download "$tmp" "$spec" "${PLATFORMS[@]}" "${MORE_PLATFORMS[@]}" || failed+=("$spec")
+    fi
+  done
+fi
 if ((${#failed[@]})); then
   echo "no cp312 manylinux x86-64 wheel for: ${failed[*]}" >&2
   exit 1
