@@ -45,6 +45,41 @@ class DiTRows:
         return int(self.speaker.shape[1])
 
 
+def layer_masks(dit: Any, hidden: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
+    """The layers' additive attention masks by ``(look_backward_block, look_ahead_block)``:
+    ``_create_block_diff``'s block differences compared as ``DiTDecoderLayer`` compares them,
+    made once per call as ``[1, 1, n, n]`` float (0 or -inf, what SDPA turns the layer's
+    boolean ``[batch, heads, n, n]`` mask into in every layer)."""
+    n = hidden.shape[1]
+    blocks = torch.arange(n, device=hidden.device) // dit.block_size
+    diff = blocks.unsqueeze(0) - blocks.unsqueeze(1)
+    masks: dict[tuple[int, int], torch.Tensor] = {}
+    for block in dit.transformer_blocks:
+        key = (block.look_backward_block, block.look_ahead_block)
+        if key not in masks:
+            allowed = (diff >= -float(key[0])) & (diff <= float(key[1]))
+            mask = torch.zeros([n, n], dtype=hidden.dtype, device=hidden.device)
+            masks[key] = mask.masked_fill_(~allowed, float("-inf"))[None, None]
+    return masks
+
+
+def decoder_layer(
+    block: Any,
+    hidden: torch.Tensor,
+    time_embedding: torch.Tensor,
+    position_embeddings: Any,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """``DiTDecoderLayer.forward`` term by term, with the layer's mask made beforehand."""
+    norm, gate_msa, shift_mlp, scale_mlp, gate_mlp = block.attn_norm(hidden, emb=time_embedding)
+    attention = block.attn(
+        hidden_states=norm, position_embeddings=position_embeddings, attention_mask=mask
+    )
+    hidden = hidden + gate_msa.unsqueeze(1) * attention
+    norm = block.ff_norm(hidden) * (1 + scale_mlp[:, None]) + shift_mlp[:, None]
+    return hidden + gate_mlp.unsqueeze(1) * block.ff(norm)
+
+
 @torch.inference_mode()
 def guided_velocity(
     dit: Any, rows: list[DiTRows], times: list[torch.Tensor], states: list[torch.Tensor]
@@ -68,11 +103,10 @@ def guided_velocity(
     position_ids = torch.arange(hidden.shape[1], device=hidden.device)
     position_ids = position_ids[None, :].repeat(hidden.shape[0], 1)
     position_embeddings = dit.rotary_embed(hidden, position_ids)
-    block_diff = dit._create_block_diff(hidden)
+    masks = layer_masks(dit, hidden)
     for block in dit.transformer_blocks:
-        hidden = block(
-            hidden, time_embedding, position_embeddings=position_embeddings, block_diff=block_diff
-        )
+        mask = masks[block.look_backward_block, block.look_ahead_block]
+        hidden = decoder_layer(block, hidden, time_embedding, position_embeddings, mask)
     hidden = dit.norm_out(hidden, time_embedding)
     output = dit.proj_out(hidden)
     return [
