@@ -251,6 +251,14 @@ class StageConfig(_Frozen):
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch threads in the stage process (in each rank's)."
     )
+    step_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Step-scheduled kinds (diffusion, code2wav): jobs stepped at once, each "
+        "group on a thread of its own, its results unchanged (for several requests at a time "
+        "on more cores than one torch thread keeps busy).",
+    )
     placement: Placement | None = Field(
         default=None,
         description="Run the stage as a Ray actor with these resources (the pipeline then "

@@ -130,7 +130,8 @@ _ORDER = (  # `all` runs them in this order
         "Qwen2.5-Omni streamed speech over HTTP on tiny-qwen2.5-omni and bench-qwen2.5-omni: "
         "time to first audio against the whole audio (--no-stream), requests/s at 1 and 8 "
         "concurrent against one at a time and transformers' generate in the same run, "
-        "whether each request's audio is its audio alone, and each stage's CPU seconds.",
+        "whether each request's audio is its audio alone, and each stage's CPU seconds; "
+        "streamed as shipped (code2wav stepping on two threads) and with one step thread.",
         "about 15-20 minutes (transformers' generate is most of it)",
         ("pipelines",),
         "tiny-qwen2.5-omni,bench-qwen2.5-omni",

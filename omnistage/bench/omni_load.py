@@ -3,8 +3,9 @@ streamed speech (time to first audio against the whole audio, throughput at 8 co
 requests against one at a time and against transformers' ``generate``, every request's audio
 the same at any concurrency) measured in one run, with where each stage's time goes.
 
-For each pipeline, ``omnistage serve --pipeline P`` is started once per variant (its flags:
-``VARIANTS``; streamed, and ``--no-stream`` for the whole-audio baseline) and loaded by
+For each pipeline, ``omnistage serve --pipeline P`` is started once per variant (its flags
+and code2wav settings: ``VARIANTS``; streamed as shipped, streamed with the code2wav stage
+stepping on one thread, and ``--no-stream`` for the whole-audio baseline) and loaded by
 ``bench serve`` (streamed chat requests, text + pcm16 audio, the same random prompts and
 seed in every run): ``REQUESTS[c]`` requests ``c`` at a time, after one warm-up. Per run the
 stage processes' CPU seconds (``psutil``, by the pids ``/v1/omni/stages`` reports) say
@@ -32,12 +33,13 @@ from omnistage.bench.served import Served
 
 PIPELINES = ("tiny-qwen2.5-omni", "bench-qwen2.5-omni")
 STAGES = ("thinker", "talker", "code2wav")
-# variant -> (omnistage serve flags, torch threads of the code2wav stage or None: the
-# pipeline's); "whole" (--no-stream) is the time-to-whole-audio baseline
-VARIANTS: dict[str, tuple[tuple[str, ...], int | None]] = {
-    "streamed": ((), None),
-    "streamed-c2w-2-threads": ((), 2),  # measured once: 10x slower, other bytes
-    "whole": (("--no-stream",), None),
+# variant -> (omnistage serve flags, settings of the code2wav stage over the pipeline's);
+# "whole" (--no-stream) is the time-to-whole-audio baseline
+VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, int]]] = {
+    "streamed": ((), {}),
+    "streamed-1-step-thread": ((), {"step_threads": 1}),  # the stage's groups one at a time
+    "streamed-c2w-2-threads": ((), {"torch_threads": 2}),  # measured once: 10x slower
+    "whole": (("--no-stream",), {}),
 }
 COLUMNS = ["pipeline", "variant", "concurrency", "requests", "ttfa_ms", "e2e_ms",
            "requests_per_s", "vs_concurrency_1", "vs_transformers", "ttfa_vs_whole",
@@ -48,7 +50,7 @@ COLUMNS = ["pipeline", "variant", "concurrency", "requests", "ttfa_ms", "e2e_ms"
 @dataclass(frozen=True)
 class LoadSettings:
     pipelines: tuple[str, ...] = PIPELINES
-    variants: tuple[str, ...] = ("streamed", "whole")
+    variants: tuple[str, ...] = ("streamed", "streamed-1-step-thread", "whole")
     transformers_prompts: int = 2
     thinker_tokens: int = 16
     talker_tokens: int = 256  # the pipelines' cap (the random talker never says its end code)
@@ -109,9 +111,10 @@ def measure_one(url: str, concurrency: int, s: LoadSettings) -> dict[str, Any]:
     }
 
 
-def pipeline_args(pipeline: str, code2wav_threads: int | None, folder: Path) -> list[str]:
-    """``--pipeline P``, or ``--config`` of P's YAML with the code2wav stage's threads set."""
-    if code2wav_threads is None:
+def pipeline_args(pipeline: str, code2wav: dict[str, int], folder: Path) -> list[str]:
+    """``--pipeline P``, or ``--config`` of P's YAML with the code2wav stage's ``code2wav``
+    settings."""
+    if not code2wav:
         return ["--pipeline", pipeline]
     from importlib import resources
 
@@ -121,8 +124,9 @@ def pipeline_args(pipeline: str, code2wav_threads: int | None, folder: Path) -> 
 
     text = (resources.files("omnistage.pipelines") / f"{pipeline}.yaml").read_text()
     config = yaml.safe_load(text.replace("{cache}", str(cache_dir())))  # a file's is literal
-    config["stages"][-1]["torch_threads"] = code2wav_threads  # the last stage speaks
-    path = folder / f"{pipeline}-c2w-{code2wav_threads}.yaml"
+    config["stages"][-1].update(code2wav)  # the last stage speaks
+    name = "-".join(f"{k}-{v}" for k, v in sorted(code2wav.items()))
+    path = folder / f"{pipeline}-{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     return ["--config", str(path)]
 
@@ -133,11 +137,11 @@ def measure(pipeline: str, s: LoadSettings, device: str) -> dict[tuple[str, int]
     runs: dict[tuple[str, int], Any] = {}
     for variant in s.variants:
         concurrencies = s.whole_concurrency if variant == "whole" else tuple(REQUESTS)
-        flags, threads = VARIANTS[variant]
+        flags, code2wav = VARIANTS[variant]
         with (
             tempfile.TemporaryDirectory() as tmp,
             Served(
-                *pipeline_args(pipeline, threads, Path(tmp)), "--device", device, *flags
+                *pipeline_args(pipeline, code2wav, Path(tmp)), "--device", device, *flags
             ) as server,
         ):
             for concurrency in concurrencies:

@@ -10,8 +10,12 @@ Scheduling: requests wait in arrival order; while fewer than ``max_active_jobs``
 flight, each engine step starts one around the oldest runnable request. The jobs take turns,
 one step each per engine step, so a small request arriving behind a large one starts at once
 and finishes in about its own time times the number of jobs in flight — no request waits for
-another's whole run. Aborts are handled between steps: an aborted request leaves its job at
-the next step, the others of the job carry on.
+another's whole run. With ``step_threads`` > 1 an engine step advances that many groups of
+jobs at once, each on a thread of its own (torch releases the GIL in its kernels, and each
+job's arithmetic is what it is alone, so its results do not change): a kind that keeps one
+core busy per step can use more without a second torch thread per kernel. Aborts are handled
+between steps: an aborted request leaves its job at the next step, the others of the job
+carry on.
 
 Control is every engine's (``omnistage.stage.engine_base``); here pausing gates scheduling
 only and nothing lives in the memory a sleep releases but the weights, so with "keep" queued
@@ -34,6 +38,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from omnistage.config import StageConfig
@@ -94,6 +99,8 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         self.num_jobs = 0
         self.last_job_size = 0
         self.num_steps = 0
+        self.num_batched_steps = 0  # steps several jobs took together
+        self._threads: ThreadPoolExecutor | None = None  # step_threads > 1: the other groups'
 
     # -- the kind's part ------------------------------------------------------------------
 
@@ -195,8 +202,7 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
                 job for job in self._jobs if _is_ready(job) and self._may_run(job.request_ids)
             ]
             if runnable:
-                job = runnable[self.num_steps % len(runnable)]
-                self._advance([job, *self._companions(job, runnable)])
+                self._advance_groups(self._groups(runnable))
         outputs, self._finished = self._finished, []
         return outputs
 
@@ -240,18 +246,59 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         except Exception as exc:
             self._fail([r.request_id for r in requests], exc)
 
-    def _advance(self, jobs: list[StepJob]) -> None:
-        self.num_steps += 1
+    def _groups(self, runnable: list[StepJob]) -> list[list[StepJob]]:
+        """This step's groups: the job whose turn it is with its companions and, with
+        ``step_threads`` > 1, as many more groups of the other runnable jobs as there are
+        threads (the largest group halved while there are fewer: a second core gains more
+        than a wider batch)."""
+        turn = self.num_steps % len(runnable)
+        order = runnable[turn:] + runnable[:turn]
+        groups: list[list[StepJob]] = []
+        while order and len(groups) < self.config.step_threads:
+            group = [order[0], *self._companions(order[0], order[1:])]
+            order = [job for job in order if job not in group]
+            groups.append(group)
+        while len(groups) < self.config.step_threads:
+            largest = max(groups, key=len)
+            if len(largest) < 2:
+                break
+            half = len(largest) // 2
+            groups.remove(largest)
+            groups += [largest[:half], largest[half:]]
+        return groups
+
+    def _advance_groups(self, groups: list[list[StepJob]]) -> None:
+        """One step of each group, the groups on threads of their own when there are several
+        (each job's step is its own: what it computes does not depend on the others); the
+        outcomes are then handled here, in order."""
+        if len(groups) > 1 and self._threads is None:
+            self._threads = ThreadPoolExecutor(
+                self.config.step_threads - 1, thread_name_prefix=f"stage{self.stage_id}-step"
+            )
+        futures = [self._threads.submit(self._run, g) for g in groups[1:]] if self._threads else []
+        errors = [self._run(groups[0]), *(future.result() for future in futures)]
+        for group, error in zip(groups, errors, strict=True):
+            self._settle(group, error)
+
+    def _run(self, jobs: list[StepJob]) -> Exception | None:
+        """One step of ``jobs``, on whichever thread; the exception it raised, if any."""
         try:
             if len(jobs) == 1:
                 jobs[0].advance()
             else:
                 self._advance_together(jobs)
         except Exception as exc:
+            return exc
+        return None
+
+    def _settle(self, jobs: list[StepJob], error: Exception | None) -> None:
+        self.num_steps += 1
+        self.num_batched_steps += int(len(jobs) > 1)
+        if error is not None:
             for job in jobs:
                 if job in self._jobs:
                     self._jobs.remove(job)
-            self._fail([r for job in jobs for r in job.request_ids], exc)
+            self._fail([r for job in jobs for r in job.request_ids], error)
             return
         for job in jobs:
             self._after_step(job)
@@ -327,4 +374,6 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         """Drop queued requests and free the arena; the engine is unusable afterwards."""
         self._waiting.clear()
         self._finished.clear()
+        if self._threads is not None:
+            self._threads.shutdown()
         self.worker.close()

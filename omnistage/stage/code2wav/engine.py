@@ -35,7 +35,6 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
             raise ValueError(f"Code2WavStageEngine needs kind {KIND!r}, got {config.kind!r}")
         super().__init__(config, Code2WavWorker(config, load_weights=load_weights))
         self.limits: Code2WavLimits = self.worker.limits
-        self.num_batched_steps = 0  # steps several utterances took together
 
     @property
     def vocoder(self) -> Any:
@@ -107,7 +106,6 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
         share = (time.perf_counter() - started) / len(jobs)
         for job in jobs:
             job.compute_s += share  # type: ignore[attr-defined]
-        self.num_batched_steps += 1
 
     def _check_request(self, request: Code2WavRequest) -> None:
         validate_request(request, self.limits)

@@ -39,13 +39,15 @@ def test_rows_compare_with_concurrency_1_the_whole_audio_and_transformers():
     assert set(omni_load.COLUMNS) == set(alone)
 
 
-def test_the_threads_variant_sets_only_the_code2wav_stage(tmp_path):
-    args = omni_load.pipeline_args("tiny-qwen2.5-omni", 2, tmp_path)
+def test_a_variant_sets_only_the_code2wav_stage(tmp_path):
+    args = omni_load.pipeline_args("tiny-qwen2.5-omni", {"torch_threads": 2}, tmp_path)
     assert args[0] == "--config"
     config = load_pipeline_config(args[1])
     assert [s.torch_threads for s in config.stages] == [None, None, 2]
     assert all("{cache}" not in s.model for s in config.stages)  # the model cache's folder
-    assert omni_load.pipeline_args("tiny-qwen2.5-omni", None, tmp_path) == [
+    args = omni_load.pipeline_args("tiny-qwen2.5-omni", {"step_threads": 1}, tmp_path)
+    assert [s.step_threads for s in load_pipeline_config(args[1]).stages] == [1, 1, 1]
+    assert omni_load.pipeline_args("tiny-qwen2.5-omni", {}, tmp_path) == [
         "--pipeline",
         "tiny-qwen2.5-omni",
     ]

@@ -255,3 +255,41 @@ def test_utterances_of_one_length_share_forwards_and_each_equals_itself_alone(en
     assert engine.num_batched_steps > batched
     for request_id, samples in alone.items():
         assert torch.equal(samples_of(together[request_id]), samples), request_id
+
+
+def test_two_step_threads_step_two_groups_at_once_each_utterance_as_alone(engine, omni_folder):
+    threaded = Code2WavStageEngine(code2wav_config(omni_folder, step_threads=2, max_num_seqs=8))
+    try:
+        requests = [
+            Code2WavRequest(
+                f"t{i}",
+                codes_of(12 if i < 4 else 5 + i, 30 + i),
+                Code2WavParams(seed=300 + i, num_steps=10, voice=("Chelsie", "Ethan")[i % 2]),
+            )
+            for i in range(6)
+        ]
+        alone = {r.request_id: one(engine, r.request_id, r.codes, r.params) for r in requests}
+        for request in requests:
+            threaded.add_request(request)
+        for _ in range(len(requests)):
+            threaded.step()  # one job starts per step; none is done before the last starts
+        assert len(threaded._jobs) == len(requests)
+        steps = threaded.num_steps
+        threaded.step()
+        assert threaded.num_steps == steps + 2  # two groups, on two threads
+        together = run_all(threaded, [])
+        for request_id, samples in alone.items():
+            assert torch.equal(samples_of(together[request_id]), samples), request_id
+        assert threaded.num_batched_steps > 0  # the four of one length still share forwards
+        # a group that fails on its thread fails its own requests only
+        threaded.add_request(Code2WavRequest("ok", CODES, PARAMS))
+        threaded.add_request(Code2WavRequest("bad", codes_of(14, 5), PARAMS))
+        threaded.step()
+        threaded.step()
+        bad = next(job for job in threaded._jobs if job.request_ids == ["bad"])
+        bad.advance = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
+        outputs = run_all(threaded, [])
+        assert outputs["bad"].finish_reason == "error" and "boom" in str(outputs["bad"].error)
+        assert torch.equal(samples_of(outputs["ok"]), one(engine, "ok2", CODES, PARAMS))
+    finally:
+        threaded.shutdown()
