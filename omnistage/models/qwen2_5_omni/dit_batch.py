@@ -5,7 +5,9 @@ the reference mel inside every call, and oneDNN's convolutions round differently
 size; everything else in the DiT is row-wise (linear layers, made row-invariant by MKL's
 strict reproducibility mode, see ``omnistage.batch_invariance``; attention per row; norms
 and activations per frame). So ``DiTRows`` runs the speaker encoder once per utterance, on
-the same two rows ``forward`` gives it (the reference and zeros), and ``guided_velocity``
+the same two rows ``forward`` gives it (the reference and zeros), and with it makes the other
+inputs that do not change between calls (the code embeddings, the speaker rows), and
+``guided_velocity``
 runs the rest of ``forward`` term by term on the rows of several utterances — each its own
 codes, state and time point — giving each utterance the velocity it gets alone.
 """
@@ -20,11 +22,12 @@ import torch
 
 @dataclass
 class DiTRows:
-    """One utterance's (or window's) constant inputs of the guided DiT call."""
+    """One utterance's (or window's) constant inputs of the guided DiT call, made once for
+    all its calls: ``conditions`` are the rows (guided, null) of what ``DiTInputEmbedding``
+    puts beside the state, ``cat((ref, code_embed, speaker), -1)``."""
 
     codes: torch.Tensor  # [1, codes]
-    speaker: torch.Tensor  # [1, frames, enc_emb_dim]: the voice's cond along time
-    ref_vectors: torch.Tensor  # [2, enc_dim]: the speaker encoder on (ref_mel, zeros)
+    conditions: torch.Tensor  # [2, frames, enc_dim + emb_dim + enc_emb_dim]
     guidance_scale: float
 
     @classmethod
@@ -38,11 +41,16 @@ class DiTRows:
         scale: float,
     ) -> DiTRows:
         refs = torch.cat([ref_mel, torch.zeros_like(ref_mel)], dim=0)
-        return cls(codes, speaker, dit.input_embed.spk_encoder(refs), float(scale))
+        ref = dit.input_embed.spk_encoder(refs).unsqueeze(1).repeat(1, speaker.shape[1], 1)
+        code_embed = torch.cat(
+            [dit.text_embed(codes, drop_code=False), dit.text_embed(codes, drop_code=True)]
+        )
+        speakers = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
+        return cls(codes, torch.cat((ref, code_embed, speakers), dim=-1), float(scale))
 
     @property
     def frames(self) -> int:
-        return int(self.speaker.shape[1])
+        return int(self.conditions.shape[1])
 
 
 def layer_masks(dit: Any, hidden: torch.Tensor) -> dict[tuple[int, int], torch.Tensor]:
@@ -91,17 +99,10 @@ def guided_velocity(
     hidden = torch.cat([y, y], dim=0)  # guided rows, then null rows
     time_step = torch.stack([t.reshape(()) for t in times])
     time_embedding = dit.time_embed(torch.cat([time_step, time_step], dim=0))
-    codes = torch.cat([r.codes for r in rows], dim=0)
-    code_embed = torch.cat(
-        [dit.text_embed(codes, drop_code=False), dit.text_embed(codes, drop_code=True)], dim=0
-    )
-    speaker = torch.cat([r.speaker for r in rows], dim=0)
-    speaker = torch.cat([speaker, torch.zeros_like(speaker)], dim=0)
-    ref = torch.cat([r.ref_vectors[:1] for r in rows] + [r.ref_vectors[1:] for r in rows], dim=0)
-    ref = ref.unsqueeze(1).repeat(1, hidden.size(1), 1)
-    hidden = dit.input_embed.proj(torch.cat((hidden, ref, code_embed, speaker), dim=-1))
-    position_ids = torch.arange(hidden.shape[1], device=hidden.device)
-    position_ids = position_ids[None, :].repeat(hidden.shape[0], 1)
+    conditions = [r.conditions[:1] for r in rows] + [r.conditions[1:] for r in rows]
+    hidden = dit.input_embed.proj(torch.cat((hidden, torch.cat(conditions, dim=0)), dim=-1))
+    # the rotary table of one row: every row's is the same, and it broadcasts over the batch
+    position_ids = torch.arange(hidden.shape[1], device=hidden.device)[None, :]
     position_embeddings = dit.rotary_embed(hidden, position_ids)
     masks = layer_masks(dit, hidden)
     for block in dit.transformer_blocks:
