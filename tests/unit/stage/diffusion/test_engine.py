@@ -367,3 +367,23 @@ def test_a_request_waits_briefly_for_others_to_share_its_batch(image_folder):
         assert (waiting.num_batches, waiting.last_batch_size) == (1, 2)  # full: no wait
     finally:
         waiting.shutdown()
+
+
+def test_two_step_threads_denoise_two_batches_at_once_each_image_as_alone(engine, image_folder):
+    threaded = DiffusionStageEngine(diffusion_config(image_folder, step_threads=2))
+    try:
+        params = {
+            "t64": DiffusionParams(seed=3, num_inference_steps=3),
+            "t32": DiffusionParams(seed=4, num_inference_steps=3, height=32),
+        }
+        alone = {rid: one_png(engine, rid, "a dog", p) for rid, p in params.items()}
+        for rid, p in params.items():
+            threaded.add_request(DiffusionRequest(rid, prompt="a dog", params=p))
+        outputs = threaded.step() + threaded.step()  # both batches started (one per step)
+        steps = threaded.num_steps
+        outputs += threaded.step()
+        assert threaded.num_steps == steps + 2  # the two batches, on two threads
+        together = {o.request_id: o for o in outputs if o.finished} | run_all(threaded, [])
+        assert {rid: png_of(together[rid]) for rid in params} == alone
+    finally:
+        threaded.shutdown()
