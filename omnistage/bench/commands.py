@@ -132,7 +132,7 @@ _ORDER = (  # `all` runs them in this order
         "concurrent against one at a time and transformers' generate in the same run, "
         "whether each request's audio is its audio alone, and each stage's CPU seconds; "
         "streamed as shipped (code2wav stepping on two threads) and with one step thread.",
-        "about 15-20 minutes (transformers' generate is most of it)",
+        "about 10-20 minutes (7 on the idle machine)",
         ("pipelines",),
         "tiny-qwen2.5-omni,bench-qwen2.5-omni",
     ),
