@@ -255,9 +255,9 @@ class StageConfig(_Frozen):
         default=1,
         ge=1,
         le=64,
-        description="Step-scheduled kinds (diffusion, code2wav): jobs stepped at once, each "
-        "group on a thread of its own, its results unchanged (for several requests at a time "
-        "on more cores than one torch thread keeps busy).",
+        description="Step-scheduled kinds (diffusion, code2wav): groups of jobs stepped at "
+        "once, each on a thread of its own, their results unchanged (several requests at a "
+        "time on more cores than one torch thread keeps busy; leave 1 on a GPU).",
     )
     placement: Placement | None = Field(
         default=None,

@@ -77,6 +77,12 @@ class StepJob(Protocol):
     def finish(self) -> Sequence[tuple[Any, Any]]: ...
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
+
+
 def _is_ready(job: StepJob) -> bool:
     """Whether a job can step now (one fed a streamed input may wait for more)."""
     return bool(getattr(job, "is_ready", True))
@@ -101,6 +107,7 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         self.num_steps = 0
         self.num_batched_steps = 0  # steps several jobs took together
         self._threads: ThreadPoolExecutor | None = None  # step_threads > 1: the other groups'
+        self._torch_threads = _torch_threads()  # the stage's, set before its engine is built
 
     # -- the kind's part ------------------------------------------------------------------
 
@@ -193,8 +200,9 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         )
 
     def step(self) -> list[StageOutput]:
-        """Deliver queued outputs, start a job if there is room, then advance one job by one
-        step (jobs take turns)."""
+        """Deliver queued outputs, start a job if there is room, then advance the job whose
+        turn it is (with its companions) by one step, and with ``step_threads`` > 1 more
+        groups beside it on threads of their own (jobs take turns)."""
         if self.sleep_control.weights_valid:  # asleep, or not reloaded: never run on garbage
             if len(self._jobs) < self.max_active_jobs:
                 self._start_job()
@@ -272,8 +280,14 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
         (each job's step is its own: what it computes does not depend on the others); the
         outcomes are then handled here, in order."""
         if len(groups) > 1 and self._threads is None:
+            import torch
+
+            # a new thread takes OpenMP's default (every core) until told: the stage's count
             self._threads = ThreadPoolExecutor(
-                self.config.step_threads - 1, thread_name_prefix=f"stage{self.stage_id}-step"
+                self.config.step_threads - 1,
+                thread_name_prefix=f"stage{self.stage_id}-step",
+                initializer=torch.set_num_threads,
+                initargs=(self._torch_threads,),
             )
         futures = [self._threads.submit(self._run, g) for g in groups[1:]] if self._threads else []
         errors = [self._run(groups[0]), *(future.result() for future in futures)]

@@ -291,5 +291,14 @@ def test_two_step_threads_step_two_groups_at_once_each_utterance_as_alone(engine
         outputs = run_all(threaded, [])
         assert outputs["bad"].finish_reason == "error" and "boom" in str(outputs["bad"].error)
         assert torch.equal(samples_of(outputs["ok"]), one(engine, "ok2", CODES, PARAMS))
+        # a process fault, on whichever thread its group ran, still ends the stage's loop
+        threaded.add_request(Code2WavRequest("ok3", CODES, PARAMS))
+        threaded.add_request(Code2WavRequest("oom", codes_of(14, 6), PARAMS))
+        threaded.step()
+        threaded.step()
+        oom = next(job for job in threaded._jobs if job.request_ids == ["oom"])
+        oom.advance = lambda: (_ for _ in ()).throw(MemoryError("out of memory"))
+        with pytest.raises(MemoryError):
+            run_all(threaded, [])
     finally:
         threaded.shutdown()
