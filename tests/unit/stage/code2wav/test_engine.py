@@ -257,6 +257,17 @@ def test_utterances_of_one_length_share_forwards_and_each_equals_itself_alone(en
         assert torch.equal(samples_of(together[request_id]), samples), request_id
 
 
+def fail_beside(engine, ok: str, bad: str, error: Exception) -> dict:
+    """Run a request ``ok`` beside one ``bad`` whose job raises ``error`` at its next step."""
+    engine.add_request(Code2WavRequest(ok, CODES, PARAMS))
+    engine.add_request(Code2WavRequest(bad, codes_of(14, 5), PARAMS))
+    engine.step()
+    engine.step()  # both started
+    job = next(job for job in engine._jobs if job.request_ids == [bad])
+    job.advance = lambda: (_ for _ in ()).throw(error)
+    return run_all(engine, [])
+
+
 def test_two_step_threads_step_two_groups_at_once_each_utterance_as_alone(engine, omni_folder):
     threaded = Code2WavStageEngine(code2wav_config(omni_folder, step_threads=2, max_num_seqs=8))
     try:
@@ -282,23 +293,11 @@ def test_two_step_threads_step_two_groups_at_once_each_utterance_as_alone(engine
             assert torch.equal(samples_of(together[request_id]), samples), request_id
         assert threaded.num_batched_steps > 0  # the four of one length still share forwards
         # a group that fails on its thread fails its own requests only
-        threaded.add_request(Code2WavRequest("ok", CODES, PARAMS))
-        threaded.add_request(Code2WavRequest("bad", codes_of(14, 5), PARAMS))
-        threaded.step()
-        threaded.step()
-        bad = next(job for job in threaded._jobs if job.request_ids == ["bad"])
-        bad.advance = lambda: (_ for _ in ()).throw(RuntimeError("boom"))
-        outputs = run_all(threaded, [])
+        outputs = fail_beside(threaded, "ok", "bad", RuntimeError("boom"))
         assert outputs["bad"].finish_reason == "error" and "boom" in str(outputs["bad"].error)
         assert torch.equal(samples_of(outputs["ok"]), one(engine, "ok2", CODES, PARAMS))
         # a process fault, on whichever thread its group ran, still ends the stage's loop
-        threaded.add_request(Code2WavRequest("ok3", CODES, PARAMS))
-        threaded.add_request(Code2WavRequest("oom", codes_of(14, 6), PARAMS))
-        threaded.step()
-        threaded.step()
-        oom = next(job for job in threaded._jobs if job.request_ids == ["oom"])
-        oom.advance = lambda: (_ for _ in ()).throw(MemoryError("out of memory"))
         with pytest.raises(MemoryError):
-            run_all(threaded, [])
+            fail_beside(threaded, "ok3", "oom", MemoryError("out of memory"))
     finally:
         threaded.shutdown()
