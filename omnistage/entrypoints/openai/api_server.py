@@ -27,7 +27,8 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     from omnistage.entrypoints.serve.stage_states import stage_states
 
     state.engine_client = engine_client
-    state.stage_states = stage_states(engine_client)
+    state.sleeping_stages = set()  # the seed's set, kept by the control routes
+    state.stage_states = stage_states(engine_client, state)
     state.served_model_name = config.model_name
     state.served_model_names = config.model_names
     state.accepted_model_names = accepted_model_names(config, engine_client)
@@ -41,6 +42,8 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     if hasattr(engine_client, "add_control_listener"):
         engine_client.add_control_listener(state.metrics.observe_control)
         engine_client.add_control_listener(state.control_journal.record)
+        # Sleeps and wakes no route asked for (idle sleep, auto-wake) show in the set too.
+        engine_client.add_control_listener(lambda *_: state.stage_states.sleeping_stage_ids())
     if hasattr(engine_client, "add_request_listener"):
         engine_client.add_request_listener(state.metrics.observe_request)
 
@@ -135,7 +138,7 @@ def build_app(
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=config.request_body_limit)
     app.add_middleware(HttpMetrics)  # outermost: counts the body limit's 413s too
     register_exception_handlers(app)
     data = [Depends(require_api_key)]

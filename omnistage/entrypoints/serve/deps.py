@@ -3,7 +3,7 @@
 ``EngineClientDep`` is ``app.state.engine_client`` (an ``AsyncOmni`` in the server, a fake in
 tests), typed as the ``EngineClient`` protocol; ``StageStatesDep`` is how the control routes
 learn which stages sleep (``stage_states``: the engine client's own truth, or a record
-for an engine client that keeps none). Routers apply the key checks with
+for an engine client that keeps none; either way ``app.state.sleeping_stages`` says it). Routers apply the key checks with
 ``dependencies=[Depends(require_api_key)]`` or ``[Depends(require_control_key)]``; the aliases
 below serve routes that prefer a parameter.
 """
@@ -27,10 +27,10 @@ async def get_engine_client(request: Request) -> EngineClient:
 
 async def get_stage_states(request: Request) -> StageStates:
     """``app.state.stage_states``, made for the engine client on first use if the factory did
-    not set it."""
+    not set it (keeping ``app.state.sleeping_stages``, the seed's set)."""
     state = request.app.state
     if getattr(state, "stage_states", None) is None:
-        state.stage_states = stage_states(state.engine_client)
+        state.stage_states = stage_states(state.engine_client, state)
     states: StageStates = state.stage_states
     return states
 

@@ -1,11 +1,16 @@
-"""Which stages sleep, as the control routes see it: read from the engine client, never kept
-beside it.
+"""Which stages sleep, as the control routes see it: ``app.state.sleeping_stages``.
 
-An engine client that reports its own truth (``AsyncOmni``: ``sleeping_stage_ids()``, which
-covers failed sleeps, automatic wakes, restarts and dead stages) is only read. An engine
-client that does not (vLLM-Omni's interface: ``sleep`` and ``wake_up`` only) gets what
-vLLM-Omni's own server keeps for it: a record of the stages its ACKs put to sleep, written here
-and nowhere else.
+That set is the seed's contract, and clients and tests written for vLLM-Omni read and preset
+it: the sleep route adds the stages it put to sleep, the wakeup route removes those it woke,
+each only after the engine answered. Two ways to keep it:
+
+- an engine client that reports its own truth (``AsyncOmni``: ``sleeping_stage_ids()``,
+  which covers failed sleeps, automatic wakes, idle sleeps and restarts) is read, and the set
+  is kept equal to it (``EngineStates``: on every read and after every control operation);
+- an engine client that does not (vLLM-Omni's interface: ``sleep`` and ``wake_up`` only) gets
+  what vLLM-Omni's own server keeps for it: the set is the record (``RecordedStates``).
+
+Both read the set from the app's state each time, so a set assigned later is the one used.
 """
 
 from __future__ import annotations
@@ -27,17 +32,31 @@ class StageStates(Protocol):
     ) -> None: ...
 
 
-class EngineStates:
-    """The engine client's own truth; nothing to record."""
+def sleeping_set(state: Any) -> set[int]:
+    """``state.sleeping_stages``, created empty if the app did not set it."""
+    if getattr(state, "sleeping_stages", None) is None:
+        state.sleeping_stages = set()
+    sleeping: set[int] = state.sleeping_stages
+    return sleeping
 
-    def __init__(self, engine_client: Any) -> None:
+
+class EngineStates:
+    """The engine client's own truth, mirrored into ``state.sleeping_stages``."""
+
+    def __init__(self, engine_client: Any, state: Any) -> None:
         self.engine_client = engine_client
+        self.state = state
 
     def sleeping_stage_ids(self) -> set[int]:
-        return set(self.engine_client.sleeping_stage_ids())
+        truth = set(self.engine_client.sleeping_stage_ids())
+        mirror = sleeping_set(self.state)
+        if mirror != truth:  # in place: holders of the set see the change
+            mirror.intersection_update(truth)
+            mirror.update(truth)
+        return truth
 
     def record_sleep(self, stage_ids: Sequence[int], acks: Sequence[Mapping[str, Any]]) -> None:
-        pass
+        self.sleeping_stage_ids()
 
     def record_wake(
         self,
@@ -45,7 +64,7 @@ class EngineStates:
         acks: Sequence[Mapping[str, Any]],
         tags: Sequence[str] | None,
     ) -> None:
-        pass
+        self.sleeping_stage_ids()
 
 
 def failed_stage_ids(acks: Iterable[Mapping[str, Any]]) -> set[int]:
@@ -58,17 +77,18 @@ def failed_stage_ids(acks: Iterable[Mapping[str, Any]]) -> set[int]:
 
 
 class RecordedStates:
-    """For an engine client without a truth of its own: the stages its ACKs put to sleep."""
+    """For an engine client without a truth of its own: ``state.sleeping_stages`` is the
+    record of the stages its ACKs put to sleep."""
 
-    def __init__(self, sleeping: Iterable[int] = ()) -> None:
-        self._sleeping = set(sleeping)
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
     def sleeping_stage_ids(self) -> set[int]:
-        return set(self._sleeping)
+        return set(sleeping_set(self.state))
 
     def record_sleep(self, stage_ids: Sequence[int], acks: Sequence[Mapping[str, Any]]) -> None:
         failed = failed_stage_ids(acks)
-        self._sleeping.update(sid for sid in stage_ids if sid not in failed)
+        sleeping_set(self.state).update(sid for sid in stage_ids if sid not in failed)
 
     def record_wake(
         self,
@@ -81,12 +101,14 @@ class RecordedStates:
         if tags is not None and not set(tags) >= set(MEMORY_TAGS):
             return
         failed = failed_stage_ids(acks)
-        self._sleeping.difference_update(sid for sid in stage_ids if sid not in failed)
+        sleeping_set(self.state).difference_update(sid for sid in stage_ids if sid not in failed)
 
 
-def stage_states(engine_client: Any, sleeping: Iterable[int] = ()) -> StageStates:
-    """How the routes learn which stages sleep for ``engine_client``. The method is looked up
-    on the class, not the instance: mock engine clients answer every attribute."""
+def stage_states(engine_client: Any, state: Any) -> StageStates:
+    """How the routes learn which stages sleep for ``engine_client``, kept in ``state``'s
+    ``sleeping_stages``. The method is looked up on the class, not the instance: mock engine
+    clients answer every attribute."""
+    sleeping_set(state)
     if getattr(type(engine_client), "sleeping_stage_ids", None) is not None:
-        return EngineStates(engine_client)
-    return RecordedStates(sleeping)
+        return EngineStates(engine_client, state)
+    return RecordedStates(state)

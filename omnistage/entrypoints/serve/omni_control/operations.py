@@ -113,9 +113,14 @@ async def sleep_stages(
     """Sleep ``stage_ids``; SKIPPED when every one was asleep already."""
     require_capability(engine_client, "sleep")
     check_stage_ids(engine_client, stage_ids)
-    acks = normalize_acks(
-        await engine_client.sleep(stage_ids=stage_ids, level=level, **_sent(mode=mode, tags=tags))
-    )
+    try:
+        acks = normalize_acks(
+            await engine_client.sleep(
+                stage_ids=stage_ids, level=level, **_sent(mode=mode, tags=tags)
+            )
+        )
+    finally:  # an engine with its own truth may have slept some stages before failing
+        states.sleeping_stage_ids()
     states.record_sleep(stage_ids, acks)
     return summarize(acks, ALREADY_SLEEPING)
 
@@ -135,11 +140,14 @@ async def wake_stages(
     if not states.sleeping_stage_ids() & set(stage_ids):
         acks = skipped_acks(stage_ids, "not asleep")
         return OmniControlResponse(status="SKIPPED", acks=acks, reason=NOT_SLEEPING)
-    acks = normalize_acks(
-        await engine_client.wake_up(
-            stage_ids=stage_ids, **_sent(tags=tags, reload=reload, resume=resume)
+    try:
+        acks = normalize_acks(
+            await engine_client.wake_up(
+                stage_ids=stage_ids, **_sent(tags=tags, reload=reload, resume=resume)
+            )
         )
-    )
+    finally:
+        states.sleeping_stage_ids()
     states.record_wake(stage_ids, acks, tags)
     return summarize(acks, NOT_SLEEPING)
 

@@ -78,9 +78,11 @@ async def omni_wakeup(
 
 
 @router.get("/stages", response_model=OmniStagesResponse)
-async def omni_stages(engine_client: EngineClientDep) -> OmniStagesResponse:
+async def omni_stages(engine_client: EngineClientDep, states: StageStatesDep) -> OmniStagesResponse:
     """Per-stage state, level, sleeping tags, paused flag, in-flight counts and memory."""
-    return OmniStagesResponse(stages=await stage_statuses(engine_client))
+    stages = await stage_statuses(engine_client)
+    states.sleeping_stage_ids()  # app.state.sleeping_stages follows what the engine says
+    return OmniStagesResponse(stages=stages)
 
 
 @router.get("/acks", response_model=OmniAcksResponse)

@@ -150,7 +150,8 @@ def build_test_app(
     app = FastAPI()
     register_exception_handlers(app)
     app.state.engine_client = engine
-    app.state.stage_states = stage_states(engine, sleeping)
+    app.state.sleeping_stages = set(sleeping)
+    app.state.stage_states = stage_states(engine, app.state)
     app.state.api_key = api_key
     app.state.control_api_key = control_api_key
 
@@ -186,7 +187,8 @@ def client_for() -> ClientFactory:
 
 
 def recorded_sleeping(client: TestClient) -> set[int]:
-    """The stages the app behind ``client`` knows to be sleeping."""
+    """The stages the app behind ``client`` knows to be sleeping: the seed's
+    ``app.state.sleeping_stages``, as vLLM-Omni's route tests read it."""
     app = cast(FastAPI, client.app)
-    sleeping: set[int] = app.state.stage_states.sleeping_stage_ids()
-    return sleeping
+    sleeping: set[int] = app.state.sleeping_stages
+    return set(sleeping)
