@@ -56,7 +56,7 @@ def test_a_repeated_sleep_and_a_repeated_wake_answer_alike(omni_server):
         ]
 
 
-def test_a_request_for_sleeping_stages_names_every_one_and_no_retry_after(omni_server):
+def test_a_request_for_sleeping_stages_names_every_one_with_retry_after(omni_server):
     assert post(omni_server, "/v1/omni/sleep", {"stage_ids": [0, 1], "level": 1}).status_code == 200
     try:
         r = httpx.post(
@@ -70,7 +70,7 @@ def test_a_request_for_sleeping_stages_names_every_one_and_no_retry_after(omni_s
         )
         assert r.status_code == 503 and r.json()["error"]["code"] == "stage_asleep"
         assert "stages [0, 1] are asleep" in r.json()["detail"]
-        assert "Retry-After" not in r.headers  # asleep stages do not come back by themselves
+        assert r.headers["Retry-After"] == "1"  # SPEC: every sleeping-stage 503 carries it
     finally:
         post(omni_server, "/v1/omni/wakeup", {"stage_ids": [0, 1]})
 

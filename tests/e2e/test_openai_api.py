@@ -133,7 +133,7 @@ def test_image_stage_sleep_keeps_text_working_and_wake_restores_exact_outputs(cl
             timeout=60,
         )
         assert raw.status_code == 503 and "stage 1" in raw.text
-        assert "Retry-After" not in raw.headers  # a sleeping stage does not wake by itself
+        assert raw.headers["Retry-After"] == "1"  # SPEC: every sleeping-stage 503 carries it
         with pytest.raises(openai.APIStatusError) as info:
             image(client)
         assert info.value.status_code == 503

@@ -7,7 +7,8 @@ except for a model the server does not serve, answered exactly as vLLM does (404
 ``NotFoundError``, ``code`` 404); ``param`` names the offending field when there is one.
 
 Bad input is 400, never 500: request validation (body, query) and malformed JSON are 400 with
-the field named (``body.stage_ids: Input should be a valid list``) — 400 rather than FastAPI's
+the field named and pydantic's type code (``body.stage_ids: Input should be a valid list
+[type=list_type]``) — 400 rather than FastAPI's
 422 because that is what OpenAI-compatible clients expect. ``ValueError`` is 400 too: engine
 clients raise it for unknown stage ids, naming the valid range. Anything unexpected is a JSON
 500 naming the exception (the error surfaces; it is not swallowed).
@@ -47,12 +48,14 @@ from omnistage.errors import (
 
 @dataclass(frozen=True)
 class ErrorKind:
-    """How one exception class is answered (``Retry-After`` where the error says the stage
-    comes back by itself: its ``retry_after``)."""
+    """How one exception class is answered. ``retry_after``: the 503 carries ``Retry-After``
+    (a stage asleep, paused or restarting, as SPEC and vLLM-Omni's clients expect); any other
+    error says so itself with its ``retry_after``."""
 
     status_code: int
     type: str
     code: str | int
+    retry_after: bool = False
 
 
 _UNAVAILABLE = "service_unavailable_error"
@@ -70,9 +73,9 @@ ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     TypeError: ErrorKind(400, "invalid_request_error", "invalid_type"),
     StageBusyError: ErrorKind(409, "conflict_error", "stage_busy"),
     ConflictError: ErrorKind(409, "conflict_error", "conflict"),
-    StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep"),
-    StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused"),
-    StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting"),
+    StageAsleepError: ErrorKind(503, _UNAVAILABLE, "stage_asleep", retry_after=True),
+    StagePausedError: ErrorKind(503, _UNAVAILABLE, "stage_paused", retry_after=True),
+    StageRestartingError: ErrorKind(503, _UNAVAILABLE, "stage_restarting", retry_after=True),
     StageDeadError: ErrorKind(503, _UNAVAILABLE, "stage_dead"),
     StageStartupError: ErrorKind(503, _UNAVAILABLE, "stage_startup_failed"),
     WeightsInvalidError: ErrorKind(503, _UNAVAILABLE, "weights_invalid"),
@@ -145,8 +148,9 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
                 f"{_field_path(error.get('loc', ()))}: not supported by omnistage (a field "
                 "it does not implement is refused, never ignored)"
             )
-        else:
-            parts.append(f"{_field_path(error.get('loc', ()))}: {error.get('msg')}")
+        else:  # pydantic's type code too, as vLLM's handler shows it (clients match on it)
+            where = _field_path(error.get("loc", ()))
+            parts.append(f"{where}: {error.get('msg')} [type={error.get('type')}]")
     return "; ".join(parts)
 
 
@@ -169,7 +173,7 @@ def _status_code_name(status: int) -> str:
 
 def register_exception_handlers(app: FastAPI, *, retry_after_s: int = 1) -> None:
     """Install the handlers on ``app``; ``retry_after_s`` is the ``Retry-After`` of a 503 for
-    a stage that comes back by itself (restarting, or asleep with automatic wake)."""
+    a stage that is asleep, paused or restarting."""
 
     async def on_known_error(request: Request, exc: Exception) -> JSONResponse:
         kind = _kind_of(exc)
@@ -182,7 +186,7 @@ def register_exception_handlers(app: FastAPI, *, retry_after_s: int = 1) -> None
             code=kind.code,
             param=getattr(exc, "field", None),
             headers={"Retry-After": str(retry_after_s)}
-            if getattr(exc, "retry_after", False)
+            if kind.retry_after or getattr(exc, "retry_after", False)
             else None,
         )
 

@@ -45,11 +45,11 @@ def _raising_router() -> APIRouter:
 @pytest.mark.parametrize(
     ("name", "status", "code", "retry_after"),
     [
-        # Retry-After only where the stage comes back by itself (a restart, an auto-wake).
-        ("asleep", 503, "stage_asleep", False),
+        # Retry-After on every 503 for a stage that is asleep, paused or restarting (SPEC).
+        ("asleep", 503, "stage_asleep", True),
         ("asleep-auto-wake", 503, "stage_asleep", True),
         ("restarting", 503, "stage_restarting", True),
-        ("paused", 503, "stage_paused", False),
+        ("paused", 503, "stage_paused", True),
         ("dead", 503, "stage_dead", False),
         ("weights", 503, "weights_invalid", False),
         ("busy", 409, "stage_busy", False),

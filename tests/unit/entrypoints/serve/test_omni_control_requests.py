@@ -115,3 +115,22 @@ def test_wakeup_passes_tags_reload_and_resume_when_sent(client_for: ClientFactor
     assert engine.calls == [
         ("wake_up", {"stage_ids": [0], "tags": ["weights"], "reload": False, "resume": False})
     ]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "code"),
+    [
+        ({"level": 2}, "stage_ids", "missing"),
+        ({"stage_ids": "not-a-list", "level": 2}, "stage_ids", "list_type"),
+        # strict: "high" (or "2") is no integer here, where vLLM-Omni's lax int says int_parsing
+        ({"stage_ids": [0], "level": "high"}, "level", "int_type"),
+    ],
+)
+def test_validation_errors_carry_the_type_code_clients_look_for(
+    client_for: ClientFactory, body: dict, field: str, code: str
+) -> None:
+    """vLLM-Omni's live tests (and FastAPI clients) match pydantic's type codes."""
+    reply = client_for(FakeEngine()).post("/v1/omni/sleep", json=body)
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert field in message and f"[type={code}]" in message
