@@ -187,10 +187,11 @@ class ServerConfig(BaseModel):
         description="Render a chat request's own chat_template (sandboxed, as the "
         "checkpoint's); without this flag such a request is refused (400), as vLLM does.",
     )
-    max_request_body_bytes: int = Field(
-        default=4 * 1024 * 1024,
+    max_request_body_bytes: int | None = Field(
+        default=None,
         gt=0,
-        description="Largest request body accepted; larger ones get 413.",
+        description="Largest request body accepted; larger ones get 413 (default: room for "
+        "one inline medium of --max-media-bytes, base64, plus 1 MiB).",
     )
     max_image_pixels: int | None = Field(
         default=None,
@@ -347,6 +348,14 @@ class ServerConfig(BaseModel):
         if self.config:
             return Path(self.config).stem
         return self.pipeline or "tiny-omni"
+
+    @property
+    def request_body_limit(self) -> int:
+        """``max_request_body_bytes``, or room for one base64 medium of ``max_media_bytes``
+        and the rest of the request: the two limits never contradict each other."""
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return -(-self.max_media_bytes // 3) * 4 + 1024 * 1024
 
     @property
     def model_names(self) -> list[str]:

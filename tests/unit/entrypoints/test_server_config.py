@@ -103,3 +103,11 @@ def test_bodies_over_the_limit_are_413_naming_the_setting():
         assert "--max-request-body-bytes" in reply.json()["error"]["message"]
         small = client.post("/v1/chat/completions", content=b"{not json")
         assert small.status_code == 400  # under the limit: the route's own validation answers
+
+
+def test_the_default_body_limit_takes_one_medium_of_the_media_limit_in_base64():
+    config = ServerConfig(pipeline="tiny-chat")
+    assert config.request_body_limit >= -(-config.max_media_bytes // 3) * 4  # a 32 MiB WAV inline
+    smaller = ServerConfig(pipeline="tiny-chat", max_media_bytes=3 * 1024 * 1024)
+    assert 4 * 1024 * 1024 <= smaller.request_body_limit < config.request_body_limit
+    assert ServerConfig(max_request_body_bytes=1000).request_body_limit == 1000  # as given
