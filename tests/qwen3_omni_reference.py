@@ -93,8 +93,16 @@ Looks wrong in 5.24 and restored here (``restore_talker_audio_n_window``): the t
 the prompt also has image or video grids, but the talker config has no ``audio_config``, so an
 audio + image prompt raises AttributeError; the original Qwen code used the default window
 (50, the thinker's ``audio_config.n_window``), which the reference gives the talker config for
-the call. Also noted, not exercised here (no video): generate hands ``use_audio_in_video`` to
-the thinker only, so the talker positions an audio-in-video prompt without interleaving.
+the call.
+
+Video (``pixel_values_videos``, ``video_grid_thw``, ``video_second_per_grid`` from the
+processor, and ``use_audio_in_video``) reaches the thinker as it reaches it from transformers'
+own processor. The talker gets the grids and ``video_second_per_grid`` but not
+``use_audio_in_video`` (M l. 4133-4146), so for a video with its audio track it positions its
+prompt as if the run were one audio followed by text: 0, 1, 2, ... omnistage gives the talker
+the thinker's interleaved positions instead, which is what transformers computes when told
+to (``talker_use_audio_in_video=True`` among ``processor_outputs``: generate hands
+``talker_*`` keys to the talker; tests/integration/test_qwen3_omni.py compares so).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from omnistage.models.media import Audio, MediaItem, Video
-from omnistage.models.qwen2_5_omni.inputs import video_pixels
+from omnistage.models.omni_inputs import video_pixels
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 SPECIAL = {
@@ -37,29 +37,29 @@ SPECIAL = {
 
 
 class StandInVideoProcessor:
-    """``Qwen2VLVideoProcessor``'s interface over ``video_pixels`` (no torchvision)."""
+    """``Qwen2VLVideoProcessor``'s interface over ``video_pixels`` (no torchvision), for the
+    Qwen2.5-Omni and Qwen3-Omni references: the image processor's patch sizes and
+    normalisation, the frame bounds of ``size`` unless ``min_pixels`` / ``max_pixels`` say
+    otherwise (as its ``_standardize_kwargs``); frames taken as given (its
+    ``do_sample_frames`` is off), so ``fps`` and the rest are not read."""
 
-    temporal_patch_size = 2
-    merge_size = 2
     model_input_names = ["pixel_values_videos", "video_grid_thw"]
 
     def __init__(self, image_processor):
         self.ip = image_processor
+        self.temporal_patch_size = image_processor.temporal_patch_size
+        self.merge_size = image_processor.merge_size
 
-    def __call__(self, videos, size=None, **kwargs):
+    def __call__(self, videos, size=None, min_pixels=None, max_pixels=None, **kwargs):
         from transformers import BatchFeature
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+        ip = self.ip
+        low, high = min_pixels or size["shortest_edge"], max_pixels or size["longest_edge"]
         pixels, grids = [], []
         for frames in videos:
-            target = smart_resize(
-                *frames.shape[1:3], 28, size["shortest_edge"], size["longest_edge"]
-            )
-            p, grid = video_pixels(
-                frames, tuple(target), mean=self.ip.image_mean, std=self.ip.image_std,
-                rescale_factor=self.ip.rescale_factor, patch_size=14, temporal_patch_size=2,
-                merge_size=2,
-            )  # fmt: skip
+            target = smart_resize(*frames.shape[1:3], ip.patch_size * ip.merge_size, low, high)
+            p, grid = video_pixels(frames, tuple(target), ip)
             pixels.append(p)
             grids.append(grid)
         return BatchFeature(

@@ -1,7 +1,8 @@
 """What the omni families' thinker encoders (Qwen2.5-Omni's, Qwen3-Omni's) share: the audio
 tower and vision encoder built on ``meta`` in the stage's dtype, their derived buffers
-following the weights to their device, and the checks of an item's data (an
-``InvalidRequestError`` naming ``multi_modal.data.<name>``).
+following the weights to their device, the checks of an item's data (an
+``InvalidRequestError`` naming ``multi_modal.data.<name>``), and the video encoder over the
+family's image and audio encoders (a video with its audio track: both, interleaved).
 """
 
 from __future__ import annotations
@@ -60,3 +61,46 @@ def build_towers(
                 if param is not None and param.dtype != dtype:
                     sub._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=False)
     return audio_tower, visual
+
+
+class VideoEncoder(nn.Module):
+    """``video`` items: ``pixel_values_videos``, ``video_grid_thw`` through the family's
+    image encoder (a video is a picture with a temporal grid); a video with its audio track
+    also ``input_features`` through its audio encoder and ``is_video`` (bool, per
+    placeholder: video or audio token), whose embeddings come interleaved in that order. An
+    image encoder's output ``[1 + k, n, hidden]`` (DeepStack rows after the embeddings) keeps
+    its k rows at the video tokens, zero at the audio ones (transformers adds DeepStack rows
+    at visual positions only). Shares the other encoders without registering them, so each
+    module is adopted into the arena and loaded once."""
+
+    def __init__(self, image: nn.Module, audio: nn.Module) -> None:
+        super().__init__()
+        self._shared = (image, audio)  # a tuple: not submodules
+
+    def forward(
+        self,
+        pixel_values_videos: torch.Tensor,
+        video_grid_thw: torch.Tensor,
+        input_features: torch.Tensor | None = None,
+        is_video: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        image, audio_encoder = self._shared
+        video: torch.Tensor = image(pixel_values_videos, video_grid_thw)
+        if input_features is None and is_video is None:
+            return video
+        if input_features is None or is_video is None:
+            raise InvalidRequestError(
+                "multi_modal.data.is_video", "input_features and is_video come together"
+            )
+        audio: torch.Tensor = audio_encoder(input_features)
+        mask = is_video.to(device=video.device, dtype=torch.bool).flatten()
+        count = video.shape[-2]
+        check(
+            int(mask.sum()) == count and len(mask) == count + len(audio),
+            "is_video",
+            f"must mark {count} video tokens among {count + len(audio)}",
+        )
+        out = video.new_zeros(*video.shape[:-2], len(mask), video.shape[-1])
+        out[..., mask, :] = video
+        out.view(-1, len(mask), video.shape[-1])[0, ~mask] = audio.to(video.dtype)
+        return out

@@ -1,23 +1,40 @@
 """What the omni families' prompt processors (Qwen2.5-Omni's, Qwen3-Omni's) share: the
-checkpoint's ``WhisperFeatureExtractor`` and ``Qwen2VLImageProcessorPil``, the checks of the
-``mm_processor_kwargs`` pixel bounds, of the prompt's framed placeholders and of an audio's
-samples (resampled with soxr), an image's pixels, and the expanded prompt's items.
+checkpoint's ``WhisperFeatureExtractor`` and ``Qwen2VLImageProcessorPil``, the request's
+options (``mm_processor_kwargs``: ``use_audio_in_video``, ``fps``, ``min_pixels`` /
+``max_pixels``) and their checks, the checks of the prompt's framed placeholders and of an
+audio's samples (resampled with soxr), an image's pixels, a video's frames patched as
+``Qwen2VLVideoProcessor`` patches them (``video_pixels``: torch, no torchvision), a video
+run interleaved with its audio track's tokens, the expanded prompt's items, and the order of
+the work (``process``).
 
-Each family's ``inputs`` module keeps what is its own: its token ids and positions, its
-options, how an audio becomes frames and how many placeholders it takes, video.
+Each family's ``inputs`` module keeps what is its own: its token ids, its positions
+(``rope_index``), its processor's own video frame bounds, how an audio becomes frames and how
+many placeholders it takes, how a video's audio tokens interleave with its frames'.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from omnistage.errors import InvalidRequestError
-from omnistage.models.media import Audio, EncoderInput, MediaItem, content_hash
+from omnistage.models.media import (
+    Audio,
+    EncoderInput,
+    MediaItem,
+    ProcessedPrompt,
+    Video,
+    content_hash,
+)
+
+T = TypeVar("T")
+OPTIONS = ("fps", "max_pixels", "min_pixels", "use_audio_in_video")
 
 MAX_ASPECT_RATIO = 200  # smart_resize's
 _WHISPER_KEYS = (
@@ -29,6 +46,46 @@ _IMAGE_KEYS = (
     "image_std", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
     "do_convert_rgb",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Options:
+    """A request's options (``OmniPromptProcessor.options`` checks them): the video's audio
+    track interleaved with its frames, the rate the frames stand for (the video's own by
+    default), the pixel bounds of images and video frames."""
+
+    use_audio_in_video: bool = False
+    fps: float | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+
+def video_pixels(
+    frames: np.ndarray, size: tuple[int, int], ip: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """``pixel_values_videos`` ``[t * h * w, C * T * P * P]`` and the grid ``[t, h, w]`` of
+    frames ``[T, H, W, 3]`` (uint8), as ``Qwen2VLVideoProcessor`` makes them with torchvision,
+    with the normalisation and patch sizes of ``ip`` (a ``Qwen2VLImageProcessorPil``):
+    resized to ``size`` (bicubic, antialiased, on uint8) unless already that size; rescaled
+    and normalised in one step, ``(x - 255 mean) / (255 std)`` in float32; the frame count
+    padded to a multiple of ``temporal_patch_size`` with the last frame; patches ordered by
+    time, then merge window, then patch within the window."""
+    video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    if tuple(video.shape[-2:]) != size:
+        video = F.interpolate(video, size=size, mode="bicubic", align_corners=False, antialias=True)
+    scale = 1.0 / ip.rescale_factor
+    mean_t = (torch.tensor(list(ip.image_mean)) * scale).view(-1, 1, 1)
+    std_t = (torch.tensor(list(ip.image_std)) * scale).view(-1, 1, 1)
+    video = (video.to(torch.float32) - mean_t) / std_t
+    tp, m, p = ip.temporal_patch_size, ip.merge_size, ip.patch_size
+    if pad := -len(video) % tp:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+    frames_, channels, height, width = video.shape
+    grid = [frames_ // tp, height // p, width // p]
+    patches = video.view(grid[0], tp, channels, grid[1] // m, m, p, grid[2] // m, m, p).permute(
+        0, 3, 6, 4, 7, 2, 1, 5, 8
+    )
+    return patches.reshape(grid[0] * grid[1] * grid[2], -1), grid
 
 
 @dataclass
@@ -48,15 +105,32 @@ class Prepared:
 
 class OmniPromptProcessor:
     """The shared part of an omni ``PromptProcessor``; a family's sets ``settings`` (its
-    position settings, with ``image_token_id``), ``audio_bos`` / ``audio_eos``,
-    ``placeholder_ids`` (modality → token) and ``framing`` (token → its start and end
-    tokens), and calls ``_media_processors``."""
+    position settings, with ``audio_token_id``, ``image_token_id`` and ``video_token_id``),
+    ``audio_bos`` / ``audio_eos`` and ``vision_bos`` / ``vision_eos``, ``video_min_pixels`` /
+    ``video_max_pixels`` (its processor's own video frame bounds), ``rope_index`` (its
+    positions, a staticmethod) and ``prepare_all`` (its media, processed), and calls
+    ``_placeholders`` and ``_media_processors``."""
 
     settings: Any
     audio_bos: int
     audio_eos: int
+    vision_bos: int
+    vision_eos: int
     placeholder_ids: dict[str, int]
     framing: dict[int, tuple[int, int]]
+    video_min_pixels: int
+    video_max_pixels: int
+    rope_index: Callable[..., tuple[torch.Tensor, int]]
+
+    def _placeholders(self) -> None:
+        """``placeholder_ids`` (modality → token) and ``framing`` (token → its start and end
+        tokens) of the settings' audio, image and video tokens."""
+        s = self.settings
+        audio, vision = (self.audio_bos, self.audio_eos), (self.vision_bos, self.vision_eos)
+        self.placeholder_ids = {
+            "audio": s.audio_token_id, "image": s.image_token_id, "video": s.video_token_id
+        }  # fmt: skip
+        self.framing = {s.audio_token_id: audio, s.image_token_id: vision, s.video_token_id: vision}
 
     def _media_processors(self, pre: dict[str, Any]) -> None:
         """The feature extractor and image processor of ``preprocessor_config.json``."""
@@ -72,22 +146,28 @@ class OmniPromptProcessor:
 
     # -- options and the prompt's placeholders --------------------------------------------
 
-    def _check_options(self, options: dict[str, Any], names: tuple[str, ...]) -> None:
-        """The request's ``mm_processor_kwargs``: an object of ``names``, each checked
-        (``_check_option``), ``min_pixels`` not above ``max_pixels``."""
+    def options(self, options: dict[str, Any]) -> Options:
+        """The request's ``mm_processor_kwargs``: an object of ``OPTIONS``, each checked,
+        ``min_pixels`` not above ``max_pixels``."""
         prefix = "mm_processor_kwargs"
         if not isinstance(options, dict):
             raise InvalidRequestError(prefix, "must be an object")
         for name, value in options.items():
             where = f"{prefix}.{name}"
-            if name not in names:
-                raise InvalidRequestError(where, f"unknown option; this model takes {names}")
+            if name not in OPTIONS:
+                raise InvalidRequestError(where, f"unknown option; this model takes {OPTIONS}")
             self._check_option(name, value, where)
         if (options.get("min_pixels") or 0) > (options.get("max_pixels") or self.max_pixels):
             raise InvalidRequestError(f"{prefix}.min_pixels", "must not exceed max_pixels")
+        return Options(**options)
 
     def _check_option(self, name: str, value: Any, where: str) -> None:
-        """One option's value (here the pixel bounds: within the checkpoint's)."""
+        """One option's value (the pixel bounds within the checkpoint's)."""
+        if name == "use_audio_in_video" and not isinstance(value, bool):
+            raise InvalidRequestError(where, "must be true or false")
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if name == "fps" and not (number and math.isfinite(value) and value > 0):
+            raise InvalidRequestError(where, "must be a positive number")
         if name.endswith("_pixels") and not (
             isinstance(value, int)
             and not isinstance(value, bool)
@@ -180,7 +260,110 @@ class OmniPromptProcessor:
         extra = f"pixels={bounds}" if opts.min_pixels or opts.max_pixels else ""
         return Prepared([self.settings.image_token_id] * count, data, grid, hash_extra=extra)
 
+    def video(
+        self, video: Any, opts: Options, where: str, audio: Prepared | None = None
+    ) -> Prepared:
+        """A video's frames as ``video_pixels`` patches them, within the request's pixel
+        bounds, else the processor's own video bounds (``video_min_pixels`` ..
+        ``video_max_pixels``, not the checkpoint's image ones); its temporal patches
+        ``temporal_patch_size / fps`` seconds apart (``opts.fps``, else ``Video.fps``). With
+        its audio track's ``audio`` (``use_audio_in_video``), one run of both, laid out by
+        ``audio_layout``, framed by ``audio_bos`` / ``audio_eos`` inside the vision tokens;
+        its data both media's and ``is_video`` (bool, per token)."""
+        frames = getattr(video, "frames", None)
+        if not isinstance(video, Video) or not isinstance(frames, np.ndarray):
+            raise InvalidRequestError(where, "must be a video")
+        if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or not frames.size:
+            raise InvalidRequestError(where, "video frames must be [T, H, W, 3] uint8, T >= 1")
+        fps = opts.fps or video.fps
+        if not (isinstance(fps, int | float) and math.isfinite(fps) and fps > 0):
+            raise InvalidRequestError(where, "the video needs a positive frame rate")
+        self.check_video_rate(len(frames), fps, opts, where)
+        bounds = (
+            opts.min_pixels or self.video_min_pixels,
+            opts.max_pixels or self.video_max_pixels,
+        )
+        size = self._target_size(frames.shape[1], frames.shape[2], bounds, where)
+        ip = self.images
+        pixels, grid = video_pixels(frames, tuple(size), ip)
+        seconds = ip.temporal_patch_size / fps
+        named = {
+            f"fps={fps!r}": opts.fps is not None,
+            f"pixels={bounds}": opts.min_pixels or opts.max_pixels,
+        }
+        extra = ";".join(name for name, given in named.items() if given)
+        data = {"pixel_values_videos": pixels, "video_grid_thw": torch.tensor([grid])}
+        count = math.prod(grid) // ip.merge_size**2
+        if audio is None:
+            return Prepared([self.settings.video_token_id] * count, data, grid, seconds,
+                            hash_extra=extra)  # fmt: skip
+        is_video = self.audio_layout(grid, seconds, len(audio.tokens))
+        s = self.settings
+        tokens = [s.video_token_id if v else s.audio_token_id for v in is_video]
+        data |= audio.data | {"is_video": torch.tensor(is_video)}
+        extra = ";".join(e for e in (extra, "audio", audio.hash_extra) if e)
+        return Prepared(tokens, data, grid, seconds, audio.audio_frames, True, extra)
+
+    def check_video_rate(self, frames: int, fps: float, opts: Options, where: str) -> None:
+        """A family's refusal of a frame rate its positions cannot take (none here)."""
+
+    def audio_layout(
+        self, grid: list[int], seconds_per_grid: float, audio_tokens: int
+    ) -> list[bool]:
+        """Which tokens of a video-with-audio run are video ones (the family's layout)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def audio_track(video: Any, where: str) -> Audio:
+        """The audio track ``use_audio_in_video`` interleaves (a 400 for a silent video)."""
+        if not isinstance(video, Video):
+            raise InvalidRequestError(where, "must be a video")
+        if video.audio is None:
+            raise InvalidRequestError(
+                where, "use_audio_in_video needs the video's audio track; this video has none"
+            )
+        return video.audio
+
+    @staticmethod
+    def processing(where: str, make: Callable[..., T], *args: Any) -> T:
+        """``make(*args)``; what the processors refuse (``ValueError``, ``TypeError``) as an
+        ``InvalidRequestError`` naming ``where``."""
+        try:
+            return make(*args)
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError) as exc:  # a medium the processors cannot take
+            raise InvalidRequestError(where, f"cannot be processed: {exc}") from exc
+
     # -- the prompt -----------------------------------------------------------------------
+
+    def prepare_all(self, media: list[MediaItem], opts: Options, field: str) -> list[Prepared]:
+        raise NotImplementedError
+
+    def process(
+        self,
+        token_ids: list[int],
+        media: list[MediaItem],
+        options: dict[str, Any],
+        field: str = "multi_modal_data",
+    ) -> ProcessedPrompt:
+        """The expanded prompt, its items and positions (``InvalidRequestError`` naming the
+        offending option, medium or placeholder)."""
+        opts = self.options(options)
+        found = self.placeholders(list(token_ids), media, field)
+        prepared = self.prepare_all(media, opts, field)
+        ids, items = self._expand(token_ids, found, media, prepared)
+        videos = [p for p in prepared if p.seconds_per_grid is not None]
+        positions, delta = self.rope_index(
+            ids,
+            self.settings,
+            image_grid_thw=[p.grid for p in prepared if p.grid and p.seconds_per_grid is None],
+            video_grid_thw=[p.grid for p in videos],
+            video_seconds_per_grid=[p.seconds_per_grid for p in videos],
+            audio_frames=[p.audio_frames for p in prepared if p.audio_frames is not None],
+            use_audio_in_video=opts.use_audio_in_video,
+        )
+        return ProcessedPrompt(ids, items, positions, delta)
 
     def _expand(
         self,

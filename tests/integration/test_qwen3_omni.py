@@ -2,13 +2,14 @@
 preset, stages in process) against transformers' own
 ``Qwen3OmniMoeForConditionalGeneration.generate`` (greedy thinker and talker, the thinker
 stopping at ``<|im_end|>``; tests/qwen3_omni_reference.py) for a text, an audio, an image and
-an audio + image prompt: the thinker's ids, every codebook of the talker's codes (as the
-code2wav stage reports them: frame-major and flat, ``audio.codes``) and the waveform are the
-same — alone, two requests at once, after every stage slept (level 1, then level 2) and
-woke, and with the thinker split over two tensor-parallel ranks. Speech streamed as the stages speak (the pipeline's ``stream: true``, through
-``AsyncOmni``, whose updates carry each piece) joins into the same samples, bit for bit, as
-speech synthesised in one piece (``stream=False``), also for a reply long enough to be cut
-into pieces.
+an audio + image prompt (and two video prompts: ``test_video_prompts_match_transformers``):
+the thinker's ids, every codebook of the talker's codes (as the code2wav stage reports them:
+frame-major and flat, ``audio.codes``) and the waveform are the same — alone, two requests at
+once, after every stage slept (level 1, then level 2) and woke, and with the thinker split
+over two tensor-parallel ranks. Speech streamed as the stages speak (the pipeline's ``stream:
+true``, through ``AsyncOmni``, whose updates carry each piece) joins into the same samples,
+bit for bit, as speech synthesised in one piece (``stream=False``), also for a reply long
+enough to be cut into pieces.
 
 For the audio + image prompt transformers 5.24's talker raises (it reads an audio window its
 config lacks); the reference gives it the original code's window (see its docstring), and
@@ -25,8 +26,7 @@ import pytest_asyncio
 
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.entrypoints.omni import Omni
-from omnistage.models.media import Audio, MediaItem
-from tests.qwen3_omni_media import media, messages, processor_outputs
+from tests.qwen3_omni_media import media_items, messages, options, processor_outputs
 from tests.qwen3_omni_reference import reference_generate
 
 VOICE = "chelsie"
@@ -43,15 +43,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:Use
 
 
 def prompt_of(case: str) -> dict:
-    """The case as ``Omni.generate`` takes it: chat messages, media in prompt order."""
+    """The case as ``Omni.generate`` takes it: chat messages, media in prompt order, options."""
     if case == "text":
         return {"messages": [{"role": "user", "content": TEXT}]}
-    given = media(case)
-    items = [
-        MediaItem("audio", Audio(a, 16000), f"{case}-a{k}") for k, a in enumerate(given["audio"])
-    ]
-    items += [MediaItem("image", im, f"{case}-i{k}") for k, im in enumerate(given["images"])]
-    return {"messages": messages(case), "multi_modal_data": items}
+    return {
+        "messages": messages(case),
+        "multi_modal_data": media_items(case),
+        "mm_processor_kwargs": options(case),
+    }
 
 
 def speech_params(talker_tokens: int = TALKER_TOKENS) -> dict:
@@ -92,6 +91,8 @@ def reference(folder):
     def get(case: str):
         if case not in cache:
             outputs = None if case == "text" else processor_outputs(folder, case)
+            if outputs and outputs.get("use_audio_in_video"):
+                outputs["talker_use_audio_in_video"] = True  # see the reference's docstring
             cache[case] = reference_generate(
                 folder,
                 TEXT,
@@ -125,6 +126,16 @@ def test_ids_codes_and_waveform_match_transformers(whole, reference, case):
     (out,) = speak(whole, [case])
     assert_same(out, reference(case))
     assert len(out.audio[0].codes) == 4 * (TALKER_TOKENS - 1)  # 4 code groups per frame
+
+
+def test_video_prompts_match_transformers(whole, reference):
+    """A video (3 temporal patches at fps 1: 26 position ids apart) and a video with its
+    audio track interleaved (``use_audio_in_video``, beside another audio), together: ids,
+    codes and waveform as transformers' (the second with ``use_audio_in_video`` handed to the
+    talker too, which its generate omits: the reference's docstring)."""
+    video, video_audio = speak(whole, ["video", "video_audio"])
+    assert_same(video, reference("video"))
+    assert_same(video_audio, reference("video_audio"))
 
 
 def test_two_requests_at_once_give_what_each_gives_alone(whole, reference):

@@ -1,7 +1,10 @@
 """The thinker's audio and vision encoders: transformers' own ``Qwen3OmniMoeAudioEncoder`` and
 ``Qwen3OmniMoeVisionEncoder`` (sdpa attention), each wrapped to turn one multimodal item's
 data (``inputs``) into the embeddings of its placeholders, as the thinker's
-``get_audio_features`` / ``get_image_features`` compute them and its forward merges them.
+``get_audio_features`` / ``get_image_features`` / ``get_video_features`` compute them and its
+forward merges them. A video goes through the vision encoder as a picture with a temporal
+grid (``pixel_values_videos`` ``[t * h * w, C * T * P * P]``, ``video_grid_thw`` ``[1, 3]``),
+and with its audio track through both (``omni_encoders.VideoEncoder``).
 
 The audio encoder splits an audio's mel frames into chunks of ``2 * n_window`` frames, each
 downsampled 8x by three stride-2 convolutions, and attends within windows of
@@ -19,10 +22,10 @@ leading dimension carries rows added after the first layers), as transformers'
 They sit in the thinker decoder's ``encoders`` (``thinker_encoders``): ``audio`` and ``image``
 own the audio tower and the vision encoder (``encoders.audio.audio_tower.*``,
 ``encoders.image.visual.*``: the checkpoint's ``thinker.audio_tower.*`` and
-``thinker.visual.*``). Parameters are built on ``meta`` (the stage adopts and loads them);
-derived buffers (the sinusoid table, the vision rotary frequencies) are computed for real on
-the CPU and follow the weights to their device on first use. They hold no tensor-parallel
-layers: every rank runs them whole.
+``thinker.visual.*``); ``video`` uses both without registering them. Parameters are built
+on ``meta`` (the stage adopts and loads them); derived buffers (the sinusoid table, the
+vision rotary frequencies) are computed for real on the CPU and follow the weights to their
+device on first use. They hold no tensor-parallel layers: every rank runs them whole.
 """
 
 from __future__ import annotations
@@ -33,7 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.models.omni_encoders import build_towers, check, checked_grid, follow_weights
+from omnistage.models.omni_encoders import (
+    VideoEncoder,
+    build_towers,
+    check,
+    checked_grid,
+    follow_weights,
+)
 
 
 def audio_output_length(frames: int, n_window: int) -> int:
@@ -86,8 +95,9 @@ def vision_features(visual: Any, pixels: torch.Tensor, grid: torch.Tensor) -> to
 
 
 class ImageEncoder(nn.Module):
-    """``image`` items: ``pixel_values`` ``[patches, C * T * P * P]``, ``image_grid_thw``;
-    the output carries the DeepStack features after the embeddings (``[1 + k, n, hidden]``)."""
+    """``image`` items: ``pixel_values`` ``[patches, C * T * P * P]``, ``image_grid_thw``
+    (and a video's patches and grid, for ``VideoEncoder``); the output carries the DeepStack
+    features after the embeddings (``[1 + k, n, hidden]``)."""
 
     def __init__(self, visual: nn.Module) -> None:
         super().__init__()
@@ -115,4 +125,5 @@ def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str
     audio_tower, visual = build_towers(
         Qwen3OmniMoeAudioEncoder, audio_config, Qwen3OmniMoeVisionEncoder, vision_config, dtype
     )
-    return {"audio": AudioEncoder(audio_tower), "image": ImageEncoder(visual)}
+    audio, image = AudioEncoder(audio_tower), ImageEncoder(visual)
+    return {"audio": audio, "image": image, "video": VideoEncoder(image, audio)}

@@ -2,9 +2,9 @@
 as transformers' ``Qwen3OmniMoeProcessor`` (5.24) makes it.
 
 The chat template puts one placeholder per medium (``<|audio_start|><|audio_pad|>
-<|audio_end|>``, ``<|vision_start|><|image_pad|><|vision_end|>``); each is expanded to one
-token per encoder output and becomes one ``EncoderInput`` (an AR request's
-``MultiModalItem``):
+<|audio_end|>``, ``<|vision_start|><|image_pad|><|vision_end|>``,
+``<|vision_start|><|video_pad|><|vision_end|>``); each is expanded to one token per encoder
+output and becomes one ``EncoderInput`` (an AR request's ``MultiModalItem``):
 
 - audio, resampled to 16 kHz with soxr, through the checkpoint's ``WhisperFeatureExtractor``
   called as the processor calls it (padded to the longest audio of the prompt, never
@@ -12,18 +12,32 @@ token per encoder output and becomes one ``EncoderInput`` (an AR request's
   unpadded frames, and the placeholders number ``_get_feat_extract_output_lengths`` of them
   (13 per whole chunk of ``2 * n_window`` frames, and the rest's 8x downsampling);
 - an image through ``Qwen2VLImageProcessorPil``: ``pixel_values`` ``[patches, C * T * P *
-  P]``, ``image_grid_thw`` ``[1, 3]``.
+  P]``, ``image_grid_thw`` ``[1, 3]``;
+- a video's frames (already sampled, as the media layer decodes them) as transformers'
+  ``Qwen2VLVideoProcessor`` makes them (no frame sampling of its own), in torch
+  (``omni_inputs.video_pixels``, no torchvision): ``pixel_values_videos``,
+  ``video_grid_thw``, within the processor's own frame bounds (``VIDEO_MIN_PIXELS`` ..
+  ``VIDEO_MAX_PIXELS``, 128 to 768 merged 32-pixel patches) unless the request gives
+  pixel bounds; its temporal patches ``temporal_patch_size / fps`` seconds apart, at the
+  request's ``fps``, else the video's own (``Video.fps``; transformers' processor would take
+  1.0 when given none). With ``use_audio_in_video`` its audio track's ``input_features`` too
+  (padded with the prompt's other audio, as the processor batches them), the run framed by
+  ``<|audio_start|>``/``<|audio_end|>`` inside the vision tokens and merged by time (a video
+  token at its patch's time ``t * seconds_per_grid * position_id_per_seconds``, an audio
+  token at its index, a video token first on ties; ``rope_index.time_order``), and
+  ``is_video`` ``[length]`` (bool) saying which of the run's tokens are video ones.
 
-Video is not taken (transformers' video processor needs torchvision, and its positions are
-fractional in general; see ``rope_index``). Positions are ``rope_index``'s. Per-request
-options (vLLM's ``mm_processor_kwargs``): ``min_pixels`` / ``max_pixels`` (images, within the
-checkpoint's bounds).
+Positions are ``rope_index``'s: integers, equal to transformers' float32 ones, so a video
+whose patch times are not whole numbers of position ids (e.g. at 3 or 4 frames per second:
+8.67 or 6.5 ids per patch; 2 and 1 give 13 and 26) is refused with a 400 naming ``fps``
+rather than rounded. Per-request options (vLLM's ``mm_processor_kwargs``):
+``use_audio_in_video``, ``fps``, ``min_pixels`` / ``max_pixels`` (images and video frames,
+as transformers' flat kwargs; each within the checkpoint's image bounds).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +45,22 @@ import numpy as np
 
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.ar_config import read_json_object
-from omnistage.models.media import MediaItem, ProcessedPrompt
-from omnistage.models.omni_inputs import OmniPromptProcessor, Prepared
+from omnistage.models.media import MediaItem
+from omnistage.models.omni_inputs import OmniPromptProcessor, Options, Prepared
 from omnistage.models.qwen3_omni.config import OmniTokens, read_config
 from omnistage.models.qwen3_omni.encoders import audio_output_length
-from omnistage.models.qwen3_omni.rope_index import PositionSettings, rope_index
+from omnistage.models.qwen3_omni.rope_index import (
+    PositionSettings,
+    has_whole_times,
+    rope_index,
+    time_order,
+)
 
-OPTIONS = ("max_pixels", "min_pixels")
-MODALITIES = ("audio", "image")
+# Qwen3OmniMoeProcessor's own video frame bounds (its ``videos_kwargs``), over any config's.
+VIDEO_MIN_PIXELS = 128 * 32 * 32
+VIDEO_MAX_PIXELS = 768 * 32 * 32
 # The tokenizer's names of the run's end tokens, where config.json does not give their ids.
 _END_TOKENS = {"audio_end": "<|audio_end|>", "vision_end": "<|vision_end|>"}
-
-
-@dataclass(frozen=True)
-class Options:
-    """A request's options (``Qwen3OmniPromptProcessor.options`` checks them)."""
-
-    min_pixels: int | None = None
-    max_pixels: int | None = None
 
 
 def _end_token_id(folder: Path, configured: int | None, name: str) -> int:
@@ -71,6 +83,10 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
     """The ``PromptProcessor`` of a Qwen3-Omni folder (``preprocessor_config.json``,
     ``config.json``, ``tokenizer.json``)."""
 
+    video_min_pixels = VIDEO_MIN_PIXELS
+    video_max_pixels = VIDEO_MAX_PIXELS
+    rope_index = staticmethod(rope_index)
+
     def __init__(self, folder: str | Path) -> None:
         folder = Path(folder)
         pre = read_json_object(folder / "preprocessor_config.json")
@@ -86,6 +102,7 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
         self.settings = PositionSettings(
             audio_token_id=tokens.audio,
             image_token_id=tokens.image,
+            video_token_id=tokens.video,
             spatial_merge_size=tokens.spatial_merge_size,
             position_id_per_seconds=int(per_second),
             audio_n_window=tokens.audio_n_window,
@@ -93,28 +110,8 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
         self.audio_bos, self.vision_bos = tokens.audio_start, tokens.vision_start
         self.audio_eos = _end_token_id(folder, tokens.audio_end, "audio_end")
         self.vision_eos = _end_token_id(folder, tokens.vision_end, "vision_end")
-        self.placeholder_ids = {"audio": tokens.audio, "image": tokens.image}
-        self.framing = {
-            tokens.audio: (self.audio_bos, self.audio_eos),
-            tokens.image: (self.vision_bos, self.vision_eos),
-        }
+        self._placeholders()
         self._media_processors(pre)
-
-    # -- options and the prompt's placeholders --------------------------------------------
-
-    def options(self, options: dict[str, Any]) -> Options:
-        """The request's ``mm_processor_kwargs``, checked."""
-        self._check_options(options, OPTIONS)
-        return Options(**options)
-
-    def placeholders(self, token_ids: list[int], media: list[MediaItem], field: str) -> list[int]:
-        """Where each medium's placeholder sits, checked against the media and its framing."""
-        for k, item in enumerate(media):
-            if item.modality not in MODALITIES:
-                raise InvalidRequestError(
-                    f"{field}[{k}]", f"this model takes {list(MODALITIES)}, not {item.modality}"
-                )
-        return super().placeholders(token_ids, media, field)
 
     # -- media ----------------------------------------------------------------------------
 
@@ -148,47 +145,61 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
         return Prepared([self.settings.audio_token_id] * count, {"input_features": features},
                         audio_frames=frames, hash_extra=extra)  # fmt: skip
 
-    def prepare_all(self, media: list[MediaItem], opts: Options, field: str) -> list[Prepared]:
-        """Every medium, processed (the audios padded to the longest of them, as the
-        processor batches them); what the processors refuse is an ``InvalidRequestError``."""
-        where = [f"{field}[{k}]" for k in range(len(media))]
-        try:
-            samples = {
-                k: self.resampled(item.value, where[k])
-                for k, item in enumerate(media)
-                if item.modality == "audio"
-            }
-            longest = max((len(s) for s in samples.values()), default=0)
-            return [
-                self.audio(samples[k], longest)
-                if k in samples
-                else self.image(item.value, opts, where[k])
-                for k, item in enumerate(media)
-            ]
-        except InvalidRequestError:
-            raise
-        except (ValueError, TypeError) as exc:  # a medium the processors cannot take
-            raise InvalidRequestError(field, f"cannot be processed: {exc}") from exc
+    def check_video_rate(self, frames: int, fps: float, opts: Options, where: str) -> None:
+        """Refuse a rate at which a video of ``frames`` frames would take fractional time
+        positions (transformers keeps them as fractions; ours are whole numbers)."""
+        tps = self.images.temporal_patch_size
+        seconds = tps / fps
+        if has_whole_times(-(-frames // tps), seconds, self.settings):
+            return
+        per_second = self.settings.position_id_per_seconds
+        raise InvalidRequestError(
+            "mm_processor_kwargs.fps" if opts.fps else where,
+            f"at {fps:g} frames per second a temporal patch of {tps} frames spans "
+            f"{seconds * per_second:.6g} position ids ({per_second} per second): its time "
+            "positions would be fractional, which this server does not represent; send "
+            f"mm_processor_kwargs.fps at which a patch spans whole ids, e.g. {tps} or {tps / 2:g}",
+        )
+
+    def audio_layout(
+        self, grid: list[int], seconds_per_grid: float, audio_tokens: int
+    ) -> list[bool]:
+        """A video's tokens and its audio track's merged by time, as the processor's
+        ``replace_video_with_audio_token`` lays them out (times in float64)."""
+        merge = self.settings.spatial_merge_size
+        per_patch = (grid[1] // merge) * (grid[2] // merge)
+        per_second = self.settings.position_id_per_seconds
+        times = [t * seconds_per_grid * per_second for t in range(grid[0])]
+        video = [time for time in times for _ in range(per_patch)]
+        return time_order(video, range(audio_tokens))
 
     # -- the prompt -----------------------------------------------------------------------
 
-    def process(
-        self,
-        token_ids: list[int],
-        media: list[MediaItem],
-        options: dict[str, Any],
-        field: str = "multi_modal_data",
-    ) -> ProcessedPrompt:
-        """The expanded prompt, its items and positions (``InvalidRequestError`` naming the
-        offending option, medium or placeholder)."""
-        opts = self.options(options)
-        found = self.placeholders(list(token_ids), media, field)
-        prepared = self.prepare_all(media, opts, field)
-        ids, items = self._expand(token_ids, found, media, prepared)
-        positions, delta = rope_index(
-            ids,
-            self.settings,
-            image_grid_thw=[p.grid for p in prepared if p.grid],
-            audio_frames=[p.audio_frames for p in prepared if p.audio_frames is not None],
-        )
-        return ProcessedPrompt(ids, items, positions, delta)
+    def prepare_all(self, media: list[MediaItem], opts: Options, field: str) -> list[Prepared]:
+        """Every medium, processed; the audios, each video's audio track among them with
+        ``use_audio_in_video``, padded to the longest of them, as the processor batches
+        them."""
+        where = [f"{field}[{k}]" for k in range(len(media))]
+        samples: dict[int, np.ndarray] = {}
+        for k, item in enumerate(media):  # what the processor's audio batch holds
+            if item.modality == "audio":
+                samples[k] = self.processing(where[k], self.resampled, item.value, where[k])
+            elif item.modality == "video" and opts.use_audio_in_video:
+                track, at = self.audio_track(item.value, where[k]), f"{where[k]}.audio"
+                samples[k] = self.processing(at, self.resampled, track, at)
+        longest = max((len(s) for s in samples.values()), default=0)
+        return [
+            self.processing(where[k], self.prepare, item, opts, where[k], samples.get(k), longest)
+            for k, item in enumerate(media)
+        ]
+
+    def prepare(
+        self, item: MediaItem, opts: Options, where: str, samples: np.ndarray | None, longest: int
+    ) -> Prepared:
+        """One medium (``samples``: an audio's, or a video's audio track's)."""
+        if item.modality == "image":
+            return self.image(item.value, opts, where)
+        if samples is None:  # a video without its audio track
+            return self.video(item.value, opts, where)
+        audio = self.audio(samples, longest)
+        return audio if item.modality == "audio" else self.video(item.value, opts, where, audio)

@@ -1,25 +1,33 @@
 """Qwen3-Omni's 3-D rotary positions of one prompt, as transformers'
 ``Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index`` computes them for one
-unpadded prompt of text, audio and pictures (transformers 5.24, ``modeling_qwen3_omni_moe.py``
-l. 220-464; the decoder turns them by interleaved sections, ``RopeConfig.mrope_interleaved``).
+unpadded prompt of text, audio, pictures and video (transformers 5.24/5.25,
+``modeling_qwen3_omni_moe.py`` l. 220-464; the decoder turns them by interleaved sections,
+``RopeConfig.mrope_interleaved``).
 
 Each position has three rows (time, height, width). Text takes the same value in all three,
-one more than the piece before it. A picture's run takes its merged patch grid: time
-``t * position_id_per_seconds``, height and width the merged patch's row and column, all
-offset by where the run starts. An audio run counts up like text, one position per encoder
-output. The start and end tokens framing a run take one position each.
+one more than the piece before it. A picture's or video's run takes its merged patch grid:
+time ``t * position_id_per_seconds`` for an image, ``t * seconds_per_grid *
+position_id_per_seconds`` for a video's temporal patch ``t``, height and width the merged
+patch's row and column, all offset by where the run starts. An audio run counts up like
+text, one position per encoder output. The start and end tokens framing a run take one
+position each. A video with its audio track (``use_audio_in_video``) takes both runs'
+positions, each from the run's start, merged by time (``time_order``: a video column before
+an audio one of the same time), framed by two start and two end tokens, each taking a
+position of its own (Qwen2.5-Omni's pairs share one).
 
 transformers' quirks, kept so that the positions equal its own:
 
 - every value after a piece is the maximum of that piece (not of everything so far) plus one;
-- a prompt with no picture (and no video) gets plain positions ``0 .. n - 1`` in all three
-  rows even when it holds audio (transformers takes its 3-D branch only when there is a grid);
-- transformers computes them in float32: a picture's time ``t * position_id_per_seconds`` is
-  a whole number for the checkpoints' whole ``position_id_per_seconds``, so the positions are
-  integers (a fractional rate is refused where the processor is built).
-
-Videos (whose times ``t * seconds_per_grid * position_id_per_seconds`` are fractional in
-general) are not served.
+  after a video-with-audio run the piece is the run's tail: the stream left over when the
+  other ran out (all three rows of it);
+- a prompt with no picture and no video gets plain positions ``0 .. n - 1`` in all three rows
+  even when it holds audio (transformers takes its 3-D branch only when there is a grid);
+- transformers computes them in float32, without rounding: an image's time is a whole
+  number for a whole ``position_id_per_seconds`` (a fractional rate is refused where the
+  processor is built), a video's only at some frame rates (``video_times``; 13 position ids
+  per temporal patch of two frames at 2 frames per second in the published checkpoint). The
+  positions here are integers: a video whose times are not whole is refused by the
+  processor, never rounded.
 """
 
 from __future__ import annotations
@@ -39,21 +47,49 @@ class PositionSettings:
 
     audio_token_id: int
     image_token_id: int
+    video_token_id: int
     spatial_merge_size: int = 2
     position_id_per_seconds: int = 13
     audio_n_window: int = 50
 
 
-def vision_positions(start: int, grid: Sequence[int], settings: PositionSettings) -> torch.Tensor:
-    """``[3, t * h * w / merge^2]`` positions of a picture's merged patch grid (time-major,
-    then rows, then columns), offset by ``start``."""
-    t, h, w = (int(v) for v in grid)
-    merge = settings.spatial_merge_size
-    h, w = h // merge, w // merge
-    time = torch.arange(t) * settings.position_id_per_seconds
+def video_times(grid_t: int, seconds_per_grid: float, settings: PositionSettings) -> torch.Tensor:
+    """``[grid_t]`` time positions of a video's temporal patches, in transformers' float32
+    arithmetic: ``arange(grid_t) * float32(seconds_per_grid) * position_id_per_seconds``."""
+    seconds = torch.tensor(seconds_per_grid, dtype=torch.float32)
+    return torch.arange(grid_t) * seconds * settings.position_id_per_seconds
+
+
+def has_whole_times(grid_t: int, seconds_per_grid: float, settings: PositionSettings) -> bool:
+    """Whether a video's time positions are whole numbers (the ones served)."""
+    times = video_times(grid_t, seconds_per_grid, settings)
+    return bool(torch.equal(times, times.round()))
+
+
+def time_order(video: Sequence[float], audio: Sequence[float]) -> list[bool]:
+    """Two non-decreasing streams of times merged, as transformers merges a video's tokens
+    with its audio track's (``replace_video_with_audio_token``, ``get_rope_index``): True
+    for the next video token, False for the next audio token; a video token goes first
+    unless its time is after the audio token's; each stream's rest follows when the other
+    has run out."""
+    order: list[bool] = []
+    v = a = 0
+    while v < len(video) and a < len(audio):
+        first = video[v] <= audio[a]
+        order.append(first)
+        v, a = (v + 1, a) if first else (v, a + 1)
+    return order + [True] * (len(video) - v) + [False] * (len(audio) - a)
+
+
+def vision_positions(
+    start: int, time: torch.Tensor, grid: Sequence[int], merge: int
+) -> torch.Tensor:
+    """``[3, T * h * w / merge^2]`` positions of a merged patch grid (time-major, then rows,
+    then columns) whose time values are ``time`` [T], all offset by ``start``."""
+    h, w = int(grid[1]) // merge, int(grid[2]) // merge
     t_rows = time.view(-1, 1).expand(-1, h * w).flatten()
-    h_rows = torch.arange(h).view(1, -1, 1).expand(t, -1, w).flatten()
-    w_rows = torch.arange(w).view(1, 1, -1).expand(t, h, -1).flatten()
+    h_rows = torch.arange(h).view(1, -1, 1).expand(len(time), -1, w).flatten()
+    w_rows = torch.arange(w).view(1, 1, -1).expand(len(time), h, -1).flatten()
     return torch.stack([t_rows, h_rows, w_rows]) + start
 
 
@@ -73,25 +109,45 @@ class _Pieces:
         if count > 0:
             self.add(torch.arange(count).expand(3, count) + self.next)
 
+    def interleaved(self, video: torch.Tensor, audio: torch.Tensor) -> None:
+        """A video's and its audio track's positions merged by time (row 0); the last
+        piece is the tail, the stream left over when the other ran out."""
+        order = time_order(video[0].tolist(), audio[0].tolist())
+        merged = torch.empty(3, len(order), dtype=torch.long)
+        is_video = torch.tensor(order)
+        merged[:, is_video], merged[:, ~is_video] = video, audio
+        tail = len(order)  # the tail: the last run of one stream's positions
+        while tail > 0 and order[tail - 1] == order[-1]:
+            tail -= 1
+        if tail > 0:
+            self.add(merged[:, :tail])
+        self.add(merged[:, tail:])
+
 
 def rope_index(
     token_ids: Sequence[int],
     settings: PositionSettings,
     *,
     image_grid_thw: Sequence[Sequence[int]] = (),
+    video_grid_thw: Sequence[Sequence[int]] = (),
+    video_seconds_per_grid: Sequence[float] = (),
     audio_frames: Sequence[int] = (),
+    use_audio_in_video: bool = False,
 ) -> tuple[torch.Tensor, int]:
     """Positions ``[3, n]`` (long) of an expanded prompt and its delta (``max + 1 - n``: a
     generated token's position is its index plus the delta).
 
-    Grids and audio mel frame counts come in prompt order. Each placeholder run must sit
-    between its start and end token, as the chat template puts it (``ValueError`` when the
-    runs do not fit the prompt)."""
+    Grids, seconds per temporal patch and audio mel frame counts come in prompt order; with
+    ``use_audio_in_video`` every video's audio is the next audio in ``audio_frames``, at the
+    video's place. Each placeholder run must sit between its start and end token(s), as the
+    chat template puts it (``ValueError`` when the runs do not fit the prompt, or a video's
+    times are not whole numbers)."""
     n = len(token_ids)
-    if not image_grid_thw:  # transformers' 1-D branch, audio or not
+    if not image_grid_thw and not video_grid_thw:  # transformers' 1-D branch, audio or not
         return torch.arange(n).expand(3, n).clone(), 0
     images, audios = iter(image_grid_thw), iter(audio_frames)
-    placeholders = {settings.audio_token_id, settings.image_token_id}
+    videos = iter(zip(video_grid_thw, video_seconds_per_grid, strict=True))
+    placeholders = {settings.audio_token_id, settings.image_token_id, settings.video_token_id}
     merge = settings.spatial_merge_size
     out = _Pieces()
     cursor = 0
@@ -99,22 +155,39 @@ def rope_index(
         start = next((i for i in range(cursor, n) if token_ids[i] in placeholders), None)
         if start is None:
             break
-        out.counting(start - cursor - 1)  # the text before the run's start token
-        out.counting(1)
+        token = token_ids[start]
+        interleaved = use_audio_in_video and token == settings.video_token_id
+        framing = 2 if interleaved else 1  # start (and end) tokens around the run
+        out.counting(start - cursor - framing)  # the text before the run's start token(s)
+        out.counting(framing)
         try:
-            if token_ids[start] == settings.audio_token_id:
+            if token == settings.audio_token_id:
                 length = audio_output_length(next(audios), settings.audio_n_window)
                 out.counting(length)
-            else:
+            elif token == settings.image_token_id:
                 grid = next(images)
-                out.add(vision_positions(out.next, grid, settings))
+                time = torch.arange(int(grid[0])) * settings.position_id_per_seconds
+                out.add(vision_positions(out.next, time, grid, merge))
                 length = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge**2
+            else:
+                grid, seconds = next(videos)
+                times = video_times(int(grid[0]), seconds, settings)
+                if not torch.equal(times, times.round()):
+                    raise ValueError(f"the video at {start} has fractional time positions")
+                video = vision_positions(out.next, times.long(), grid, merge)
+                length = video.shape[1]
+                if not interleaved:
+                    out.add(video)
+                else:
+                    count = audio_output_length(next(audios), settings.audio_n_window)
+                    out.interleaved(video, torch.arange(count).expand(3, count) + out.next)
+                    length += count
         except StopIteration:
             raise ValueError(
                 f"the prompt has more placeholder runs than inputs (at {start})"
             ) from None
-        out.counting(1)
-        cursor = start + length + 1
+        out.counting(framing)
+        cursor = start + length + framing
     out.counting(n - cursor)
     positions = torch.cat(out.pieces, dim=1) if out.pieces else torch.zeros(3, 0, dtype=torch.long)
     if positions.shape[1] != n:

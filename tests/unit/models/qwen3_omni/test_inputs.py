@@ -1,6 +1,7 @@
 """Qwen3-Omni's prompt processor against transformers' ``Qwen3OmniMoeProcessor`` (expanded ids,
 each item's data: audio padded to the prompt's longest, as the processor batches it) and the
-thinker's ``get_rope_index`` (positions, delta), on the tiny checkpoint; and what it refuses."""
+thinker's ``get_rope_index`` (positions, delta), on the tiny checkpoint; and what it refuses.
+Video prompts: tests/unit/models/qwen3_omni/test_video.py."""
 
 from __future__ import annotations
 
@@ -123,9 +124,10 @@ def test_audio_padding_follows_the_prompts_longest_and_its_hash(ours, tokenizer)
     [
         ([], {}, "multi_modal_data"),  # a placeholder without its medium
         ([("image", picture(64, 64, 0))], {}, "multi_modal_data[0]"),  # audio's placeholder
-        ([("video", None)], {}, "multi_modal_data[0]"),
+        ([("video", None)], {}, "multi_modal_data[0]"),  # a video at audio's placeholder
         ([("audio", noise(100, 0))], {}, "multi_modal_data[0]"),  # under one frame
-        ([("audio", noise(16000, 0))], {"use_audio_in_video": True}, "mm_processor_kwargs"),
+        ([("audio", noise(16000, 0))], {"use_audio_in_video": 1}, "mm_processor_kwargs"),
+        ([("audio", noise(16000, 0))], {"fps": -2}, "mm_processor_kwargs.fps"),
         ([("audio", noise(16000, 0))], {"max_pixels": 10}, "mm_processor_kwargs.max_pixels"),
     ],
 )

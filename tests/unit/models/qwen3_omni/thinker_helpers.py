@@ -8,7 +8,6 @@ import functools
 import os
 import warnings
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
@@ -60,20 +59,11 @@ def hf_thinker(folder: Path):
 
 
 def hf_processor(folder: Path):
-    """transformers' processor (PIL images; no video processor: it needs torchvision)."""
-    from transformers import AutoTokenizer, Qwen3OmniMoeProcessor, WhisperFeatureExtractor
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-    from transformers.processing_utils import ProcessorMixin
+    """transformers' processor (PIL images, the stand-in video processor:
+    tests/qwen3_omni_media.py)."""
+    from tests.qwen3_omni_media import hf_processor as processor
 
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class"):
-        return Qwen3OmniMoeProcessor(
-            image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder),
-            video_processor=None,
-            feature_extractor=WhisperFeatureExtractor.from_pretrained(folder),
-            tokenizer=AutoTokenizer.from_pretrained(folder),
-        )
+    return processor(str(folder))
 
 
 def noise(samples: int, seed: int) -> np.ndarray:
