@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from omnistage.config import ConfigError, PipelineConfig
@@ -24,6 +24,7 @@ from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
 from omnistage.engine.spawn import SpawnedStage, stage_threads, uses_ray
 from omnistage.engine.stage_client import EngineStageClient, StageClient
+from omnistage.engine.stage_params import merge_stage_params
 from omnistage.engine.supervisor import RestartPolicy, Supervisor
 from omnistage.engine.weights import WeightSyncClient
 from omnistage.models import registry
@@ -194,20 +195,27 @@ class AsyncOmni:
         image_params: dict[str, Any] | None = None,
         talker_params: dict[str, Any] | None = None,
         audio_params: dict[str, Any] | None = None,
+        stage_params: Sequence[Mapping[str, Any] | None] | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[OmniRequestOutput]:
         """Stream a request through the pipeline (see ``RequestRouter.generate``):
         each stage takes the parameters of the field its kind or model names: token stages
         ``sampling_params`` (a speech-token stage ``talker_params``), image stages
-        ``image_params``, speech stages ``audio_params`` (voice, seed, ...). Text deltas
-        stream as they come; images and audio when their stage ends."""
+        ``image_params``, speech stages ``audio_params`` (voice, seed, ...); ``stage_params``
+        gives them per stage in stage order instead (vLLM-Omni's ``sampling_params_list``,
+        see ``stage_params.py``). Text deltas stream as they come; images and audio when
+        their stage ends."""
         self._attach()
-        options = RequestOptions.of(
-            sampling_params=sampling_params,
-            image_params=image_params,
-            talker_params=talker_params,
-            audio_params=audio_params,
-        )
+        given: dict[str, Mapping[str, Any] | None] = {
+            "sampling_params": sampling_params,
+            "image_params": image_params,
+            "talker_params": talker_params,
+            "audio_params": audio_params,
+        }
+        if stage_params is not None:
+            preparers = [self.router.preparer(i) for i in range(self.num_stages)]
+            given = merge_stage_params(given, stage_params, preparers)
+        options = RequestOptions.of(**given)
         return self.router.generate(prompt, options, modalities, request_id=request_id)
 
     async def abort(self, request_id: str) -> None:

@@ -37,6 +37,7 @@ class OmniRequestOutput:
     media_delta: list[Any] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (on a text stage's)
     logprobs: list[TokenLogprobs] | None = None  # one entry per token of the delta
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, on a sample's first
     extra: dict[str, Any] = field(default_factory=dict)

@@ -157,6 +157,8 @@ class RequestRouter:
             )
         await self._prepare(chain)
         self.gate.check_available(chain)
+        for stage_id in chain:  # values spelled each stage's way (a voice in any case)
+            options = self.preparer(stage_id).normalize(options)
         for stage_id in chain:  # every parameter is checked before any stage runs
             self.preparer(stage_id).check_options(options, downstream=stage_id != chain[0])
         request = await asyncio.to_thread(self._prepare_request, chain[0], fields, options, chain)
@@ -374,6 +376,7 @@ class RequestRouter:
             media_delta=delta,
             num_prompt_tokens=out.num_prompt_tokens,
             num_output_tokens=out.num_output_tokens,
+            num_cached_tokens=out.num_cached_tokens,
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
         )

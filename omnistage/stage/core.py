@@ -122,6 +122,7 @@ def to_output_message(out: StageOutput, handoff: HandoffRef | None = None) -> Ou
         error=WireError.from_exception(out.error) if out.error is not None else None,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
         handoff=handoff,
         media=list(out.media),
         logprobs=out.logprobs,

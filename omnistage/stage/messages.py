@@ -172,6 +172,7 @@ class OutputMessage(msgspec.Struct, tag=True):
     error: WireError | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     hidden_states: torch.Tensor | None = None
     handoff: HandoffRef | None = None
     media: list[MediaOutput] = []

@@ -42,8 +42,38 @@ class RequestOptions:
         return cls(given)
 
 
+# vLLM's ``SamplingParams`` fields: what vLLM-Omni's ``sampling_params_list`` gives every
+# stage it runs as an LLM, also those that do not sample (a code2wav stage, where vLLM-Omni
+# ignores them as well).
+VLLM_SAMPLING_FIELDS = frozenset(
+    {
+        "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+        "ignore_eos", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+        "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+        "include_stop_str_in_output", "output_kind",
+    }
+)  # fmt: skip
+
+
 class RequestPreparer(Protocol):
     PROMPT_FIELDS: ClassVar[tuple[str, ...]]  # what a prompt for this kind may hold
+
+    @property
+    def params_field(self) -> str:
+        """The ``RequestOptions`` field this kind reads its parameters from."""
+        ...
+
+    def from_vllm(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """This kind's parameters from one entry of vLLM-Omni's ``sampling_params_list``
+        (vLLM's sampling keys for a stage vLLM-Omni runs as an LLM, diffusers' for a
+        diffusion stage). Raises ``InvalidRequestError`` naming a key it cannot take."""
+        ...
+
+    def normalize(self, options: RequestOptions) -> RequestOptions:
+        """``options`` with the values this kind spells its own way in its own spelling (a
+        voice named in any case: the checkpoint's name)."""
+        ...
 
     def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         """Validate the parameters this kind takes from ``options`` (before any stage runs);

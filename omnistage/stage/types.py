@@ -29,6 +29,7 @@ class StageOutput:
     error: Exception | None = None  # set with finish_reason "error"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     handoff: dict[str, Any] | None = None
     media: list[Any] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for

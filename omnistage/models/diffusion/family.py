@@ -15,8 +15,8 @@ Requests and their params come from the stage; the family reads them through
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,9 @@ class DiffusionLimits:
     default_fps: int = 16  # a video's frame rate when a request gives none
     native_width: int | None = None  # width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0  # what the family's pipeline defaults to
+    # Other names diffusers' pipeline class gives a parameter (vLLM-Omni's clients send them):
+    # e.g. Qwen-Image's CFG scale is its ``true_cfg_scale`` -> ``guidance_scale``.
+    param_aliases: Mapping[str, str] = field(default_factory=dict)
 
 
 class DiffusionParamsLike(Protocol):

@@ -111,6 +111,7 @@ class QwenImageFamily(FamilyBase):
             native_size=DEFAULT_SAMPLE_SIZE * factor,
             max_sequence_length=TOKENIZER_MAX_LENGTH,
             default_guidance_scale=DEFAULT_GUIDANCE,
+            param_aliases={"true_cfg_scale": "guidance_scale"},
         )
 
     def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:

@@ -117,6 +117,8 @@ class BlockManager:
         ]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
+        if seq.num_prompt_cached_tokens is None:
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
 
     def share(self, parent: Sequence, child: Sequence, copy_block: int | None) -> None:
         """Give ``child`` (a fork of ``parent`` after its prefill) the parent's blocks; the
@@ -130,6 +132,7 @@ class BlockManager:
                 self._hold(block)
         child.block_table = table
         child.num_cached_tokens = parent.num_tokens - 1
+        child.num_prompt_cached_tokens = parent.num_prompt_cached_tokens
         child.num_hashed_blocks = parent.num_hashed_blocks
 
     def take_block(self) -> int:

@@ -71,6 +71,7 @@ def append_token(
         finish_reason=reason,
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
+        num_cached_tokens=seq.num_prompt_cached_tokens or 0,
         handoff=final_handoff(seq) if reason is not None else None,
         logprobs=[logprobs] if logprobs is not None else None,
         prompt_logprobs=prompt_logprobs,

@@ -69,6 +69,30 @@ class ARRequestPreparer:
         except InvalidRequestError as exc:
             raise exc.under(name) from None
 
+    def from_vllm(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """vLLM's sampling keys. ``detokenize`` is how this stage works anyway: its tokens
+        become text when it answers text, never when they are codes; ``false`` on a text
+        stage (its answer without text) is not implemented."""
+        data = dict(check_mapping(entry, ""))
+        detokenize = data.pop("detokenize", True)
+        if not isinstance(detokenize, bool):
+            raise InvalidRequestError("detokenize", f"must be a boolean, got {detokenize!r}")
+        if not detokenize and self.info.emits_text:
+            raise InvalidRequestError(
+                "detokenize", "false is not implemented for a stage whose answer is text"
+            )
+        unknown = sorted(set(data) - set(SamplingParams.__struct_fields__))
+        if unknown:
+            raise InvalidRequestError(
+                unknown[0],
+                f"unknown sampling parameter; known: {sorted(SamplingParams.__struct_fields__)}",
+            )
+        SamplingParams(**data)  # each value checked, named as the entry has it
+        return data
+
+    def normalize(self, options: RequestOptions) -> RequestOptions:
+        return options
+
     def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         self.sampling_params(options, downstream)
 

@@ -85,6 +85,9 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
+        # The prompt tokens the prefix cache had at the first scheduling (vLLM's usage
+        # ``prompt_tokens_details.cached_tokens``); a recompute after preemption does not count.
+        self.num_prompt_cached_tokens: int | None = None
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
         self.pending_samples: list[Sequence] = []  # forked from this one after its prefill
         # Generated tokens fed back one decode step each after a recompute (``rewind``).

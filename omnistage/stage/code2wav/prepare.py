@@ -12,7 +12,7 @@ from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.params import Code2WavParams
 from omnistage.stage.code2wav.request import check_codes, check_voice
 from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions, check_mapping
+from omnistage.stage.prepare import VLLM_SAMPLING_FIELDS, RequestOptions, check_mapping
 
 FIELD = "audio_params"
 
@@ -34,6 +34,40 @@ class Code2WavRequestPreparer:
         except TypeError as exc:  # a key that is not a string
             raise InvalidRequestError(FIELD, f"keys must be parameter names: {exc}") from None
         return params
+
+    @property
+    def params_field(self) -> str:
+        return FIELD
+
+    def from_vllm(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """This stage's own keys (``seed``, ``voice``, ...); vLLM's sampling keys vLLM-Omni
+        sends every stage mean nothing to a stage that does not sample, and are dropped, as
+        vLLM-Omni's code2wav drops them."""
+        data = dict(check_mapping(entry, ""))
+        own = {k: v for k, v in data.items() if k in Code2WavParams.__struct_fields__}
+        unknown = sorted(set(data) - set(own) - VLLM_SAMPLING_FIELDS)
+        if unknown:
+            raise InvalidRequestError(
+                unknown[0],
+                f"unknown parameter; this stage takes {sorted(Code2WavParams.__struct_fields__)} "
+                "(and ignores vLLM's sampling keys: it does not sample)",
+            )
+        Code2WavParams.from_dict(own)
+        return own
+
+    def normalize(self, options: RequestOptions) -> RequestOptions:
+        """A voice named in any case is the checkpoint's voice of that name."""
+        params = options.params.get(FIELD)
+        if not isinstance(params, Mapping):
+            return options
+        voice = params.get("voice")
+        if not isinstance(voice, str) or voice in self.limits.voices:
+            return options
+        by_case = {v.casefold(): v for v in self.limits.voices}
+        if voice.casefold() not in by_case:
+            return options  # refused by the check, naming the voices
+        fixed = {**options.params, FIELD: {**params, "voice": by_case[voice.casefold()]}}
+        return RequestOptions(fixed)
 
     def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         self.params(options)

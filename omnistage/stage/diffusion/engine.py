@@ -62,6 +62,8 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             default_fps=own.default_fps,
             native_width=own.native_width,
             default_guidance_scale=own.default_guidance_scale,
+            family=self.pipeline.class_name,
+            param_aliases=dict(own.param_aliases),
         )
 
     @property

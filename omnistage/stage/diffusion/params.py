@@ -116,6 +116,8 @@ class PipelineLimits(msgspec.Struct, frozen=True):
     default_fps: int = 16
     native_width: int | None = None  # the width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0
+    family: str = ""  # the folder's pipeline class (errors name it)
+    param_aliases: dict[str, str] = {}  # diffusers' other names for our fields
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
@@ -210,25 +212,28 @@ def _check_frames(params: DiffusionParams, limits: PipelineLimits) -> None:
                 "num_frames", "an image is one frame; ask for a video for more (video: true)"
             )
         _check_int("num_frames", params.num_frames, 1, limits.max_frames)
-        if (params.num_frames - 1) % limits.frame_step:
-            raise InvalidRequestError(
-                "num_frames",
-                f"must be 1 + a multiple of {limits.frame_step} (the VAE's temporal "
-                f"compression), got {params.num_frames}",
-            )
+        _check_int("num_frames", frames_on_grid(params.num_frames, limits), 1, limits.max_frames)
     if params.fps is not None:
         if not params.video:
             raise InvalidRequestError("fps", "only a video has a frame rate")
         _check_int("fps", params.fps, 1, MAX_FPS)
 
 
+def frames_on_grid(num_frames: int, limits: PipelineLimits) -> int:
+    """``num_frames`` on the family's grid, 1 + a multiple of its temporal compression, as
+    vLLM-Omni (and diffusers' video pipelines) round it: 8 -> 9, 80 -> 81, 81 -> 81."""
+    step = limits.frame_step
+    return num_frames if (num_frames - 1) % step == 0 else num_frames // step * step + 1
+
+
 def resolve_params(params: DiffusionParams, limits: PipelineLimits) -> DiffusionParams:
-    """A video request's frames and frame rate, the family's defaults where it gives none."""
+    """A video request's frames (on the family's grid) and frame rate, the family's defaults
+    where it gives none."""
     if not params.video:
         return params
     return msgspec.structs.replace(
         params,
-        num_frames=params.num_frames or limits.default_frames,
+        num_frames=frames_on_grid(params.num_frames or limits.default_frames, limits),
         fps=params.fps or limits.default_fps,
     )
 

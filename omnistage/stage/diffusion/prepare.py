@@ -29,20 +29,50 @@ class DiffusionRequestPreparer:
         self.config = config
         self.limits = info.limits
 
+    @property
+    def params_field(self) -> str:
+        return FIELD
+
     def params(self, options: RequestOptions, negative_prompt: Any = None) -> DiffusionParams:
-        data = dict(check_mapping(options.params.get(FIELD), FIELD))
+        data = self._own_names(dict(check_mapping(options.params.get(FIELD), FIELD)), FIELD)
         if negative_prompt is not None:
             data.setdefault("negative_prompt", negative_prompt)
-        unknown = sorted(set(data) - set(DiffusionParams.__struct_fields__))
-        if unknown:
-            raise InvalidRequestError(
-                f"{FIELD}.{unknown[0]}",
-                f"unknown parameter; known: {sorted(DiffusionParams.__struct_fields__)}",
-            )
         data.setdefault("guidance_scale", self.limits.default_guidance_scale)
         params = DiffusionParams(**data)
         validate_params(params, self.limits)
         return params
+
+    def _own_names(self, data: dict[str, Any], where: str) -> dict[str, Any]:
+        """``data`` with diffusers' other names for a parameter in ours (the family's
+        ``param_aliases``: e.g. a pipeline's ``true_cfg_scale`` is its ``guidance_scale``); a
+        name this folder's pipeline does not take is refused naming the pipeline."""
+        known = set(DiffusionParams.__struct_fields__)
+        for alias, name in self.limits.param_aliases.items():
+            if alias not in data:
+                continue
+            value = data.pop(alias)
+            if name in data and data[name] != value:
+                raise InvalidRequestError(
+                    _under(where, alias), f"is this pipeline's {name}; the two differ, give one"
+                )
+            data[name] = value
+        unknown = sorted(set(data) - known)
+        if unknown:
+            family = self.limits.family or "this pipeline"
+            raise InvalidRequestError(
+                _under(where, unknown[0]),
+                f"not taken by {family} (this folder); it takes "
+                f"{sorted(known | set(self.limits.param_aliases))}",
+            )
+        return data
+
+    def from_vllm(self, entry: Mapping[str, Any]) -> dict[str, Any]:
+        """A diffusion stage's entry holds diffusers' names (vLLM-Omni's
+        ``OmniDiffusionSamplingParams``)."""
+        return self._own_names(dict(check_mapping(entry, "")), "")
+
+    def normalize(self, options: RequestOptions) -> RequestOptions:
+        return options
 
     def check_options(self, options: RequestOptions, downstream: bool = False) -> None:
         self.params(options)
@@ -81,3 +111,7 @@ class DiffusionRequestPreparer:
             negative_prompt_embeds=negative,
             params=self.params(options, prompt.get("negative_prompt")),
         )
+
+
+def _under(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name
