@@ -115,9 +115,11 @@ def _literal_choices(annotation: object) -> list[str]:
 
 
 def _is_list(annotation: object) -> bool:
-    """A ``list[...]`` annotation (also inside ``Annotated``)."""
+    """A ``list[...]`` annotation (also inside ``Annotated``, or ``list[...] | None``)."""
     if typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, types.UnionType):
+        return any(_is_list(arg) for arg in typing.get_args(annotation))
     return typing.get_origin(annotation) is list
 
 

@@ -139,10 +139,17 @@ def test_text_works_while_the_talker_sleeps_and_audio_is_503(server):
     try:
         text = httpx.post(
             server.url + "/v1/chat/completions",
-            json={"messages": MESSAGES, "max_tokens": 4},
+            json={"messages": MESSAGES, "max_tokens": 4, "modalities": ["text"]},
             timeout=60,
         )
         assert text.status_code == 200 and text.json()["choices"][0]["message"]["audio"] is None
+        # Without modalities a request asks for speech too (vLLM-Omni's default): 503.
+        default = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"messages": MESSAGES, "max_tokens": 4},
+            timeout=60,
+        )
+        assert default.status_code == 503 and default.headers["Retry-After"] == "1"
         speech = httpx.post(
             server.url + "/v1/chat/completions",
             json={"messages": MESSAGES, **SPEAK, **EXTRA},
@@ -157,7 +164,7 @@ def test_text_works_while_the_talker_sleeps_and_audio_is_503(server):
     ("change", "field"),
     [
         ({"audio": {"voice": "Nobody"}}, "audio.voice"),
-        ({"audio": {"format": "mp3"}}, "audio.format"),
+        ({"audio": {"format": "aac"}}, "audio.format"),
         ({"modalities": ["text"], "audio": {"voice": "Chelsie"}}, "audio"),
         ({"talker_params": {"temperature": -1}}, "talker_params.temperature"),
         ({"talker_params": {"n": 4}}, "talker_params.n"),  # refused before any stage runs
@@ -246,10 +253,10 @@ def test_bad_media_is_a_400_naming_the_part_and_the_stage_lives_on(server, conte
     assert field in (r.json()["error"]["param"] or "") + r.json()["error"]["message"]
     ok = httpx.post(
         server.url + "/v1/chat/completions",
-        json={"messages": MESSAGES, "max_tokens": 2},
+        json={"messages": MESSAGES, "max_tokens": 2, "modalities": ["text"]},
         timeout=60,
     )
-    assert ok.status_code == 200
+    assert ok.status_code == 200, ok.text
 
 
 def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
@@ -424,3 +431,125 @@ def test_a_killed_talker_ends_the_stream_with_an_error_and_comes_back(server, lo
     while stages(server)[1]["state"] != "awake" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert stream_speech(server)[0] == long_speech[0]
+
+
+# -- vLLM-Omni's shapes: a request without OpenAI's audio object ------------------------------
+# (the rule and the shapes: omnistage/entrypoints/openai/dialect.py, docs/vllm-omni.md)
+
+QUIET = {"max_tokens": 4, "temperature": 0, "seed": 5}
+
+
+def test_a_vllm_omni_request_gets_text_and_speech_as_two_choices(client):
+    """No modalities: every output the pipeline makes; the text choice first, both index 0."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, **QUIET, extra_body=EXTRA
+    )
+    text, speech = reply.choices
+    assert (text.index, speech.index) == (0, 0)
+    assert isinstance(text.message.content, str) and text.message.audio is None
+    assert speech.message.content is None and speech.finish_reason == "stop"
+    assert wav_of(speech.message.audio.data)[:2] == (24000, 1)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_a_vllm_omni_stream_tags_each_chunk_and_each_speech_chunk_is_a_wav(client):
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, **QUIET, extra_body=EXTRA
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, **QUIET, stream=True, extra_body=EXTRA
+        )
+    )
+    tagged = [(getattr(c, "modality", None), c) for c in chunks]
+    text = "".join(c.choices[0].delta.content or "" for m, c in tagged if m == "text")
+    speech = [c.choices[0].delta.content for m, c in tagged if m == "audio"]
+    assert text == whole.choices[0].message.content
+    assert speech and all(c.usage is not None for m, c in tagged if m == "audio")
+    frames = b"".join(wav_of(piece)[2] for piece in speech)  # each a WAV of its own
+    assert frames == wav_of(whole.choices[1].message.audio.data)[2]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+VLLM_OMNI_LIST = [  # vLLM-Omni's Qwen2.5-Omni example client's, shorter
+    {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 3, "seed": 42,
+     "detokenize": True, "repetition_penalty": 1.1},
+    {"temperature": 0.9, "top_p": 0.8, "top_k": 40, "max_tokens": 16, "seed": 42,
+     "detokenize": True, "repetition_penalty": 1.05},
+    {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": 2048, "seed": 42,
+     "detokenize": True, "repetition_penalty": 1.1},
+]  # fmt: skip
+
+
+def test_sampling_params_list_sets_every_stage(server):
+    body = {"messages": MESSAGES, "sampling_params_list": VLLM_OMNI_LIST, "modalities": None}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    text, speech = r.json()["choices"]
+    assert r.json()["usage"]["completion_tokens"] == 3 and speech["message"]["audio"]["data"]
+    again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert again["choices"][1]["message"]["audio"]["data"] == speech["message"]["audio"]["data"]
+
+
+@pytest.mark.parametrize(
+    ("entries", "field", "words"),
+    [
+        (VLLM_OMNI_LIST + [{}], "sampling_params_list", "Expected 3 sampling params, got 4"),
+        ([{}, {"bogus": 1}], "sampling_params_list.1.bogus", "unknown"),
+        ([{"detokenize": False}], "sampling_params_list.0.detokenize", "not implemented"),
+        ([{}, {"temperature": -1}], "sampling_params_list.1.temperature", ">= 0"),
+        ([{}, {}, {"num_steps": 1}], "sampling_params_list.2.num_steps", "[2, 100]"),
+        ([{"max_tokens": 3}], "sampling_params_list.0.max_tokens", "differs"),
+    ],
+)
+def test_bad_sampling_params_lists_are_400_naming_the_entry(server, entries, field, words):
+    body = {"messages": MESSAGES, "sampling_params_list": entries, "max_tokens": 2}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and words in r.json()["error"]["message"]
+
+
+def test_speaker_names_the_voice_in_any_case(server):
+    body = {"messages": MESSAGES, **QUIET, **EXTRA, "modalities": ["audio"]}
+    voices = [
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "speaker": s}, timeout=120)
+        for s in ("Chelsie", "CHELSIE", "ethan")
+    ]
+    data = [v.json()["choices"][0]["message"]["audio"]["data"] for v in voices]
+    assert data[0] == data[1] != data[2]
+    r = httpx.post(server.url + "/v1/chat/completions", json={**body, "speaker": "Nobody"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speaker", r.text
+
+
+@pytest.mark.parametrize("audio_format", ["flac", "mp3", "opus"])
+def test_compressed_speech_formats_decode_to_the_same_speech(server, audio_format):
+    import io
+
+    import numpy as np
+    import soundfile
+
+    body = {"messages": MESSAGES, **SPEAK, **EXTRA}
+    wav = speak(server)["audio"]["data"]
+    body["audio"] = {"voice": "Chelsie", "format": audio_format}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(r.json()["choices"][0]["message"]["audio"]["data"])), dtype="int16")  # fmt: skip
+    reference = np.frombuffer(wav_of(wav)[2], dtype="<i2")
+    assert rate == 24000
+    if audio_format == "flac":  # lossless
+        assert np.array_equal(samples, reference)
+    else:
+        assert abs(len(samples) - len(reference)) < rate // 10
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(server):
+    import uuid
+
+    body = {"messages": [{"role": "user", "content": f"Remember {uuid.uuid4().hex}"}]}
+    body.update(modalities=["text"], max_tokens=2)
+    first, second = (
+        httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["usage"]
+        for _ in range(2)
+    )
+    assert second["prompt_tokens"] == first["prompt_tokens"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert cached > first["prompt_tokens_details"]["cached_tokens"] and cached % 16 == 0

@@ -68,8 +68,9 @@ async def load_part(
     """Fetch and decode one media content part (``field`` names it, as
     ``messages[0].content[1]``).
 
-    ``options``: for a video, ``fps`` (frames sampled per second, default 2.0) and
-    ``use_audio_in_video`` (also decode its audio track); errors in them name
+    ``options``: for a video, ``fps`` (frames sampled per second, default 2.0) or
+    ``num_frames`` (that many, spread over its duration), and ``use_audio_in_video`` (also
+    decode its audio track); errors in them name
     ``options_field``. They travel in the item's ``options``; those that change the decoded
     value are part of its ``content_hash`` with the raw bytes and the modality.
     """
@@ -153,6 +154,15 @@ def _decode_options(
                 f"{options_field}.use_audio_in_video", f"must be true or false, got {with_audio!r}"
             )
         opts["fps"], opts["use_audio_in_video"] = float(fps), with_audio
+        num_frames = opts.get("num_frames")
+        if num_frames is not None and (
+            isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames < 1
+        ):
+            raise InvalidRequestError(
+                f"{options_field}.num_frames", f"must be a positive integer, got {num_frames!r}"
+            )
+    else:
+        opts.pop("num_frames", None)  # a video's sampling only
     return opts
 
 
@@ -203,6 +213,9 @@ def _decode_item(
         digest = content_hash("image", raw)
     else:
         fps, with_audio = opts["fps"], opts["use_audio_in_video"]
-        value = decode_video(raw, where, policy, fps=fps, use_audio=with_audio)
-        digest = content_hash("video", raw, f"fps={fps!r}", f"use_audio_in_video={with_audio}")
+        num_frames = opts.pop("num_frames", None)  # how to sample, not the processor's
+        value = decode_video(raw, where, policy, fps, with_audio, num_frames)
+        digest = content_hash(
+            "video", raw, f"fps={fps!r}", f"use_audio_in_video={with_audio}", f"n={num_frames}"
+        )
     return MediaItem(modality=modality, value=value, content_hash=digest, options=opts)

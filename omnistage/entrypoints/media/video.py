@@ -31,13 +31,17 @@ def decode_video(
     policy: MediaPolicy,
     fps: float = DEFAULT_VIDEO_FPS,
     use_audio: bool = False,
+    num_frames: int | None = None,
 ) -> Video:
     """Video bytes as RGB frames sampled uniformly over the duration at about ``fps`` per
-    second (at least one; never more than the source has), with the effective rate in
+    second, or ``num_frames`` of them (vLLM's ``media_io_kwargs``) when the header says the
+    duration (at least one; never more than the source has), with the effective rate in
     ``Video.fps``; and, with ``use_audio``, its audio track (None without one). Duration,
     frame size, the number of sampled frames and their decoded bytes are checked from the
     header before any frame is decoded."""
-    frames, step = decoding(where, "video", lambda: _sample_frames(raw, where, policy, fps))
+    frames, step = decoding(
+        where, "video", lambda: _sample_frames(raw, where, policy, fps, num_frames)
+    )
     audio = None
     if use_audio:
         audio = decoding(
@@ -47,7 +51,7 @@ def decode_video(
 
 
 def _sample_frames(
-    raw: bytes, where: str, policy: MediaPolicy, fps: float
+    raw: bytes, where: str, policy: MediaPolicy, fps: float, num_frames: int | None = None
 ) -> tuple[np.ndarray, float]:
     """The sampled frames ``[T, H, W, 3]`` and the time between them, in seconds.
 
@@ -67,6 +71,8 @@ def _sample_frames(
         source_rate = float(stream.average_rate or stream.guessed_rate or 0) or None
         count: int | None = None
         if seconds:
+            if num_frames is not None:
+                fps = num_frames / seconds
             count = max(1, round(seconds * fps))
             # No more samples than the source has frames.
             if stream.frames:
@@ -76,7 +82,10 @@ def _sample_frames(
             if count > policy.max_video_frames:
                 raise _too_many_frames(where, count, fps, policy)
             _check_decoded_bytes(count, width, height, fps, where, policy)
-            step = seconds / count
+            # Exactly 1 / fps apart when the source has the frames, so ``Video.fps`` is the
+            # rate asked for (a processor that turns times into positions needs that rate).
+            exact = num_frames is None and count == round(seconds * fps)
+            step = 1.0 / fps if exact else seconds / count
         else:
             step = 1.0 / fps
         max_decoded = math.ceil((seconds or policy.max_video_seconds) * MAX_DECODED_FPS) + 1

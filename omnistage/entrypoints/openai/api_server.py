@@ -33,6 +33,8 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.served_model_names = config.model_names
     state.accepted_model_names = accepted_model_names(config, engine_client)
     state.trust_request_chat_template = config.trust_request_chat_template
+    state.chat_dialect = config.chat_dialect
+    state.default_modalities = config.default_modalities
     state.api_key = config.api_key
     state.control_api_key = resolve_control_api_key(config.control_api_key)
     state.log_requests = not config.disable_log_requests

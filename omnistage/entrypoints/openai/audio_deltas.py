@@ -3,9 +3,12 @@ audio's ``id``, then its ``transcript``, base64 ``data`` pieces and finally ``ex
 
 A pipeline that speaks chunk by chunk (a streamed edge) sends each chunk's samples as soon as
 they exist; otherwise the whole utterance comes at the end. Decoding every ``data`` piece and
-joining the bytes gives the audio: raw 16-bit PCM for ``format: "pcm16"``; for ``"wav"`` a
-WAV file whose header comes first — when streamed, with its sizes set to 0xFFFFFFFF
-("length unknown", as streaming WAV writers mark it), since the length is not known yet.
+joining the bytes gives the audio: raw 16-bit PCM for ``format: "pcm16"`` (or ``"pcm"``);
+for ``"wav"`` a WAV file whose header comes first — when streamed, with its sizes set to
+0xFFFFFFFF ("length unknown", as streaming WAV writers mark it), since the length is not
+known yet (Python's ``wave`` then reads it as 24 hours long: read its frames to the end, or
+ask for ``pcm16``). The compressed formats (``flac``, ``mp3``, ``opus``) come whole, once
+the utterance is complete. A reply that is not streamed carries a WAV with its true sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import struct
 from typing import Any
 
 from omnistage.engine.outputs import OmniAudio
+from omnistage.entrypoints.openai.audio_formats import JOINABLE, encode_audio
 from omnistage.entrypoints.openai.replies import AudioReply, new_id, now
 
 AUDIO_CHUNK_BYTES = 48 * 1024  # raw bytes per delta.audio piece (base64: 64 KiB)
@@ -23,8 +27,8 @@ UNKNOWN_LENGTH = 0xFFFFFFFF
 
 
 def audio_reply(audio: OmniAudio, transcript: str, audio_format: str) -> AudioReply:
-    """OpenAI's ``message.audio``: WAV (or raw pcm16) bytes, base64."""
-    raw = audio.wav_bytes() if audio_format == "wav" else audio.pcm16()
+    """OpenAI's ``message.audio``: the file (or raw pcm16) of ``audio_format``, base64."""
+    raw = encode_audio(audio, audio_format)
     return AudioReply(
         id=new_id("audio"),
         data=base64.b64encode(raw).decode("ascii"),
@@ -62,8 +66,9 @@ class AudioDeltas:
         self._streamed: dict[int, str] = {}  # choice -> its audio's id, once a piece went out
 
     def piece(self, index: int, audio: OmniAudio, transcript: str) -> list[dict[str, Any]]:
-        """A chunk of speech as soon as it exists (the first also names the transcript)."""
-        if len(audio.samples) == 0:
+        """A chunk of speech as soon as it exists (the first also names the transcript); a
+        compressed format's comes whole when the speech is complete (``finished``)."""
+        if len(audio.samples) == 0 or self.audio_format not in JOINABLE:
             return []
         raw = audio.pcm16()
         out: list[dict[str, Any]] = []

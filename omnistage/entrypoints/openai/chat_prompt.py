@@ -14,7 +14,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from omnistage.entrypoints.openai.protocol import ChatCompletionRequest
+from omnistage.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from omnistage.entrypoints.openai.served import preparer_of
 from omnistage.errors import ContextLengthError, InvalidRequestError
 from omnistage.models.tokenizer import Tokenizer

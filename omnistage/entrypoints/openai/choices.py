@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omnistage.engine.outputs import OmniAudio, OmniImage, OmniRequestOutput
-from omnistage.entrypoints.openai.replies import Usage
+from omnistage.entrypoints.openai.replies import PromptTokensDetails, Usage
 from omnistage.stage.messages import TokenLogprobs
 
 
@@ -108,6 +108,7 @@ class Collected:
     def __init__(self) -> None:
         self.by_index: dict[int, Choice] = {}
         self.num_prompt_tokens = 0
+        self.num_cached_tokens: int | None = None  # known once a text stage finished
 
     def choice(self, index: int) -> Choice:
         if index not in self.by_index:
@@ -126,6 +127,7 @@ class Collected:
                 choice.finish_reason = out.finish_reason
                 choice.num_output_tokens = out.num_output_tokens
                 self.num_prompt_tokens = out.num_prompt_tokens
+                self.num_cached_tokens = out.num_cached_tokens
         choice.images.extend(out.images)
         choice.audio.extend(out.audio)
         # A text+image answer ends as its text did ("length" if the text hit max_tokens),
@@ -144,8 +146,12 @@ class Collected:
     @property
     def usage(self) -> Usage:
         completion = sum(c.num_output_tokens for c in self.by_index.values())
+        cached = self.num_cached_tokens
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion,
             total_tokens=self.num_prompt_tokens + completion,
+            prompt_tokens_details=None
+            if cached is None
+            else PromptTokensDetails(cached_tokens=cached),
         )

@@ -41,95 +41,15 @@ class _RequestBody(_Strict):
         if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
             merged = {k: v for k, v in data.items() if k != "extra_body"}
             for key, value in data["extra_body"].items():
-                merged.setdefault(key, value)
+                if key in merged and merged[key] is not None and merged[key] != value:
+                    raise ValueError(  # never one of two values picked silently
+                        f"{key} is given at the top level and in extra_body with different "
+                        "values; give it once"
+                    )
+                if merged.get(key) is None:
+                    merged[key] = value
             return merged
         return data
-
-
-TEXT_PARTS = ("text", "input_text")
-# The media parts of OpenAI's chat API and vLLM's, by the modality they carry.
-MEDIA_PARTS = {
-    "input_audio": "audio",
-    "audio_url": "audio",
-    "image_url": "image",
-    "video_url": "video",
-}
-
-
-class ContentPart(_Strict):
-    """A part of a message: text, or audio, an image or a video (``input_audio`` with its
-    base64 ``data`` and ``format``; ``image_url``, ``audio_url``, ``video_url`` with a
-    ``url``)."""
-
-    type: str
-    text: str = ""
-    input_audio: dict[str, Any] | None = None
-    image_url: dict[str, Any] | str | None = None
-    audio_url: dict[str, Any] | str | None = None
-    video_url: dict[str, Any] | str | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in TEXT_PARTS and v not in MEDIA_PARTS:
-            raise ValueError(
-                f"{v!r} input parts are not supported; parts are of type "
-                f"{[*TEXT_PARTS, *MEDIA_PARTS]}"
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _payload_of_its_type(self) -> ContentPart:
-        if self.type in MEDIA_PARTS and getattr(self, self.type) is None:
-            raise ValueError(f"a part of type {self.type!r} needs its {self.type!r} field")
-        return self
-
-    @property
-    def modality(self) -> str | None:
-        return MEDIA_PARTS.get(self.type)
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-    # A conversation with tools, as the chat template renders it (never parsed here).
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-    def media_parts(self) -> list[tuple[int, ContentPart]]:
-        """Its audio, image and video parts, with their index among its parts."""
-        if not isinstance(self.content, list):
-            return []
-        return [(i, p) for i, p in enumerate(self.content) if p.modality is not None]
-
-    def prompt_message(self) -> dict[str, Any]:
-        """The message as the engine takes it: its text, or with media its parts in order
-        (text parts as ``{"type": "text", "text": ...}``, media parts as sent, for
-        ``load_messages`` to decode); ``tool_calls`` and ``tool_call_id`` when given."""
-        tools = {
-            k: v for k, v in (("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id))
-            if v is not None
-        }  # fmt: skip
-        if not self.media_parts():
-            return {"role": self.role, "content": self.text(), **tools}
-        assert isinstance(self.content, list)
-        return {
-            "role": self.role,
-            "content": [
-                p.model_dump(exclude_none=True, exclude={"text"})
-                if p.modality is not None
-                else {"type": "text", "text": p.text}
-                for p in self.content
-            ],
-            **tools,
-        }
 
 
 class StreamOptions(_Strict):
@@ -188,11 +108,17 @@ class _SamplingFields(_RequestBody):
 
 
 class ImageFields(_Strict):
-    """vLLM-Omni's image extras, accepted on chat and image requests."""
+    """vLLM-Omni's image extras, accepted on chat and image requests: the size as ``size``
+    (``"WIDTHxHEIGHT"``) or ``width`` and ``height``; ``true_cfg_scale`` where the family's
+    pipeline names its classifier-free guidance so (the family's ``param_aliases``; other
+    pipelines refuse it, naming themselves)."""
 
     size: str | None = None
+    width: int | None = Field(default=None, ge=1)
+    height: int | None = Field(default=None, ge=1)
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = None
 
     @field_validator("size")
@@ -202,12 +128,22 @@ class ImageFields(_Strict):
             parse_size(v)
         return v
 
+    @model_validator(mode="after")
+    def _one_size(self) -> ImageFields:
+        sizes = (self.width, self.height)
+        if self.size is not None and sizes != (None, None) and sizes != parse_size(self.size):
+            raise ValueError("size disagrees with width and height; give one")
+        return self
+
     def image_params(self, seed: int | None) -> dict[str, Any]:
         params: dict[str, Any] = {
             "num_inference_steps": self.num_inference_steps,
             "guidance_scale": self.guidance_scale,
+            "true_cfg_scale": self.true_cfg_scale,
             "seed": seed,
             "negative_prompt": self.negative_prompt,
+            "width": self.width,
+            "height": self.height,
         }
         if self.size is not None:
             params["width"], params["height"] = parse_size(self.size)
@@ -222,81 +158,6 @@ def parse_size(size: str) -> tuple[int, int]:
     if width <= 0 or height <= 0:
         raise ValueError(f"size must be positive, got {size!r}")
     return width, height
-
-
-class AudioRequest(_Strict):
-    """OpenAI's ``audio`` parameter: the voice and the format of ``message.audio.data``."""
-
-    voice: str | None = Field(default=None, min_length=1)
-    format: Literal["wav", "pcm16"] = "wav"
-
-
-class ToolFunction(BaseModel):
-    """A tool's function as the chat template reads it (keys beyond these go to the template
-    too: ``transformers.utils.get_json_schema`` adds ``return``)."""
-
-    model_config = ConfigDict(extra="allow")
-    name: str = Field(min_length=1)
-
-
-class Tool(_Strict):
-    type: Literal["function"] = "function"
-    function: ToolFunction
-
-
-class ChatCompletionRequest(_SamplingFields, ImageFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    # vLLM's: a template of the request's own (with --trust-request-chat-template), the
-    # template's variables, and tools rendered into the prompt (``tool_choice: "none"``).
-    chat_template: str | None = Field(default=None, min_length=1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    modalities: list[Literal["text", "image", "audio"]] | None = None
-    audio: AudioRequest | None = None
-    # omnistage's extras for a speaking pipeline: its speech-token (talker) stage's sampling
-    # parameters and its code2wav stage's (seed, num_steps, guidance_scale, sway_coefficient).
-    talker_params: dict[str, Any] | None = None
-    audio_params: dict[str, Any] | None = None
-    # vLLM's: how the model's processor treats this request's media (e.g. fps,
-    # use_audio_in_video, min_pixels, max_pixels).
-    mm_processor_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        return self
-
-    @model_validator(mode="after")
-    def _audio_needs_the_modality(self) -> ChatCompletionRequest:
-        if self.audio is not None and "audio" not in (self.modalities or []):
-            raise ValueError('audio is given but modalities does not include "audio"')
-        voice = (self.audio_params or {}).get("voice")
-        given = self.audio.voice if self.audio is not None else None
-        if given is not None and voice is not None and voice != given:
-            # One voice per request: never pick one of two silently.
-            raise ValueError(
-                f"audio_params.voice ({voice!r}) and audio.voice ({given!r}) differ; give the "
-                "voice once"
-            )
-        return self
-
-    def code2wav_params(self) -> dict[str, Any]:
-        """The code2wav stage's parameters: ``audio_params``, the voice of ``audio``, the
-        request's ``seed`` for the noise unless ``audio_params`` has one."""
-        params = dict(self.audio_params or {})
-        if self.audio is not None and self.audio.voice is not None:
-            params.setdefault("voice", self.audio.voice)
-        if self.seed is not None:
-            params.setdefault("seed", self.seed)
-        return params
-
-    def token_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_SamplingFields):

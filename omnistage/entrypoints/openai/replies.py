@@ -10,10 +10,30 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (vLLM's and OpenAI's field)
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def total(cls, usages: list[Usage]) -> Usage:
+        """A batch's usage: the sum of its requests'."""
+        details = [u.prompt_tokens_details for u in usages if u.prompt_tokens_details]
+        return cls(
+            prompt_tokens=sum(u.prompt_tokens for u in usages),
+            completion_tokens=sum(u.completion_tokens for u in usages),
+            total_tokens=sum(u.total_tokens for u in usages),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(d.cached_tokens for d in details)
+            )
+            if details
+            else None,
+        )
 
 
 class AudioReply(BaseModel):
@@ -26,12 +46,13 @@ class AudioReply(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """``content`` is the text (a string, as OpenAI clients type it; ``None`` when text was
-    not asked for); generated images are PNG ``image_url`` content parts in ``images``; speech
-    is ``audio``."""
+    """OpenAI's shape: ``content`` is the text (a string, as OpenAI clients type it; ``None``
+    when text was not asked for), generated images are PNG ``image_url`` content parts in
+    ``images``, speech is ``audio``. vLLM-Omni's shape puts a choice's images in ``content``
+    as those parts instead (``dialect.py``)."""
 
     role: Literal["assistant"] = "assistant"
-    content: str | None
+    content: str | list[dict[str, Any]] | None
     images: list[dict[str, Any]] | None = None
     audio: AudioReply | None = None
 

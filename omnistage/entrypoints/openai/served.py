@@ -57,3 +57,13 @@ def preparer_of(engine: Any, stage_id: int, field: str) -> Any:
     if getattr(preparer, "tokenizer", None) is None:
         raise InvalidRequestError(field, "is not available with this engine client")
     return preparer
+
+
+def takes_messages(engine: Any, modalities: list[str]) -> bool:
+    """Whether the first stage of a request for ``modalities`` takes chat messages (a token
+    stage), or a text prompt (a pipeline that starts with a diffusion stage)."""
+    router = getattr(engine, "router", None)
+    if router is None:
+        return True
+    preparer = router.preparer(text_stage(engine, modalities))
+    return "messages" in getattr(preparer, "PROMPT_FIELDS", ("messages",))

@@ -182,6 +182,18 @@ class ServerConfig(BaseModel):
         min_length=1,
         description="Key demanded by control routes (default: $OMNISTAGE_CONTROL_API_KEY).",
     )
+    chat_dialect: Literal["auto", "openai", "vllm-omni"] = Field(
+        default="auto",
+        description="Shape of chat replies: 'openai' (one choice carrying text, audio and "
+        "images; speech streamed as delta.audio), 'vllm-omni' (a choice per output modality; "
+        "stream chunks tagged with 'modality', speech in delta.content), or 'auto': OpenAI's "
+        "shape for a request with OpenAI's 'audio' object, vLLM-Omni's for any other.",
+    )
+    default_modalities: list[Literal["text", "image", "audio"]] | None = Field(
+        default=None,
+        description="Outputs a chat request without 'modalities' asks for (those the pipeline "
+        "produces; default: every output it produces, as vLLM-Omni).",
+    )
     trust_request_chat_template: bool = Field(
         default=False,
         description="Render a chat request's own chat_template (sandboxed, as the "

@@ -73,14 +73,6 @@ async def _prompt_token_ids(engine: Any, prompts: list[str | list[int]]) -> list
     return await asyncio.to_thread(encode)
 
 
-def _sum(usages: list[Usage]) -> Usage:
-    return Usage(
-        prompt_tokens=sum(u.prompt_tokens for u in usages),
-        completion_tokens=sum(u.completion_tokens for u in usages),
-        total_tokens=sum(u.total_tokens for u in usages),
-    )
-
-
 @router.post("/v1/completions", response_model=CompletionResponse, responses=SSE_RESPONSES)
 async def create_completion(
     body: CompletionRequest, request: Request, engine: EngineClientDep
@@ -107,7 +99,7 @@ async def create_completion(
     results = await unless_disconnected(request, collect_all(streams))
     if results is None:
         return client_gone(log)
-    usage = _sum([r.usage for r in results])
+    usage = Usage.total([r.usage for r in results])
     log.finished(results[0].finish_reason, **usage.model_dump())
     prompt_ids = await _prompt_token_ids(engine, prompts) if body.return_token_ids else None
     choices = []
@@ -202,7 +194,7 @@ async def _completion_events(
         else:
             log.finished(reason)
             if include_usage:
-                usage = _sum([c.usage for c in collected])
+                usage = Usage.total([c.usage for c in collected])
                 yield sse({**base, "choices": [], "usage": usage.model_dump()})
         yield "data: [DONE]\n\n"
 

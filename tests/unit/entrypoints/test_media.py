@@ -178,6 +178,19 @@ def test_video_frames_are_sampled_uniformly_at_the_asked_fps():
     assert isinstance(default, Video) and len(default.frames) == 4 and default.fps == 2.0
 
 
+def test_video_frames_are_one_over_fps_apart_and_num_frames_spreads_them():
+    """The sampled rate is the rate asked, also where the duration is no whole number of
+    its periods (a processor turns frame times into positions); ``num_frames`` (vLLM's
+    ``media_io_kwargs``) spreads that many over the duration and is nobody else's option."""
+    part = url_part("video_url", data_url("video/mp4", video_bytes()))  # 2 s
+    video = load(part, fps=2.25).value  # 4.5 periods: 4 frames (rounded), 1 / 2.25 s apart
+    assert isinstance(video, Video) and len(video.frames) == 4 and video.fps == 2.25
+    item = load(part, num_frames=5)
+    assert isinstance(item.value, Video) and len(item.value.frames) == 5
+    assert item.value.fps == 2.5 and "num_frames" not in item.options
+    assert "num_frames" in str(refused(part, num_frames=0))
+
+
 def test_video_sampling_never_repeats_source_frames_and_takes_at_least_one():
     part = url_part("video_url", data_url("video/mp4", video_bytes()))
     dense = load(part, fps=100).value  # the source has 20 frames at 10 fps
