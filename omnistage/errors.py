@@ -45,6 +45,15 @@ class ModelNotFoundError(OmnistageError):
         super().__init__(f"The model `{model}` does not exist.")
 
 
+class ResourceNotFoundError(InvalidRequestError):
+    """A request names a resource the server does not hold, e.g. a video job (HTTP 404)."""
+
+
+class CapacityError(InvalidRequestError):
+    """A bounded resource is full with work still under way (HTTP 429); ``field`` names what
+    the request wanted, the message the setting that bounds it."""
+
+
 class ConflictError(OmnistageError):
     """The request collides with state another caller holds (HTTP 409): a weight update
     session someone else opened, a transfer still in flight. Not a bad value — the same

@@ -206,17 +206,37 @@ class AsyncOmni:
         see ``stage_params.py``). Text deltas stream as they come; images and audio when
         their stage ends."""
         self._attach()
-        given: dict[str, Mapping[str, Any] | None] = {
-            "sampling_params": sampling_params,
-            "image_params": image_params,
-            "talker_params": talker_params,
-            "audio_params": audio_params,
-        }
-        if stage_params is not None:
-            preparers = [self.router.preparer(i) for i in range(self.num_stages)]
-            given = merge_stage_params(given, stage_params, preparers)
-        options = RequestOptions.of(**given)
+        by_field = {"image_params": image_params, "talker_params": talker_params}
+        options = self._options(
+            sampling_params, stage_params, audio_params=audio_params, **by_field
+        )
         return self.router.generate(prompt, options, modalities, request_id=request_id)
+
+    def check(
+        self,
+        prompt: str | dict[str, Any],
+        sampling_params: dict[str, Any] | None = None,
+        modalities: Sequence[str] | None = None,
+        **params: Any,
+    ) -> None:
+        """Check a request as ``generate`` (with its parameters) would before any stage runs
+        (``InvalidRequestError`` naming the field), running nothing: for work answered before
+        it starts (a job)."""
+        self._attach()
+        options = self._options(sampling_params, **params)
+        self.router.check(prompt, options, list(modalities or self.output_modalities()))
+
+    def _options(
+        self,
+        sampling_params: Mapping[str, Any] | None,
+        stage_params: Sequence[Mapping[str, Any] | None] | None = None,
+        **by_field: Mapping[str, Any] | None,
+    ) -> RequestOptions:
+        given = {"sampling_params": sampling_params, **by_field}
+        if stage_params is None:
+            return RequestOptions.of(**given)
+        preparers = [self.router.preparer(i) for i in range(self.num_stages)]
+        return RequestOptions.of(**merge_stage_params(given, stage_params, preparers))
 
     async def abort(self, request_id: str) -> None:
         await self.router.abort(request_id)

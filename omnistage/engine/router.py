@@ -130,6 +130,26 @@ class RequestRouter:
         wants = self._wants(stage_id, chain, options)
         return self.preparer(stage_id).template(options, wants)
 
+    def check(
+        self, prompt: str | dict[str, Any], options: RequestOptions, wanted: list[str]
+    ) -> tuple[list[int], dict[str, Any], RequestOptions, int]:
+        """Everything of a request that can be checked before a stage runs, checked
+        (``InvalidRequestError`` naming the field): its chain of stages, its first stage's
+        prompt fields, its options spelled each stage's way (a voice in any case), and its
+        number of samples."""
+        chain = self.plan(wanted)
+        fields = prompt_fields(prompt, self.preparer(chain[0]).PROMPT_FIELDS)
+        num_samples = self.preparer(chain[0]).num_samples(options)
+        if num_samples != 1 and len(chain) > 1:
+            raise InvalidRequestError(
+                "n", "several samples are served for requests one stage answers (text only)"
+            )
+        for stage_id in chain:
+            options = self.preparer(stage_id).normalize(options)
+        for stage_id in chain:
+            self.preparer(stage_id).check_options(options, downstream=stage_id != chain[0])
+        return chain, fields, options, num_samples
+
     async def generate(
         self,
         prompt: str | dict[str, Any],
@@ -148,19 +168,9 @@ class RequestRouter:
         request_id = request_id or uuid.uuid4().hex
         started = time.monotonic()
         wanted = list(modalities) if modalities else self.output_modalities()
-        chain = self.plan(wanted)
-        fields = prompt_fields(prompt, self.preparer(chain[0]).PROMPT_FIELDS)
-        num_samples = self.preparer(chain[0]).num_samples(options)
-        if num_samples != 1 and len(chain) > 1:
-            raise InvalidRequestError(
-                "n", "several samples are served for requests one stage answers (text only)"
-            )
+        chain, fields, options, num_samples = self.check(prompt, options, wanted)
         await self._prepare(chain)
         self.gate.check_available(chain)
-        for stage_id in chain:  # values spelled each stage's way (a voice in any case)
-            options = self.preparer(stage_id).normalize(options)
-        for stage_id in chain:  # every parameter is checked before any stage runs
-            self.preparer(stage_id).check_options(options, downstream=stage_id != chain[0])
         request = await asyncio.to_thread(self._prepare_request, chain[0], fields, options, chain)
         # Later stages learn that this request is on its way, so a sleep of one of them can
         # treat it by the sleep's mode when it gets there (see admission.py).

@@ -55,8 +55,10 @@ def merge_stage_params(
     entries: Any,
     preparers: Sequence[RequestPreparer],
 ) -> dict[str, Mapping[str, Any] | None]:
-    """The request's parameters by field with the list's entries merged in."""
+    """The request's parameters by field with the list's entries (if any) merged in."""
     merged: dict[str, Mapping[str, Any] | None] = dict(given)
+    if entries is None:
+        return merged
     for field, (stage_id, params) in params_by_field(entries, preparers).items():
         own = dict(given.get(field) or {})
         for key, value in params.items():

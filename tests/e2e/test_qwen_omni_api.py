@@ -553,3 +553,19 @@ def test_a_repeated_prompt_reports_its_cached_tokens(server):
     assert second["prompt_tokens"] == first["prompt_tokens"]
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached > first["prompt_tokens_details"]["cached_tokens"] and cached % 16 == 0
+
+
+def test_a_batch_of_conversations_speaks_each_as_alone(server):
+    """vLLM-Omni's /v1/chat/completions/batch: one choice per conversation, text and speech
+    in one message, each as the same request alone."""
+    body = {"messages": [MESSAGES, [{"role": "user", "content": "Hi"}]], **QUIET, **EXTRA}
+    r = httpx.post(server.url + "/v1/chat/completions/batch", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    first, second = r.json()["choices"]
+    alone = httpx.post(
+        server.url + "/v1/chat/completions", json={**body, "messages": MESSAGES}, timeout=120
+    ).json()["choices"]
+    assert (first["index"], second["index"]) == (0, 1)
+    assert first["message"]["content"] == alone[0]["message"]["content"]
+    assert wav_of(first["message"]["audio"]["data"]) == wav_of(alone[1]["message"]["audio"]["data"])
+    assert second["message"]["content"] is not None and second["message"]["audio"]["data"]

@@ -22,6 +22,7 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     from omnistage.entrypoints.media import MediaPolicy
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.openai.served import accepted_model_names
+    from omnistage.entrypoints.openai.video_jobs import VideoJobs
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
     from omnistage.entrypoints.serve.omni_control.journal import ControlJournal
     from omnistage.entrypoints.serve.stage_states import stage_states
@@ -33,6 +34,9 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.served_model_names = config.model_names
     state.accepted_model_names = accepted_model_names(config, engine_client)
     state.trust_request_chat_template = config.trust_request_chat_template
+    state.video_jobs = VideoJobs(
+        config.max_video_jobs, config.video_job_ttl_s, config.video_storage_dir
+    )
     state.chat_dialect = config.chat_dialect
     state.default_modalities = config.default_modalities
     state.api_key = config.api_key
@@ -99,6 +103,7 @@ def build_app(
     from omnistage import __version__
     from omnistage.entrypoints.openai import (
         serving_chat,
+        serving_chat_batch,
         serving_completions,
         serving_images,
         serving_videos,
@@ -127,6 +132,7 @@ def build_app(
         try:
             yield
         finally:
+            await app.state.video_jobs.close()
             if owned:
                 engine.shutdown()
 
@@ -150,6 +156,7 @@ def build_app(
         return app.openapi()
 
     app.include_router(serving_chat.router, dependencies=data)
+    app.include_router(serving_chat_batch.router, dependencies=data)
     app.include_router(serving_completions.router, dependencies=data)
     app.include_router(serving_images.router, dependencies=data)
     app.include_router(serving_videos.router, dependencies=data)

@@ -4,7 +4,7 @@ named in the 400 (see ``protocol`` for the rules every body follows)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,6 +14,8 @@ from omnistage.entrypoints.openai.protocol import (
     _Strict,
 )
 from omnistage.stage.ar.sampling import MAX_LOGPROBS
+
+MAX_BATCH = 64  # conversations in one /v1/chat/completions/batch request
 
 TEXT_PARTS = ("text", "input_text")
 # The media parts of OpenAI's chat API and vLLM's, by the modality they carry.
@@ -236,3 +238,27 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
 
     def token_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """``POST /v1/chat/completions/batch`` (vLLM's and vLLM-Omni's): several conversations,
+    every other field shared; one sample each, not streamed."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(  # type: ignore[assignment]
+        min_length=1, max_length=MAX_BATCH
+    )
+
+    @model_validator(mode="after")
+    def _one_sample_each_whole(self) -> BatchChatCompletionRequest:
+        if self.n != 1:
+            raise ValueError("n: a batch answers one sample per conversation (n must be 1)")
+        if self.stream:
+            raise ValueError("stream: a batch's answer is not streamed")
+        return self
+
+    def conversation(self, index: int) -> ChatCompletionRequest:
+        """The request of conversation ``index``: its messages, the batch's other fields."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return ChatCompletionRequest.model_validate(
+            {**fields, "messages": [m.model_dump(exclude_unset=True) for m in self.messages[index]]}
+        )

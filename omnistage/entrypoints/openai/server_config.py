@@ -194,6 +194,22 @@ class ServerConfig(BaseModel):
         description="Outputs a chat request without 'modalities' asks for (those the pipeline "
         "produces; default: every output it produces, as vLLM-Omni).",
     )
+    max_video_jobs: int = Field(
+        default=64,
+        ge=1,
+        description="Video jobs (POST /v1/videos) kept at once; when full the oldest finished "
+        "one makes room, and with every kept job unfinished a new one is a 429.",
+    )
+    video_job_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How long a finished video job (and its MP4) is kept after it finished.",
+    )
+    video_storage_dir: str | None = Field(
+        default=None,
+        description="Folder for the MP4s of video jobs (default: a folder of the server's "
+        "own, removed when it stops).",
+    )
     trust_request_chat_template: bool = Field(
         default=False,
         description="Render a chat request's own chat_template (sandboxed, as the "

@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.errors import (
+    CapacityError,
     CheckpointError,
     ConflictError,
     ContextLengthError,
@@ -33,6 +34,7 @@ from omnistage.errors import (
     ModelNotFoundError,
     NonFiniteOutputError,
     RequestTooLargeError,
+    ResourceNotFoundError,
     SleepModeDisabledError,
     StageAsleepError,
     StageBusyError,
@@ -64,6 +66,8 @@ _UNAVAILABLE = "service_unavailable_error"
 # (InvalidRequestError before ValueError).
 ERROR_KINDS: dict[type[Exception], ErrorKind] = {
     RequestTooLargeError: ErrorKind(413, "invalid_request_error", "request_too_large"),
+    ResourceNotFoundError: ErrorKind(404, "invalid_request_error", "not_found"),
+    CapacityError: ErrorKind(429, "rate_limit_error", "too_many_requests"),
     ContextLengthError: ErrorKind(400, "invalid_request_error", "context_length_exceeded"),
     # vLLM's answer, word for word: its clients look for the type and the numeric code.
     ModelNotFoundError: ErrorKind(404, "NotFoundError", 404),
@@ -102,6 +106,12 @@ def error_response(
         "detail": message,
     }
     return JSONResponse(status_code=status_code, content=body, headers=headers)
+
+
+def error_status(exc: BaseException) -> tuple[int, str | int]:
+    """The HTTP status and ``code`` an exception is answered with."""
+    kind = _kind_of(exc) or ErrorKind(500, "server_error", "internal_error")
+    return kind.status_code, kind.code
 
 
 def error_body(exc: BaseException) -> dict[str, Any]:

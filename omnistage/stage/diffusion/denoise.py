@@ -36,7 +36,7 @@ from omnistage.stage.diffusion.params import (
 )
 from omnistage.stage.diffusion.video import VideoOutput, quantise, to_mp4
 
-BatchKey = tuple[Hashable, str]
+BatchKey = tuple[Hashable, str, float | None]
 
 
 def scheduler_class_name(pipeline: Any, params: DiffusionParams) -> str:
@@ -45,13 +45,22 @@ def scheduler_class_name(pipeline: Any, params: DiffusionParams) -> str:
 
 
 def batch_key(family: Any, pipeline: Any, request: DiffusionRequest) -> BatchKey:
-    """Requests with equal keys can be denoised together."""
-    return family.batch_key(pipeline, request), scheduler_class_name(pipeline, request.params)
+    """Requests with equal keys can be denoised together (one family key, one scheduler
+    class, one flow shift: their timesteps are the same)."""
+    params = request.params
+    return (
+        family.batch_key(pipeline, request),
+        scheduler_class_name(pipeline, params),
+        params.flow_shift,
+    )
 
 
-def make_scheduler(pipeline: Any, class_name: str) -> Any:
-    """A fresh scheduler per request: diffusers schedulers keep per-run state (step index)."""
-    return getattr(diffusers, class_name).from_config(pipeline.scheduler_config)
+def make_scheduler(pipeline: Any, class_name: str, flow_shift: float | None = None) -> Any:
+    """A fresh scheduler per request: diffusers schedulers keep per-run state (step index);
+    with ``flow_shift``, the folder's scheduler with that shift (as diffusers' users set it:
+    ``from_config(scheduler.config, flow_shift=...)``)."""
+    overrides = {} if flow_shift is None else {"flow_shift": flow_shift}
+    return getattr(diffusers, class_name).from_config(pipeline.scheduler_config, **overrides)
 
 
 def to_png(pixels: torch.Tensor) -> bytes:
@@ -82,7 +91,7 @@ class DenoiseJob:
     ) -> None:
         self.family, self.pipeline = family, pipeline
         self.key = batch_key(family, pipeline, requests[0])
-        scheduler_name = self.key[1]
+        _, scheduler_name, flow_shift = self.key
         limits = family.limits(pipeline)
         params = requests[0].params
         self.height = params.height or limits.native_size
@@ -90,7 +99,7 @@ class DenoiseJob:
         self.default_fps = limits.default_fps
         self.items: list[_Item] = []
         for request, seed in zip(requests, seeds, strict=True):
-            scheduler = make_scheduler(pipeline, scheduler_name)
+            scheduler = make_scheduler(pipeline, scheduler_name, flow_shift)
             family.set_timesteps(pipeline, scheduler, request)
             latents = family.prepare_latents(pipeline, request, seed, scheduler)
             conditioning = family.encode(pipeline, request)

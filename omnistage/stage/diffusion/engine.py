@@ -63,6 +63,9 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             native_width=own.native_width,
             default_guidance_scale=own.default_guidance_scale,
             family=self.pipeline.class_name,
+            scheduler_options=tuple(
+                o for o in ("flow_shift",) if o in self.pipeline.scheduler_config
+            ),
             param_aliases=dict(own.param_aliases),
         )
 

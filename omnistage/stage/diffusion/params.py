@@ -44,8 +44,10 @@ class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``return_pixels`` also returns the decoded float image (H, W, 3) in [0, 1].
 
     ``video`` asks a video family for a video (``VideoOutput``: an MP4 of ``num_frames``
-    frames at ``fps``; None takes the family's defaults); without it a request makes one
-    image, one frame of a video family.
+    frames at ``fps``, or of ``seconds`` x ``fps`` frames; None takes the family's defaults;
+    the frames on its grid, ``frames_on_grid``); without it a request makes one image, one
+    frame of a video family. ``flow_shift`` sets the scheduler's flow shift for this request
+    where the pipeline's scheduler has one (vLLM-Omni's video field).
     """
 
     num_inference_steps: int = 10
@@ -60,6 +62,8 @@ class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     video: bool = False
     num_frames: int | None = None
     fps: int | None = None
+    seconds: int | None = None
+    flow_shift: float | None = None
 
     @property
     def uses_guidance(self) -> bool:
@@ -116,6 +120,7 @@ class PipelineLimits(msgspec.Struct, frozen=True):
     default_fps: int = 16
     native_width: int | None = None  # the width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0
+    scheduler_options: tuple[str, ...] = ()  # scheduler settings a request may set (flow_shift)
     family: str = ""  # the folder's pipeline class (errors name it)
     param_aliases: dict[str, str] = {}  # diffusers' other names for our fields
 
@@ -217,6 +222,22 @@ def _check_frames(params: DiffusionParams, limits: PipelineLimits) -> None:
         if not params.video:
             raise InvalidRequestError("fps", "only a video has a frame rate")
         _check_int("fps", params.fps, 1, MAX_FPS)
+    if params.seconds is not None:
+        if not params.video:
+            raise InvalidRequestError("seconds", "only a video has a length")
+        if params.num_frames is not None:
+            raise InvalidRequestError("seconds", "give seconds or num_frames, not both")
+        _check_int("seconds", params.seconds, 1, limits.max_frames)
+        _check_int("seconds", video_frames(params, limits), 1, limits.max_frames)
+    if params.flow_shift is not None:
+        if "flow_shift" not in limits.scheduler_options:
+            raise InvalidRequestError(
+                "flow_shift", f"{limits.family or 'this pipeline'}'s scheduler has no flow shift"
+            )
+        shift = params.flow_shift
+        ok = isinstance(shift, int | float) and not isinstance(shift, bool)
+        if not ok or not math.isfinite(shift) or not 0 < shift <= 100:
+            raise InvalidRequestError("flow_shift", f"must be in (0, 100], got {shift!r}")
 
 
 def frames_on_grid(num_frames: int, limits: PipelineLimits) -> int:
@@ -226,6 +247,14 @@ def frames_on_grid(num_frames: int, limits: PipelineLimits) -> int:
     return num_frames if (num_frames - 1) % step == 0 else num_frames // step * step + 1
 
 
+def video_frames(params: DiffusionParams, limits: PipelineLimits) -> int:
+    """A video's frames on the family's grid: ``num_frames``, or ``seconds`` x the frame rate
+    (vLLM-Omni's rule: 4 s at 16 fps, 64 frames, are 65), or the family's default."""
+    fps = params.fps or limits.default_fps
+    frames = params.num_frames or (params.seconds or 0) * fps or limits.default_frames
+    return frames_on_grid(frames, limits)
+
+
 def resolve_params(params: DiffusionParams, limits: PipelineLimits) -> DiffusionParams:
     """A video request's frames (on the family's grid) and frame rate, the family's defaults
     where it gives none."""
@@ -233,8 +262,9 @@ def resolve_params(params: DiffusionParams, limits: PipelineLimits) -> Diffusion
         return params
     return msgspec.structs.replace(
         params,
-        num_frames=frames_on_grid(params.num_frames or limits.default_frames, limits),
+        num_frames=video_frames(params, limits),
         fps=params.fps or limits.default_fps,
+        seconds=None,
     )
 
 

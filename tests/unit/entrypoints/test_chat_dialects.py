@@ -207,3 +207,24 @@ def test_a_diffusion_first_pipeline_draws_the_users_text_once_per_output():
     }  # fmt: skip
     refused = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_batch_answers_one_merged_choice_per_conversation():
+    engine = ScriptedEngine(produces=("text", "audio"))
+    client = client_for(engine)
+    conversations = [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]]
+    reply = client.post(
+        "/v1/chat/completions/batch", json={"messages": conversations, "max_tokens": 3}
+    )
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["id"].startswith("chatcmpl-batch-") and [c["index"] for c in body["choices"]] == [
+        0,
+        1,
+    ]
+    assert all(c["message"]["content"] == "hi" and c["message"]["audio"] for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 4
+    assert [c["prompt"]["messages"][0]["content"] for c in engine.calls] == ["a", "b"]
+    for bad in ({"n": 2}, {"stream": True}, {"stream": "not-a-bool"}, {"messages": []}):
+        refused = client.post("/v1/chat/completions/batch", json={"messages": conversations, **bad})
+        assert refused.status_code == 400, refused.text

@@ -1,39 +1,66 @@
-"""The video route's request: form strings become typed fields, ``seconds`` becomes frames,
-and contradictions are refused naming the field."""
+"""The video route's request: form strings become typed fields, and contradictions are refused
+naming the field; a video's frames follow the family's grid and its rate (``video_frames``)."""
 
 import pytest
 
 from omnistage.entrypoints.openai.serving_videos import VideoGenerationRequest
 from omnistage.errors import InvalidRequestError
+from omnistage.stage.diffusion.params import (
+    DiffusionParams,
+    PipelineLimits,
+    validate_params,
+    video_frames,
+)
+
+WAN = PipelineLimits(
+    size_multiple=16, embedding_dim=8, has_text_encoder=True, max_frames=81, frame_step=4,
+    default_frames=81, default_fps=16, family="WanPipeline",
+)  # fmt: skip
 
 
 def test_form_strings_become_the_stage_parameters():
     form = {"prompt": "a cat", "size": "48x32", "num_frames": "9", "fps": "8", "seed": "5"}
+    form |= {"flow_shift": "3.0", "guidance_scale_2": "1"}
     params = VideoGenerationRequest.model_validate(form).image_params()
     assert params == {
-        "video": True,
-        "width": 48,
-        "height": 32,
-        "num_frames": 9,
-        "fps": 8,
-        "seed": 5,
-    }
+        "video": True, "width": 48, "height": 32, "num_frames": 9, "fps": 8, "seed": 5,
+        "flow_shift": 3.0, "guidance_scale_2": 1.0,
+    }  # fmt: skip
 
 
-def test_seconds_are_seconds_times_fps_plus_one_frames():
-    request = VideoGenerationRequest(prompt="a cat", seconds=2, fps=4)
-    assert request.image_params()["num_frames"] == 9
+@pytest.mark.parametrize(
+    ("fields", "frames"),
+    [
+        ({"num_frames": 8}, 9),  # vLLM-Omni's rounding: (n // 4) * 4 + 1
+        ({"num_frames": 81}, 81),
+        ({"num_frames": 80}, 81),
+        ({"seconds": 4}, 65),  # 4 s at the family's 16 fps, on the grid
+        ({"seconds": 2, "fps": 8}, 17),
+        ({}, 81),
+    ],
+)
+def test_frames_are_rounded_to_the_familys_grid(fields, frames):
+    params = DiffusionParams(video=True, **fields)
+    validate_params(params, WAN)
+    assert video_frames(params, WAN) == frames
 
 
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"seconds": 2}, "seconds"),  # without fps
-        ({"seconds": 2, "fps": 4, "num_frames": 9}, "seconds"),
-        ({"size": "48x32", "width": 64}, "size"),
+        ({"seconds": 2, "num_frames": 9}, "seconds"),
+        ({"seconds": 6}, "seconds"),  # 96 frames: more than the family's 81
+        ({"num_frames": 84}, "num_frames"),  # 85 on the grid
+        ({"flow_shift": 3.0}, "flow_shift"),  # this scheduler has none
     ],
 )
-def test_contradictions_are_refused_naming_the_field(fields, named):
+def test_stage_refuses_what_the_family_cannot_make(fields, named):
     with pytest.raises(InvalidRequestError) as info:
-        VideoGenerationRequest(prompt="a cat", **fields).image_params()
-    assert info.value.field == named
+        validate_params(DiffusionParams(video=True, **fields), WAN)
+    assert info.value.field == named and (named != "flow_shift" or "WanPipeline" in str(info.value))
+
+
+def test_size_and_width_that_disagree_are_refused_naming_size():
+    with pytest.raises(InvalidRequestError) as info:
+        VideoGenerationRequest(prompt="a cat", size="48x32", width=64).image_params()
+    assert info.value.field == "size"
