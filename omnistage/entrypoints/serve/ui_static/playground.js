@@ -171,7 +171,8 @@ export class Playground {
     const number = (text) => (text === "" ? undefined : /^-?\d+(\.\d+)?$/.test(text) ? Number(text) : text);
     const modalities = [...this.modalities.querySelectorAll("input:checked")].map((box) => box.value);
     const body = { model: this.model || undefined, max_tokens: number(value("#max-tokens")), temperature: number(value("#temperature")) };
-    if (modalities.length && modalities.join() !== "text") body.modalities = modalities;
+    // Always said: a request without modalities asks for every output the pipeline makes.
+    if (modalities.length) body.modalities = modalities;
     if (modalities.includes("audio")) {
       body.audio = { format: value("#audio-format") };
       const speechTokens = number(value("#speech-tokens"));
@@ -221,15 +222,24 @@ export class Playground {
   async whole(body, bubble) {
     const answer = await call("v1/chat/completions", { method: "POST", body, signal: this.abort.signal });
     if (!answer.ok) return bubble.refused(answer);
-    const choice = answer.body.choices[0];
-    bubble.text(choice.message.content || "");
-    for (const part of choice.message.images || []) bubble.image(part.image_url.url);
-    if (choice.message.audio) {
-      bubble.transcript(choice.message.audio.transcript);
-      bubble.audio(choice.message.audio.id, choice.message.audio.data);
+    // OpenAI's shape (one choice with everything) or vLLM-Omni's (a choice per output, the
+    // pictures as content parts): the first sample's choices either way.
+    const choices = answer.body.choices.filter((choice) => choice.index === 0);
+    let text = "";
+    let transcript = "";
+    for (const { message } of choices) {
+      if (typeof message.content === "string") text = message.content;
+      const pictures = Array.isArray(message.content) ? message.content : message.images || [];
+      for (const part of pictures) bubble.image(part.image_url.url);
+      if (message.audio) {
+        transcript = message.audio.transcript;
+        bubble.transcript(transcript);
+        bubble.audio(message.audio.id, message.audio.data);
+      }
     }
-    bubble.finish(choice.finish_reason, answer.body.usage);
-    return choice.message.content || choice.message.audio?.transcript || "";
+    bubble.text(text);
+    bubble.finish(choices[0].finish_reason, answer.body.usage);
+    return text || transcript || "";
   }
 
   async streamed(body, bubble) {
@@ -237,6 +247,7 @@ export class Playground {
     const started = await stream("v1/chat/completions", body, this.abort.signal);
     if (!started.ok || !started.response) return bubble.refused(started);
     let text = "";
+    let speechChunks = 0;
     for await (const data of events(started.response)) {
       if (data === "[DONE]") break;
       const event = JSON.parse(data);
@@ -249,11 +260,16 @@ export class Playground {
       for (const choice of event.choices || []) {
         if (choice.index !== 0) continue;
         const delta = choice.delta || {};
-        if (delta.content) {
+        if (event.modality === "audio") {
+          // vLLM-Omni's shape (a server with --chat-dialect vllm-omni): each chunk a file.
+          if (delta.content) bubble.audio(`${event.id}-${++speechChunks}`, delta.content);
+        } else if (typeof delta.content === "string" && delta.content) {
           text += delta.content;
           bubble.text(text);
         }
-        for (const part of delta.images || []) bubble.image(part.image_url.url);
+        // Pictures as OpenAI-shaped delta.images or vLLM-Omni's image chunk's content parts.
+        const pictures = Array.isArray(delta.content) ? delta.content : delta.images || [];
+        for (const part of pictures) bubble.image(part.image_url.url);
         if (delta.audio) {
           if (delta.audio.transcript !== undefined) bubble.transcript(delta.audio.transcript);
           if (delta.audio.data) bubble.audio(delta.audio.id, delta.audio.data);
