@@ -192,7 +192,7 @@ class ServerConfig(BaseModel):
     default_modalities: list[Literal["text", "image", "audio"]] | None = Field(
         default=None,
         description="Outputs a chat request without 'modalities' asks for (those the pipeline "
-        "produces; default: every output it produces, as vLLM-Omni).",
+        "produces; unset: every output it produces, as vLLM-Omni).",
     )
     max_video_jobs: int = Field(
         default=64,
