@@ -4,8 +4,9 @@ as OpenAI defines it — ``message.audio``, a 24 kHz WAV whose samples are trans
 waveform (``Qwen3OmniMoeForConditionalGeneration.generate``, greedy, tests/qwen3_omni_reference.py)
 for each voice the checkpoint names; streamed as ``delta.audio`` pieces that join into the
 same samples. (Audio and image prompts are compared with transformers in
-tests/integration/test_qwen3_omni.py.) An unknown voice and a video are 400s
-naming the field."""
+tests/integration/test_qwen3_omni.py; so are video prompts, which HTTP takes here as an MP4.)
+An unknown voice, an undecodable video and a video rate whose positions would be fractional
+are 400s naming the field."""
 
 from __future__ import annotations
 
@@ -109,12 +110,33 @@ def test_streamed_delta_audio_joins_into_the_whole_reply(client):
 VIDEO = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
 
 
+def mp4_part() -> list[dict]:
+    from tests.unit.entrypoints.test_media import video_bytes
+
+    url = "data:video/mp4;base64," + base64.b64encode(video_bytes(seconds=1)).decode()
+    return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What?"}]
+
+
+def test_a_video_prompt_is_answered(server):
+    body = {"messages": [{"role": "user", "content": mp4_part()}], "modalities": ["text"]}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body | {"max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 8  # the video's placeholders
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
         ({"audio": {"voice": "nobody", "format": "wav"}}, "audio.voice"),
         ({"audio_params": {"voice": "nobody"}}, "audio_params.voice"),
         ({"messages": [{"role": "user", "content": VIDEO}]}, "video"),
+        (
+            {
+                "messages": [{"role": "user", "content": mp4_part()}],
+                "mm_processor_kwargs": {"fps": 3},
+            },
+            "mm_processor_kwargs.fps",
+        ),
     ],
 )
 def test_bad_speech_requests_are_400_naming_the_field(server, change, field):
