@@ -10,6 +10,7 @@ import types
 import typing
 from collections.abc import Sequence
 
+from omnistage.entrypoints.openai.media_settings import MediaSettings
 from omnistage.entrypoints.openai.server_config import ServerConfig
 
 # vLLM `serve` flags omnistage does not have: named in the error instead of argparse's
@@ -132,7 +133,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="Local checkpoint folder (or a Hugging Face id already in the local cache); "
         "the same as --model.",
     )
-    for name, field in ServerConfig.model_fields.items():
+    # The server's own settings first, then the media ones (``MediaSettings``, a base class).
+    fields = ServerConfig.model_fields
+    media = set(MediaSettings.model_fields)
+    for name in sorted(fields, key=lambda n: n in media):
+        field = fields[name]
         flags = ["--" + name.replace("_", "-"), *FLAG_ALIASES.get(name, [])]
         help_text = _help_line(field.description, field.default)
         if field.annotation is bool:

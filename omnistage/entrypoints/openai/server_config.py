@@ -2,46 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import re
-import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
-    StrictInt,
     field_validator,
     model_validator,
 )
 
 from omnistage.config import AttentionBackendName, ByteCount, DTypeSetting, PipelineConfig
+from omnistage.entrypoints.openai.media_settings import MediaSettings
 from omnistage.pipelines import builtin_pipelines
-
-# The media modalities a prompt may bring (``omnistage.models.media.MODALITIES``, spelled out
-# here so that the command line does not import numpy), and how many of each by default.
-MediaModalityName = Literal["audio", "image", "video"]
-DEFAULT_MM_PER_PROMPT = 4
-
-
-def _mm_limits(given: dict[MediaModalityName, int]) -> dict[MediaModalityName, int]:
-    """Every modality's limit: the one given, else the default."""
-    return {m: given.get(m, DEFAULT_MM_PER_PROMPT) for m in typing.get_args(MediaModalityName)}
-
-
-def _json_object(value: Any) -> Any:
-    """``--limit-mm-per-prompt '{"image": 2}'``: the flag's JSON text as a mapping."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError:
-        raise ValueError(
-            f'must be a JSON object such as \'{{"image": 2, "audio": 1}}\', got {value!r}'
-        ) from None
 
 
 def _names(value: Any) -> Any:
@@ -51,21 +25,7 @@ def _names(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-def _host_list(value: Any) -> Any:
-    """Host names given as one string or several, each comma- or space-separated."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)):
-        return value
-    hosts: list[Any] = []
-    for item in items:
-        if isinstance(item, str):
-            hosts.extend(p for p in re.split(r"[,\s]+", item) if p)
-        else:
-            hosts.append(item)
-    return hosts
-
-
-class ServerConfig(BaseModel):
+class ServerConfig(MediaSettings):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     pipeline: str | None = Field(
@@ -254,64 +214,6 @@ class ServerConfig(BaseModel):
         description="Do not serve the operator console and playground at /ui (the page calls "
         "the routes with the keys its user types; see docs/ui.md).",
     )
-    allowed_local_media_path: str | None = Field(
-        default=None,
-        description="Folder whose files a request may name as file:// media URLs (symlinks "
-        "and '..' resolved; nothing outside it) (default: none, file:// URLs are refused).",
-    )
-    allowed_media_domains: Annotated[list[str], BeforeValidator(_host_list)] = Field(
-        default_factory=list,
-        description="Host names whose http(s) media URLs a request may name (exact match; "
-        "redirects only to these), e.g. --allowed-media-domains upload.example.org "
-        "cdn.example.org (default: none, http(s) URLs are refused).",
-    )
-    limit_mm_per_prompt: Annotated[
-        dict[MediaModalityName, Annotated[StrictInt, Field(ge=0)]],
-        BeforeValidator(_json_object),
-    ] = Field(
-        default_factory=lambda: _mm_limits({}),
-        description='Most media items of each modality in one prompt, as JSON: \'{"image": 2, '
-        '"audio": 1, "video": 1}\' (default: 4 of each; a modality not named keeps 4, 0 '
-        "refuses it).",
-    )
-    media_fetch_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="Longest fetch of one http(s) media URL, redirects included; a slower one "
-        "is refused (400).",
-    )
-    max_media_bytes: ByteCount = Field(
-        default=32 * 1024 * 1024,
-        gt=0,
-        description="Largest media item a request may bring, in bytes: a data URL's decoded "
-        "bytes, a file, a download (units such as '64MiB' accepted; default: 32MiB).",
-    )
-    max_audio_seconds: float = Field(
-        default=600.0, gt=0, description="Longest audio item (or video audio track), in seconds."
-    )
-    max_input_image_pixels: int = Field(
-        default=4096 * 4096,
-        gt=0,
-        description="Largest input image or video frame (width x height), checked from its "
-        "header before its pixels are decoded (default: 4096x4096).",
-    )
-    max_video_frames: int = Field(
-        default=256,
-        gt=0,
-        description="Most frames sampled from one video (its duration x the requested fps); "
-        "more is refused (400) instead of lowering the fps unasked.",
-    )
-    max_video_seconds: float = Field(
-        default=600.0, gt=0, description="Longest video item, in seconds."
-    )
-    max_video_decoded_bytes: ByteCount = Field(
-        default=1024 * 1024 * 1024,
-        gt=0,
-        description="Most memory one video's sampled frames may take decoded (frames x width "
-        "x height x 3 bytes), checked from its header before any frame is decoded; more is "
-        "refused (400) with a hint to lower the fps (units such as '2GiB' accepted; default: "
-        "1GiB).",
-    )
 
     @field_validator("api_key", "control_api_key")
     @classmethod
@@ -319,34 +221,6 @@ class ServerConfig(BaseModel):
         if value is not None and value.strip() != value:
             raise ValueError("must not be blank or have surrounding whitespace")
         return value
-
-    @field_validator("allowed_local_media_path")
-    @classmethod
-    def _existing_folder(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).is_dir():
-            raise ValueError(f"must be an existing folder, got {value!r}")
-        return value
-
-    @field_validator("allowed_media_domains")
-    @classmethod
-    def _host_names(cls, value: list[str]) -> list[str]:
-        hosts = []
-        for host in value:
-            name = host.strip().lower().removesuffix(".")
-            if name.startswith("[") and name.endswith("]"):  # an IPv6 address
-                name = name[1:-1]
-            elif not name or any(c in name for c in "/@:?#"):
-                raise ValueError(
-                    f"must be host names such as upload.example.org (no scheme, port or "
-                    f"path), got {host!r}"
-                )
-            hosts.append(name)
-        return hosts
-
-    @field_validator("limit_mm_per_prompt")
-    @classmethod
-    def _every_modality(cls, value: dict[MediaModalityName, int]) -> dict[MediaModalityName, int]:
-        return _mm_limits(value)
 
     @model_validator(mode="after")
     def _one_source(self) -> ServerConfig:
