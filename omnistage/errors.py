@@ -121,6 +121,17 @@ class StageBusyError(StageError):
         self.state = state
 
 
+class RequestAbortedError(StageError):
+    """A request ended by an abort (``/v1/omni/abort``, a sleep with mode ``abort``) before it
+    made what a route answers with (HTTP 503; the same request may succeed again)."""
+
+    retry_after = True
+
+    def __init__(self, stage_id: int, message: str) -> None:
+        super().__init__(message)
+        self.stage_id = stage_id
+
+
 class StageDeadError(StageError):
     """The stage process died and is not coming back (HTTP 503)."""
 

@@ -14,7 +14,12 @@ from typing import Any
 from fastapi import Request
 
 from omnistage.entrypoints.openai.server_config import ServerConfig
-from omnistage.errors import InvalidRequestError, ModelNotFoundError
+from omnistage.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    RequestAbortedError,
+    StageAsleepError,
+)
 
 
 def accepted_model_names(config: ServerConfig, engine_client: Any) -> frozenset[str]:
@@ -67,3 +72,15 @@ def takes_messages(engine: Any, modalities: list[str]) -> bool:
         return True
     preparer = router.preparer(text_stage(engine, modalities))
     return "messages" in getattr(preparer, "PROMPT_FIELDS", ("messages",))
+
+
+def ended_without(engine: Any, last: Any, what: str) -> Exception:
+    """The error of a media request whose stream ended without its media: it was aborted —
+    by a sleep with mode ``abort`` (``stage_asleep``, 503 with ``Retry-After``, as a request
+    arriving at the sleeping stage gets) or otherwise (``request_aborted``). Never a 200 with
+    nothing in it."""
+    stage = last.stage_id if last is not None else 0
+    asleep = getattr(engine, "is_sleeping", None)
+    if asleep is not None and asleep(stage):
+        return StageAsleepError(stage)
+    return RequestAbortedError(stage, f"the request was aborted before it made {what}")

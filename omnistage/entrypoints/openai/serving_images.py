@@ -14,7 +14,7 @@ from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import ImageGenerationRequest
 from omnistage.entrypoints.openai.replies import ImageData, ImagesResponse, new_id, now
 from omnistage.entrypoints.openai.request_log import RequestLog
-from omnistage.entrypoints.openai.served import check_model
+from omnistage.entrypoints.openai.served import check_model, ended_without
 from omnistage.entrypoints.serve.deps import EngineClientDep
 
 router = APIRouter(tags=["openai"])
@@ -31,6 +31,7 @@ async def create_images(
     async def one(index: int) -> list[OmniImage]:
         seed = None if body.seed is None else body.seed + index
         images: list[OmniImage] = []
+        last = None
         async for out in engine.generate(
             body.prompt,
             {"seed": seed} if seed is not None else {},
@@ -39,6 +40,9 @@ async def create_images(
             request_id=f"{log.request_id}-{index}",
         ):
             images.extend(out.images)
+            last = out
+        if not images:  # aborted: an error, never a 200 with nothing in it
+            raise ended_without(engine, last, "an image")
         return images
 
     async def all_images() -> list[list[OmniImage]]:

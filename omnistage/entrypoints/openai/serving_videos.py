@@ -37,11 +37,11 @@ from omnistage.entrypoints.openai.disconnect import unless_disconnected
 from omnistage.entrypoints.openai.protocol import _RequestBody, parse_size
 from omnistage.entrypoints.openai.replies import new_id
 from omnistage.entrypoints.openai.request_log import RequestLog
-from omnistage.entrypoints.openai.served import check_model
+from omnistage.entrypoints.openai.served import check_model, ended_without
 from omnistage.entrypoints.openai.streams import renamed
 from omnistage.entrypoints.openai.video_jobs import VideoJob, VideoJobs
 from omnistage.entrypoints.serve.deps import EngineClientDep
-from omnistage.errors import InvalidRequestError, StageAsleepError
+from omnistage.errors import InvalidRequestError
 from omnistage.stage.media import OmniVideo
 
 router = APIRouter(tags=["openai"])
@@ -184,11 +184,7 @@ async def _make_video(engine: Any, body: VideoGenerationRequest, request_id: str
         for media in out.media:
             if isinstance(media, OmniVideo):
                 return media
-    stage = last.stage_id if last is not None else 0
-    asleep = getattr(engine, "is_sleeping", None)
-    if last is not None and last.finish_reason == "abort" and asleep and asleep(stage):
-        raise StageAsleepError(stage)  # put to sleep with mode "abort" under way
-    raise InvalidRequestError("model", "the request ended without a video (it was aborted)")
+    raise ended_without(engine, last, "a video")
 
 
 def _jobs(request: Request) -> VideoJobs:
