@@ -116,3 +116,30 @@ def test_a_sleeping_text_encoder_answers_503_then_wakes_to_the_same_image(server
     )
     assert wake.status_code == 200 and wake.json()["status"] == "SUCCESS"
     assert np.array_equal(generate(client, extra_body=EXTRA)[0], before)
+
+
+def chat_images(server, body: dict) -> list[np.ndarray]:
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    return [
+        np.asarray(Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",")[1]))))
+        for p in choice["message"]["content"]
+    ]
+
+
+def test_image_generation_through_chat_as_vllm_omni_clients_send_it(server, reference):
+    """vLLM-Omni's curl shape: no model, no modalities, the parameters in a literal
+    extra_body object; the pictures as message.content parts, image i with seed + i."""
+    body = {
+        "messages": [{"role": "user", "content": "a red"}, {"role": "user", "content": "cat"}],
+        "extra_body": {"height": 32, "width": 48, "num_inference_steps": 3, "seed": 5,
+                       "num_outputs_per_prompt": 2},
+    }  # fmt: skip
+    images = chat_images(server, body)
+    assert [i.shape for i in images] == [(32, 48, 3)] * 2
+    assert np.array_equal(images[0], reference_png_pixels(reference, 5))
+    assert np.array_equal(images[1], reference_png_pixels(reference, 6))
+    refused = {**body, "extra_body": {**body["extra_body"], "true_cfg_scale": 4.0}}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=refused, timeout=60)
+    assert r.status_code == 400 and "FluxPipeline" in r.json()["error"]["message"], r.text
