@@ -104,10 +104,13 @@ class StageAsleepError(StageError):
 class StagePausedError(StageError):
     """A stage is paused and not admitting requests (HTTP 503)."""
 
-    def __init__(self, stage_id: int) -> None:
+    def __init__(self, stage_id: int, waited_s: float | None = None) -> None:
+        waited = "" if waited_s is None else (
+            f" (a request waits at most {waited_s:g} s for it: --paused-request-timeout-s)"
+        )  # fmt: skip
         super().__init__(
             f"stage {stage_id} is paused; resume it with POST /v1/omni/resume "
-            f'{{"stage_ids": [{stage_id}]}}'
+            f'{{"stage_ids": [{stage_id}]}}{waited}'
         )
         self.stage_id = stage_id
 

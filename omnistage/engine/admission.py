@@ -3,7 +3,8 @@
 Each stage is ``awake → sleeping → asleep → waking → awake``; a stage whose process dies is
 ``restarting`` while the server brings it back, or ``dead`` when it will not come back.
 Admission is per stage: a request that needs an asleep (or restarting, or dead) stage fails
-fast; one that needs a paused (but awake) stage waits until it resumes. Before a sleep
+fast; one that needs a paused (but awake) stage waits until it resumes (at most
+``paused_wait_s``, then ``StagePausedError``). Before a sleep
 touches memory, admission closes and the sleeper waits until every request already being
 submitted to that stage has been submitted (``admitting`` back to zero).
 
@@ -28,6 +29,7 @@ from omnistage.errors import (
     StageAsleepError,
     StageBusyError,
     StageDeadError,
+    StagePausedError,
     StageRestartingError,
 )
 from omnistage.stage.control import Ack
@@ -63,11 +65,16 @@ class StageState:
 
 class AdmissionGate:
     """``auto_wake``: asleep stages are woken by the server when a request needs them, so a
-    request refused for one may be retried (``Retry-After``)."""
+    request refused for one may be retried (``Retry-After``). ``paused_wait_s``: the longest
+    a request waits for a paused stage to resume before it is refused (``StagePausedError``):
+    never without bound."""
 
-    def __init__(self, num_stages: int, *, auto_wake: bool = False) -> None:
+    def __init__(
+        self, num_stages: int, *, auto_wake: bool = False, paused_wait_s: float = 300.0
+    ) -> None:
         self.stages = [StageState() for _ in range(num_stages)]
         self.auto_wake = auto_wake
+        self.paused_wait_s = paused_wait_s
         self._cond: asyncio.Condition | None = None
 
     @property
@@ -120,7 +127,7 @@ class AdmissionGate:
             if not (bound and s.admits_bound):
                 self._raise_if_unavailable(stage_id)
                 if s.paused:
-                    await self.cond.wait_for(lambda: not s.paused or s.state != AWAKE)
+                    await self._wait_for_resume(stage_id)
                     self._raise_if_unavailable(stage_id)
             s.admitting += 1
             if bound:
@@ -132,6 +139,17 @@ class AdmissionGate:
             # must not leave ``admitting`` above zero (a sleep would wait for it forever).
             s.admitting -= 1
             await asyncio.shield(self._notify())
+
+    async def _wait_for_resume(self, stage_id: int) -> None:
+        """Wait (holding the condition, as ``admit``) until the stage is no longer paused or
+        no longer awake; ``StagePausedError`` after ``paused_wait_s``."""
+        s = self.stages[stage_id]
+        try:
+            await asyncio.wait_for(
+                self.cond.wait_for(lambda: not s.paused or s.state != AWAKE), self.paused_wait_s
+            )
+        except TimeoutError:
+            raise StagePausedError(stage_id, self.paused_wait_s) from None
 
     def add_bound(self, stage_ids: Iterable[int]) -> None:
         for sid in stage_ids:

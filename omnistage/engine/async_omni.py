@@ -40,6 +40,7 @@ _FROM_CONFIG_OPTIONS = (
     "stage_init_timeout_s",
     "resume_after_wake",
     "auto_wake",
+    "paused_request_timeout_s",
     "restart_policy",
 )
 
@@ -55,10 +56,13 @@ class AsyncOmni:
         resume_after_wake: bool = False,
         auto_wake: bool = False,
         restart_policy: RestartPolicy | None = None,
+        paused_request_timeout_s: float = 300.0,
     ) -> None:
         self.config = config
         self.clients = list(clients)
-        self.gate = adm.AdmissionGate(len(self.clients), auto_wake=auto_wake)
+        self.gate = adm.AdmissionGate(
+            len(self.clients), auto_wake=auto_wake, paused_wait_s=paused_request_timeout_s
+        )
         self.control = StageControl(
             config, self.clients, self.gate, resume_after_wake=resume_after_wake
         )
@@ -88,6 +92,7 @@ class AsyncOmni:
         restart_policy: RestartPolicy | None = None,
         prestarted: dict[int, SpawnedStage] | None = None,
         distributed_executor_backend: str = "mp",
+        paused_request_timeout_s: float = 300.0,
     ) -> AsyncOmni:
         """Start every stage (in parallel) and wait for their ready handshakes; stages in
         ``prestarted`` (``spawn.prestart``) are taken over instead of spawned."""
@@ -129,6 +134,7 @@ class AsyncOmni:
             resume_after_wake=resume_after_wake,
             auto_wake=auto_wake,
             restart_policy=restart_policy,
+            paused_request_timeout_s=paused_request_timeout_s,
         )
 
     @classmethod

@@ -1,10 +1,11 @@
 """``Omni``: a synchronous, offline wrapper over ``AsyncOmni`` (like vLLM-Omni's ``Omni``).
 
 It owns a private event loop on a background thread; every method blocks until done. As the
-server: ``generate`` answers text unless ``modalities`` asks for more (the chat route's
-default), keywords are the server's flags' names (``enable_sleep_mode``, ``kv_cache_memory``,
-...), and errors name the Python keyword or method where the engine's name a flag or a
-route. It shuts down quietly: at ``shutdown()``, on leaving a ``with`` block (an exception
+server: a wake serves again (``wake_up`` resumes what it woke, as the wakeup route), a request
+for a paused stage waits at most ``paused_request_timeout_s``, keywords are the server's flags'
+names (``enable_sleep_mode``, ``kv_cache_memory``, ...), and errors name the Python keyword or
+method where the engine's name a flag or a route. ``generate`` answers text unless
+``modalities`` asks for more. It shuts down quietly: at ``shutdown()``, on leaving a ``with`` block (an exception
 too), or at interpreter exit if neither came first (before the stage processes are ended, so
 that no stage is reported dead and restarted).
 """
@@ -154,8 +155,11 @@ class Omni:
         stage_ids: Sequence[int] | None = None,
         tags: Sequence[str] | None = None,
         reload: bool = True,
+        resume: bool = True,
     ) -> list[dict[str, Any]]:
-        return self._run(self.engine.wake_up(stage_ids, tags=tags, reload=reload))
+        """Wake the stages; they serve again, as after the server's wakeup route, unless
+        ``resume=False`` (then ``resume_generation`` does it: ``AsyncOmni``'s default)."""
+        return self._run(self.engine.wake_up(stage_ids, tags=tags, reload=reload, resume=resume))
 
     def pause_generation(self, stage_ids: Sequence[int] | None = None, mode: str = "abort") -> None:
         self._run(self.engine.pause_generation(stage_ids, mode=mode))

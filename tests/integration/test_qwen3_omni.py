@@ -149,8 +149,8 @@ def test_after_every_stage_slept_and_woke(whole, reference, level):
     acks = whole.sleep([0, 1, 2], level=level)
     assert [a["status"] for a in acks] == ["SUCCESS"] * 3
     assert {s["state"] for s in whole.stage_status()} == {"asleep"}
-    whole.wake_up([0, 1, 2])
-    whole.resume_generation([0, 1])  # AR stages wait for it after a wake (the Python API)
+    whole.wake_up([0, 1, 2])  # Omni's wake serves again, as the server's (no resume call)
+    assert not any(s["paused"] for s in whole.stage_status())
     (out,) = speak(whole, ["image"])
     assert_same(out, reference("image"))
 

@@ -105,8 +105,8 @@ def test_beside_seven_other_requests_each_gives_what_it_gives_alone(omni, refere
 
 def test_after_the_thinker_slept_at_level_2_and_woke(omni, references):
     omni.sleep([0], level=2)
-    omni.wake_up([0])
-    omni.resume_generation([0])
+    omni.wake_up([0])  # Omni's wake serves again, as the server's (no resume call)
+    assert not omni.stage_status()[0]["paused"]
     (out,) = speak(omni, [prompt_of("audio_image")])
     assert_same(out, references("audio_image"))
 

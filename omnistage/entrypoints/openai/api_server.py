@@ -89,6 +89,7 @@ def start_engine(
         ),
         prestarted=prestarted,
         distributed_executor_backend=config.distributed_executor_backend,
+        paused_request_timeout_s=config.paused_request_timeout_s,
     )
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine

@@ -196,6 +196,12 @@ class ServerConfig(MediaSettings):
     stage_restart_window_s: float = Field(
         default=600.0, gt=0, description="Window over which --max-stage-restarts counts."
     )
+    paused_request_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Longest a request waits for a paused stage to resume (POST "
+        "/v1/omni/pause, an RL loop's pause); then it is refused with 503 stage_paused.",
+    )
     stage_init_timeout_s: float = Field(
         default=600.0, gt=0, description="Longest wait for a stage to start."
     )

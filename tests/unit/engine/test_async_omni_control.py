@@ -315,3 +315,23 @@ def test_a_refusal_names_every_sleeping_stage_and_offers_a_retry_only_with_auto_
     with pytest.raises(StageRestartingError) as restarting:
         gate.check_available([0, 1, 2])
     assert restarting.value.retry_after  # a restart comes back by itself
+
+
+async def test_a_request_for_a_paused_stage_waits_within_its_timeout_then_is_refused():
+    from omnistage.errors import StagePausedError
+
+    omni, stages = make_omni(paused_request_timeout_s=0.2)
+    await omni.sleep([0], level=1)
+    await omni.wake_up([0])  # the Python API's default: woken, still paused
+    with pytest.raises(StagePausedError, match="--paused-request-timeout-s"):
+        await asyncio.wait_for(anext(omni.generate("hi", modalities=["text"])), 5)
+    assert not any(isinstance(m, AddRequest) for m in stages[0].sent)
+    waiting = asyncio.ensure_future(anext(omni.generate("hi", modalities=["text"])))
+    await turns()
+    await omni.resume_generation([0])  # resumed in time: the waiting request goes in
+    async with asyncio.timeout(5):
+        while not any(isinstance(m, AddRequest) for m in stages[0].sent):
+            await asyncio.sleep(0.01)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
