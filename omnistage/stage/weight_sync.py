@@ -40,7 +40,6 @@ is bounded by the transfer's ``timeout_s``. ``finish`` (the in-place copy) runs 
 
 from __future__ import annotations
 
-import datetime
 import hmac
 import logging
 import secrets
@@ -53,6 +52,7 @@ from omnistage.errors import ConflictError, InvalidRequestError, WeightTransferE
 from omnistage.rl.bounds import check_weight_version
 from omnistage.rl.protocol import BACKENDS, InitInfo, UpdateInfo, weights_checksum
 from omnistage.stage.background import Background
+from omnistage.stage.rendezvous import RENDEZVOUS_ERRORS, join_trainer
 from omnistage.stage.weight_checks import (
     Session,
     all_finite,
@@ -125,24 +125,20 @@ class WeightSync:
         ).start()
 
     def _join(self, info: InitInfo) -> Any:
-        """On the transfer's thread: the rendezvous and the group, bounded by timeout_s."""
-        import torch.distributed as dist
-
-        timeout = datetime.timedelta(seconds=info.timeout_s)
-        store = dist.TCPStore(
-            info.master_address, info.master_port, info.world_size, is_master=False,
-            timeout=timeout,
-        )  # fmt: skip
-        if self.device.type == "cuda":  # never run on a GPU yet
-            nccl = dist.ProcessGroupNCCL
-            options = nccl.Options()
-            options._timeout = timeout
-            return nccl(store, info.rank_offset, info.world_size, options)
-        return dist.ProcessGroupGloo(store, info.rank_offset, info.world_size, timeout)
+        """On the transfer's thread: the rendezvous and the group, within timeout_s."""
+        return join_trainer(info, self.device.type)
 
     def _joined(self, info: InitInfo, group: Any, error: BaseException | None) -> dict[str, Any]:
         self._busy = None
-        if error is not None:  # the trainer is not there: a failed init, not a dead stage
+        if isinstance(error, TimeoutError) or type(error).__name__ in RENDEZVOUS_ERRORS:
+            # The trainer is not there: the caller's problem (a 4xx), not the server's.
+            raise InvalidRequestError(
+                "init_info",
+                f"no trainer joined the rendezvous at {info.master_address}:"
+                f"{info.master_port} within timeout_s={info.timeout_s:g} s: start the "
+                "trainer's rank 0 there first (or give a longer timeout_s)",
+            )
+        if error is not None:  # a group that did not form: a failed init, not a dead stage
             raise WeightTransferError(
                 f"could not join the trainer at {info.master_address}:{info.master_port}: "
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"

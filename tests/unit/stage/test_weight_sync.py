@@ -335,17 +335,20 @@ def test_a_stalled_trainer_fails_the_update_after_its_timeout_and_nothing_change
         start(stage)
 
 
-def test_init_answers_at_once_and_a_trainer_that_is_not_there_fails_it():
+def test_init_answers_at_once_and_a_trainer_that_is_not_there_fails_it_in_time():
+    """A trainer's absence is the caller's problem (a 400 naming the rendezvous), told within
+    a second of its timeout_s (torch's store alone takes 8.6 s for 5)."""
     stage = Stage()
     began = time.monotonic()
     init = stage.sync.init_weight_transfer(
-        "nccl", {"master_address": "127.0.0.1", "master_port": free_port(), "timeout_s": 1}
+        "nccl", {"master_address": "127.0.0.1", "master_port": free_port(), "timeout_s": 2}
     )
     assert isinstance(init, Background) and time.monotonic() - began < 1
     with pytest.raises(ConflictError):
         start(stage)  # still joining
-    with pytest.raises(WeightTransferError, match="could not join"):
+    with pytest.raises(InvalidRequestError, match="no trainer joined the rendezvous at 127"):
         run_to_answer(init)
+    assert time.monotonic() - began < 3
     assert stage.sync.backend is None
 
 
