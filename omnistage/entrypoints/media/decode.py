@@ -76,33 +76,66 @@ def decode_audio(raw: bytes, where: str, policy: MediaPolicy) -> Audio:
             rate = f.samplerate
             if rate <= 0:
                 raise InvalidRequestError(where, "the audio has no sampling rate")
-            limit = int(policy.max_audio_seconds * rate)
-            if 0 < f.frames < 2**62 and f.frames > limit:
-                raise too_long(
-                    where, "audio", f.frames / rate, policy.max_audio_seconds, "--max-audio-seconds"
-                )
-            blocks, total, size = [], 0, 1 << 16
+            header = f.frames if 0 < f.frames < 2**62 else None
+            samples = _Samples(where, "audio", rate, policy, header)
+            size = 1 << 16
             while True:  # to the end of the stream, whatever length the header gave
                 block = f.read(size, dtype="float32", always_2d=True)
                 if not len(block):
                     break
-                total += len(block)
-                if total > limit:
-                    raise too_long(
-                        where,
-                        "audio",
-                        total / rate,
-                        policy.max_audio_seconds,
-                        "--max-audio-seconds",
-                    )
-                blocks.append(block.mean(axis=1) if block.shape[1] > 1 else block[:, 0])
+                samples.add(block.mean(axis=1) if block.shape[1] > 1 else block[:, 0])
                 if len(block) < size:
                     break
-            if not total:
-                raise InvalidRequestError(where, "the audio has no samples")
-            return mono_audio(np.concatenate(blocks), rate)
+            return mono_audio(samples.whole(), rate)
 
     return decoding(where, "audio", run)
+
+
+class _Samples:
+    """A decoded audio's mono samples, bounded in seconds and in bytes (``--max-audio-seconds``,
+    ``--max-audio-decoded-bytes``) before decoding where the header says the length, and while
+    decoding; filled in place when the header says it (one copy, not two, at the peak)."""
+
+    def __init__(
+        self, where: str, what: str, rate: int, policy: MediaPolicy, header: int | None
+    ) -> None:
+        self.where, self.what, self.rate, self.policy = where, what, rate, policy
+        self.limit = min(int(policy.max_audio_seconds * rate), policy.max_audio_decoded_bytes // 4)
+        if header is not None:
+            self._check(header)
+        self.buffer = np.empty(header or 0, np.float32)
+        self.spilled: list[np.ndarray] = []
+        self.total = 0
+
+    def _check(self, count: int) -> None:
+        if count > int(self.policy.max_audio_seconds * self.rate):
+            raise too_long(
+                self.where, self.what, count / self.rate, self.policy.max_audio_seconds,
+                "--max-audio-seconds",
+            )  # fmt: skip
+        if count * 4 > self.policy.max_audio_decoded_bytes:
+            raise InvalidRequestError(
+                self.where,
+                f"the {self.what} decodes to {count * 4} bytes ({count} samples at {self.rate} "
+                f"Hz), more than the {self.policy.max_audio_decoded_bytes} allowed "
+                "(--max-audio-decoded-bytes)",
+            )
+
+    def add(self, mono: np.ndarray) -> None:
+        self._check(self.total + len(mono))
+        end = self.total + len(mono)
+        if not self.spilled and end <= len(self.buffer):
+            self.buffer[self.total : end] = mono
+        else:  # longer than its header said
+            if not self.spilled:
+                self.spilled.append(self.buffer[: self.total])
+            self.spilled.append(np.array(mono, dtype=np.float32))
+        self.total = end
+
+    def whole(self) -> np.ndarray:
+        if not self.total:
+            raise InvalidRequestError(self.where, f"the {self.what} has no samples")
+        return np.concatenate(self.spilled) if self.spilled else self.buffer[: self.total]
 
 
 def _decode_audio_av(raw: bytes, where: str, policy: MediaPolicy) -> Audio:
@@ -126,29 +159,18 @@ def audio_track(raw: bytes, where: str, policy: MediaPolicy, what: str) -> Audio
         if not rate:
             raise InvalidRequestError(where, f"the {what} has no sampling rate")
         seconds = duration(stream, container)
-        if seconds is not None and seconds > policy.max_audio_seconds:
-            raise too_long(where, what, seconds, policy.max_audio_seconds, "--max-audio-seconds")
-        limit = int(policy.max_audio_seconds * rate)
+        header = int(seconds * rate) if seconds is not None else None
+        samples = _Samples(where, what, rate, policy, header)
         resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
-        chunks, total = [], 0
 
         def add(frames: Iterable[Any]) -> None:
-            nonlocal total
             for out in frames:
-                samples = out.to_ndarray().reshape(-1)
-                total += samples.size
-                if total > limit:
-                    raise too_long(
-                        where, what, total / rate, policy.max_audio_seconds, "--max-audio-seconds"
-                    )
-                chunks.append(samples)
+                samples.add(out.to_ndarray().reshape(-1))
 
         for frame in container.decode(stream):
             add(resampler.resample(frame))
         add(resampler.resample(None))
-        if not total:
-            raise InvalidRequestError(where, f"the {what} has no audio samples")
-        return mono_audio(np.concatenate(chunks), rate)
+        return mono_audio(samples.whole(), rate)
 
 
 def decode_image(raw: bytes, where: str, policy: MediaPolicy) -> Image:

@@ -6,7 +6,6 @@ fetched (async: a slow URL holds up no other request) and decoded in a worker th
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage.entrypoints.media.decode import decode_audio, decode_image
 from omnistage.entrypoints.media.policy import MediaPolicy, too_many_bytes
+from omnistage.entrypoints.media.pool import run_decode
 from omnistage.entrypoints.media.sources import (
     base64_bytes,
     base64_size,
@@ -177,7 +177,7 @@ async def _base64_item(
     def run() -> MediaItem:
         return _decode_item(base64_bytes(data, where), where, modality, policy, opts)
 
-    return await asyncio.to_thread(run)
+    return await run_decode(policy.decode_workers, run)
 
 
 async def _url_item(
@@ -189,12 +189,15 @@ async def _url_item(
             data_url_payload(url, where, modality), where, modality, policy, opts
         )
     if scheme == "file":
-        return await asyncio.to_thread(
-            lambda: _decode_item(read_file(url, where, policy), where, modality, policy, opts)
+        return await run_decode(
+            policy.decode_workers,
+            lambda: _decode_item(read_file(url, where, policy), where, modality, policy, opts),
         )
     if scheme in ("http", "https"):
         raw = await fetch(url, where, policy)
-        return await asyncio.to_thread(_decode_item, raw, where, modality, policy, opts)
+        return await run_decode(
+            policy.decode_workers, _decode_item, raw, where, modality, policy, opts
+        )
     raise InvalidRequestError(
         where, f"unsupported URL scheme {scheme!r}; use data:, file:// or http(s)://"
     )

@@ -38,6 +38,8 @@ class MediaPolicy:
     max_video_frames: int = 256
     max_video_seconds: float = 600.0
     max_video_decoded_bytes: int = 1024 * 1024 * 1024
+    max_audio_decoded_bytes: int = 600 * 48000 * 4
+    decode_workers: int = 2
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> MediaPolicy:
@@ -55,6 +57,8 @@ class MediaPolicy:
             max_video_frames=cfg.max_video_frames,
             max_video_seconds=cfg.max_video_seconds,
             max_video_decoded_bytes=cfg.max_video_decoded_bytes,
+            max_audio_decoded_bytes=cfg.max_audio_decoded_bytes,
+            decode_workers=cfg.media_decode_workers,
         )
 
 

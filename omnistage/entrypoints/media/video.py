@@ -89,7 +89,7 @@ def _sample_frames(
         else:
             step = 1.0 / fps
         max_decoded = math.ceil((seconds or policy.max_video_seconds) * MAX_DECODED_FPS) + 1
-        picked: list[np.ndarray] = []
+        picked = _Frames(count)
         size: tuple[int, int] | None = None
         start: float | None = None
         previous: tuple[float, Any] | None = None
@@ -98,12 +98,10 @@ def _sample_frames(
             nonlocal size
             if size is None:
                 size = (frame.width, frame.height)
-            if len(picked) + 1 > policy.max_video_frames:
-                raise _too_many_frames(where, len(picked) + 1, fps, policy)
-            _check_decoded_bytes(len(picked) + 1, *size, fps, where, policy)
-            picked.append(
-                frame.reformat(width=size[0], height=size[1], format="rgb24").to_ndarray()
-            )
+            if picked.num + 1 > policy.max_video_frames:
+                raise _too_many_frames(where, picked.num + 1, fps, policy)
+            _check_decoded_bytes(picked.num + 1, *size, fps, where, policy)
+            picked.add(frame.reformat(width=size[0], height=size[1], format="rgb24").to_ndarray())
 
         for decoded, frame in enumerate(container.decode(stream), start=1):
             if decoded > max_decoded:
@@ -116,25 +114,51 @@ def _sample_frames(
             at -= start
             if at > policy.max_video_seconds:
                 raise too_long(where, "video", at, policy.max_video_seconds, "--max-video-seconds")
-            while (count is None or len(picked) < count) and at >= (len(picked) + 0.5) * step:
-                target = (len(picked) + 0.5) * step
+            while (count is None or picked.num < count) and at >= (picked.num + 0.5) * step:
+                target = (picked.num + 0.5) * step
                 # the earlier frame on a tie
                 nearer_previous = (
                     previous is not None and target - previous[0] <= at - target + 1e-9
                 )
                 take(previous[1] if nearer_previous and previous is not None else frame)
             previous = (at, frame)
-            if count is not None and len(picked) >= count:
+            if count is not None and picked.num >= count:
                 break
         if previous is None:
             raise InvalidRequestError(where, "the video has no frames")
         # Targets past the last frame's start but within its span take the last frame.
         last_end = previous[0] + (1.0 / source_rate if source_rate else step)
-        while (count is None or len(picked) < count) and (len(picked) + 0.5) * step < last_end:
+        while (count is None or picked.num < count) and (picked.num + 0.5) * step < last_end:
             take(previous[1])
-        if not picked:
+        if not picked.num:
             take(previous[1])
-        return np.stack(picked), step
+        return picked.whole(), step
+
+
+class _Frames:
+    """The sampled frames: written into one array of ``count`` frames when the header says
+    how many (the peak is the frames once, not a list of them and its stacked copy)."""
+
+    def __init__(self, count: int | None) -> None:
+        self.count = count
+        self.array: np.ndarray | None = None
+        self.items: list[np.ndarray] = []
+        self.num = 0
+
+    def add(self, image: np.ndarray) -> None:
+        if self.count is not None and self.num < self.count:
+            if self.array is None:
+                self.array = np.empty((self.count, *image.shape), np.uint8)
+            self.array[self.num] = image
+        else:
+            self.items.append(image)
+        self.num += 1
+
+    def whole(self) -> np.ndarray:
+        if self.array is not None and not self.items:
+            return self.array[: self.num]
+        kept = [] if self.array is None else list(self.array[: min(self.num, self.count or 0)])
+        return np.stack(kept + self.items)
 
 
 def _check_frame_size(width: int, height: int, where: str, policy: MediaPolicy) -> None:

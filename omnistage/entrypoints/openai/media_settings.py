@@ -101,6 +101,21 @@ class MediaSettings(BaseModel):
     max_video_seconds: float = Field(
         default=600.0, gt=0, description="Longest video item, in seconds."
     )
+    max_audio_decoded_bytes: ByteCount = Field(
+        default=600 * 48000 * 4,
+        gt=0,
+        description="Most memory one audio item may take decoded (its samples x 4 bytes, "
+        "mono float32), checked from its header before it is decoded and again while it is: "
+        "a small file of a high rate cannot swell the server (units such as '256MiB' "
+        "accepted; default: 600 s at 48 kHz, about 110 MiB).",
+    )
+    media_decode_workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="Threads that decode media at once (audio, images, video frames); more "
+        "wait their turn, so large media cannot hold every other request's share of the CPU.",
+    )
     max_video_decoded_bytes: ByteCount = Field(
         default=1024 * 1024 * 1024,
         gt=0,

@@ -715,3 +715,24 @@ def test_media_flags_build_the_policy(tmp_path, capsys):
 def test_bad_media_flags_are_refused_naming_them(capsys, flags, message):
     assert parse_serve_args(flags, "omnistage") is None
     assert message in capsys.readouterr().err
+
+
+def test_a_small_file_of_a_high_rate_is_refused_from_its_header_before_decoding():
+    """A FLAC of silence compresses to almost nothing; its decoded samples are bounded by
+    --max-audio-decoded-bytes, checked from the header: nothing near their size is allocated."""
+    import tracemalloc
+
+    import soundfile as sf
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(192000 * 4, np.float32), 192000, format="FLAC")  # 4 s at 192 kHz
+    part = {"type": "input_audio", "input_audio": {"data": b64(buf.getvalue()), "format": "flac"}}
+    policy = MediaPolicy(max_audio_decoded_bytes=1 << 20)  # 1 MiB: about 1.4 s at 192 kHz
+    tracemalloc.start()
+    error = refused(part, policy)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "--max-audio-decoded-bytes" in str(error) and "3072000 bytes" in str(error)
+    assert peak < 1 << 20  # refused before its 3 MB of samples existed
+    assert load(part, MediaPolicy()).value.samples.size == 768000  # within the default
+
