@@ -48,7 +48,7 @@ COLUMNS = [
     "warm_first_token_p50_ms",
     "after_wake_vs_warm",
 ]
-CHAT = {"max_tokens": 4, "temperature": 0.0, "stream": True}
+CHAT = {"max_tokens": 4, "temperature": 0.0, "stream": True, "modalities": ["text"]}
 
 
 def served_pipeline(pipeline: str, device: str) -> Served:

@@ -219,8 +219,9 @@ def payload(config: ServeBenchConfig, model: str, sample: Sample) -> dict[str, A
     else:
         messages = sample.messages or [{"role": "user", "content": sample.prompt}]
         body |= {"messages": messages, "max_completion_tokens": sample.output_len}
-        if config.modalities != ("text",):
-            body["modalities"] = list(config.modalities)
+        # Always said: without it an omni server (vLLM-Omni's, omnistage's) answers with every
+        # output it makes; a plain vLLM server ignores the field.
+        body["modalities"] = list(config.modalities)
         if "audio" in config.modalities:
             audio = {"format": config.audio_format}
             body["audio"] = audio | ({"voice": config.audio_voice} if config.audio_voice else {})

@@ -206,7 +206,7 @@ def test_request_bodies_stream_with_usage_and_ask_for_audio_when_told():
     chat = serve.payload(serve.ServeBenchConfig(ignore_eos=True), "m", sample)
     assert chat["stream"] and chat["stream_options"] == {"include_usage": True}
     assert chat["messages"] == [{"role": "user", "content": "hi"}] and chat["ignore_eos"]
-    assert chat["max_completion_tokens"] == 5 and "modalities" not in chat
+    assert chat["max_completion_tokens"] == 5 and chat["modalities"] == ["text"]
     config = serve.ServeBenchConfig(
         modalities=("text", "audio"), audio_voice="Chelsie", extra_body={"seed": 1}
     )
