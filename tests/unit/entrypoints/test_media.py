@@ -735,4 +735,3 @@ def test_a_small_file_of_a_high_rate_is_refused_from_its_header_before_decoding(
     assert "--max-audio-decoded-bytes" in str(error) and "3072000 bytes" in str(error)
     assert peak < 1 << 20  # refused before its 3 MB of samples existed
     assert load(part, MediaPolicy()).value.samples.size == 768000  # within the default
-
