@@ -129,13 +129,9 @@ class AsyncOmni:
                 client.shutdown()
             raise
         return cls(
-            config,
-            clients,
-            resume_after_wake=resume_after_wake,
-            auto_wake=auto_wake,
-            restart_policy=restart_policy,
-            paused_request_timeout_s=paused_request_timeout_s,
-        )
+            config, clients, resume_after_wake=resume_after_wake, auto_wake=auto_wake,
+            restart_policy=restart_policy, paused_request_timeout_s=paused_request_timeout_s,
+        )  # fmt: skip
 
     @classmethod
     def from_model(cls, model: str, **overrides: Any) -> AsyncOmni:
