@@ -1,7 +1,8 @@
 """Test-wide settings: built-in models go to a cache inside the repository (git-ignored),
 so they are built once per clone and shared by every test and server process. omnistage is
 imported first, so MKL runs in strict CNR mode (omnistage/batch_invariance.py) in every test
-whatever module does math first."""
+whatever module does math first, and ``F.linear`` is the row-invariant one every stage process
+installs, so transformers' reference models compute as the stages do."""
 
 import os
 from pathlib import Path
@@ -9,6 +10,9 @@ from pathlib import Path
 import pytest
 
 import omnistage  # noqa: F401  (sets MKL_CBWR before MKL's first call)
+from omnistage.models.invariant_linear import install as install_invariant_linear
+
+install_invariant_linear()
 
 os.environ.setdefault(
     "OMNISTAGE_CACHE_DIR",

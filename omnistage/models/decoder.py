@@ -12,11 +12,11 @@ backend (``omnistage.models.attention``). Numerics follow transformers (RMSNorm 
 rotary tables computed per call in fp32, expert routing as its sparse MoE block).
 
 On the CPU a token's hidden state does not depend on the other tokens of the batch, bit for bit
-(see ``omnistage/batch_invariance.py``): GEMM rows are made invariant by MKL's strict CNR mode,
-attention by the ``torch_sdpa`` backend, and silu, which rounds differently on its SIMD and
-scalar paths, runs through ``rowwise``. (cos, sin and exp take the SIMD path for every element
-already.) Experts are the exception: a token's experts run on the rows routed to them, so their
-GEMMs see other tokens.
+(see ``omnistage/batch_invariance.py``): GEMM rows are made invariant by MKL's strict CNR mode
+and ``invariant_linear``'s padding, attention by the ``torch_sdpa`` backend, and silu, which
+rounds differently on its SIMD and scalar paths, runs through ``rowwise``. (cos, sin and exp
+take the SIMD path for every element already.) Experts are the exception: a token's experts
+run on the rows routed to them, so their GEMMs see other tokens.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.memory import Arena
+from omnistage.models.invariant_linear import install as install_invariant_linear
 from omnistage.stage.control import Ack
 from omnistage.stage.sleep_control import SleepController
 
@@ -30,6 +31,8 @@ class ArenaWorker:
         rank: int = 0,
         load_weights: bool = True,
     ) -> None:
+        # A request's GEMM rows must not depend on its batch (omnistage/batch_invariance.py).
+        install_invariant_linear()
         self.config = config
         self.rank = rank
         self._owns_arena = arena is None

@@ -3,13 +3,13 @@
 ``Qwen2_5OmniToken2WavDiTModel.forward`` runs the speaker encoder (ECAPA, convolutions) on
 the reference mel inside every call, and oneDNN's convolutions round differently per batch
 size; everything else in the DiT is row-wise (linear layers, made row-invariant by MKL's
-strict reproducibility mode, see ``omnistage.batch_invariance``; attention per row; norms
-and activations per frame). So ``DiTRows`` runs the speaker encoder once per utterance, on
-the same two rows ``forward`` gives it (the reference and zeros), and with it makes the other
-inputs that do not change between calls (the code embeddings, the speaker rows), and
-``guided_velocity``
-runs the rest of ``forward`` term by term on the rows of several utterances — each its own
-codes, state and time point — giving each utterance the velocity it gets alone.
+strict reproducibility mode and ``invariant_linear``'s padding, see
+``omnistage.batch_invariance``; attention per row; norms and activations per frame). So
+``DiTRows`` runs the speaker encoder once per utterance, on the same two rows ``forward``
+gives it (the reference and zeros), and with it makes the other inputs that do not change
+between calls (the code embeddings, the speaker rows), and ``guided_velocity`` runs the rest
+of ``forward`` term by term on the rows of several utterances — each its own codes, state
+and time point — giving each utterance the velocity it gets alone.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import torch
 
 from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.ar_config import read_json_object
+from omnistage.models.invariant_linear import invariant_width
 from omnistage.models.media import MediaItem
 from omnistage.models.omni_inputs import OmniPromptProcessor, Options, Prepared
 from omnistage.models.qwen2_5_omni.config import read_config
@@ -92,8 +93,10 @@ class Qwen25OmniPromptProcessor(OmniPromptProcessor):
         # The checkpoint's processor pads every clip to the extractor's 30 s window and
         # keeps the real frames; padding only past the last frame's reach (n_fft + a hop of
         # silence) gives the same frames bit for bit (silence never sets the log-mel's max)
-        # at a fraction of the cost.
-        reach = len(samples) + self.features.n_fft + self.features.hop_length
+        # at a fraction of the cost -- with at least ``invariant_width`` frames: the frames
+        # are the mel filter GEMM's ``m``, and with fewer MKL rounds them otherwise.
+        hop = self.features.hop_length
+        reach = max(len(samples) + self.features.n_fft + hop, invariant_width() * hop)
         out = self.features(
             samples,
             sampling_rate=rate,

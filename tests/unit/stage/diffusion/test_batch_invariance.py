@@ -1,8 +1,9 @@
 """A request's image does not depend on how many requests share its batch, bit for bit.
 
-MKL runs in strict CNR mode (set by ``import omnistage``: see ``omnistage/batch_invariance.py``),
-which makes GEMM rows independent of the row count; ``batch_invariant_kernels`` switches oneDNN
-off process-wide, and overlapping users must agree.
+MKL runs in strict CNR mode (set by ``import omnistage``: see ``omnistage/batch_invariance.py``)
+and ``F.linear`` pads its rows (``tests/unit/models/test_invariant_linear.py``), which makes GEMM
+rows independent of the row count; ``batch_invariant_kernels`` switches oneDNN and NNPACK off
+process-wide, and overlapping users must agree.
 """
 
 import os
@@ -12,7 +13,6 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from omnistage.batch_invariance import MKL_CBWR_ENV, STRICT_CNR, SWITCH_ENV, enable_strict_cnr
 from omnistage.stage.diffusion.batch_invariance import batch_invariant_kernels
@@ -21,18 +21,17 @@ from omnistage.stage.diffusion.params import DiffusionParams, DiffusionRequest
 from tests.unit.stage.diffusion.conftest import diffusion_config
 
 CPU = torch.device("cpu")
-STRICT_HERE = os.environ.get(MKL_CBWR_ENV, "").upper().endswith("STRICT")
 
 
-def test_onednn_is_off_inside_and_restored_after_an_exception():
-    previous = torch.backends.mkldnn.enabled
+def test_onednn_and_nnpack_are_off_inside_and_restored_after_an_exception():
+    previous = torch.backends.mkldnn.enabled, torch._C._get_nnpack_enabled()
     try:
         with batch_invariant_kernels(CPU):
-            assert not torch.backends.mkldnn.enabled
+            assert not torch.backends.mkldnn.enabled and not torch._C._get_nnpack_enabled()
             raise KeyError("boom")
     except KeyError:
         pass
-    assert torch.backends.mkldnn.enabled == previous
+    assert (torch.backends.mkldnn.enabled, torch._C._get_nnpack_enabled()) == previous
 
 
 def test_overlapping_blocks_on_two_threads_keep_onednn_off_and_restore_it():
@@ -87,19 +86,6 @@ def test_mkl_runs_strict_after_importing_omnistage_after_torch():
         check=True,
     )
     assert "CNR:AUTO,STRICT" in done.stdout + done.stderr
-
-
-@pytest.mark.skipif(not STRICT_HERE, reason="MKL_CBWR is not strict in this process")
-@pytest.mark.parametrize("features", [(64, 64), (256, 256), (256, 1152), (1152, 256)])
-def test_linear_rows_do_not_depend_on_the_number_of_rows(features):
-    """What zero-padding GEMMs of fewer than four rows used to provide, for every row count."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(features[1], features[0], generator=generator)
-    bias = torch.randn(features[1], generator=generator)
-    x = torch.randn(40, features[0], generator=generator)
-    alone = torch.cat([F.linear(x[i : i + 1], weight, bias) for i in range(len(x))])
-    for rows in (2, 3, 4, 5, 8, 17, 40):
-        assert torch.equal(F.linear(x[:rows], weight, bias), alone[:rows]), rows
 
 
 @pytest.fixture(scope="module")
