@@ -47,6 +47,7 @@ class DiffusionLimits:
     default_fps: int = 16  # a video's frame rate when a request gives none
     native_width: int | None = None  # width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0  # what the family's pipeline defaults to
+    max_side: int | None = None  # the longest side its denoiser's positions reach, if bounded
     # Other names diffusers' pipeline class gives a parameter (vLLM-Omni's clients send them):
     # e.g. Qwen-Image's CFG scale is its ``true_cfg_scale`` -> ``guidance_scale``.
     param_aliases: Mapping[str, str] = field(default_factory=dict)

@@ -102,6 +102,9 @@ class SD3Family(FamilyBase):
             native_size=int(config.sample_size) * factor,
             max_sequence_length=MAX_SEQUENCE_LENGTH,
             default_guidance_scale=DEFAULT_GUIDANCE,
+            # Its position embedding covers pos_embed_max_size patches a side (diffusers'
+            # PatchEmbed refuses more): a larger side is a 400, not the model's error.
+            max_side=_max_side(config, factor),
         )
 
     def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
@@ -171,3 +174,8 @@ class SD3Family(FamilyBase):
 
 
 FAMILY: DiffusionFamily = SD3Family()
+
+
+def _max_side(config: Any, factor: int) -> int | None:
+    patches = getattr(config, "pos_embed_max_size", None)
+    return int(patches) * int(config.patch_size) * factor if patches else None

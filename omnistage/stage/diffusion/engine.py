@@ -20,6 +20,7 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stage.diffusion.denoise import DenoiseJob, batch_key
 from omnistage.stage.diffusion.params import (
     MAX_EMBEDDING_TOKENS,
+    MAX_IMAGE_SIDE,
     MAX_SEED,
     DiffusionRequest,
     PipelineLimits,
@@ -63,6 +64,7 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             native_width=own.native_width,
             default_guidance_scale=own.default_guidance_scale,
             family=self.pipeline.class_name,
+            max_side=own.max_side or MAX_IMAGE_SIDE,
             scheduler_options=tuple(
                 o for o in ("flow_shift",) if o in self.pipeline.scheduler_config
             ),

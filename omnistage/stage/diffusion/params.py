@@ -121,6 +121,7 @@ class PipelineLimits(msgspec.Struct, frozen=True):
     native_width: int | None = None  # the width when a request gives none, if not native_size
     default_guidance_scale: float = 1.0
     scheduler_options: tuple[str, ...] = ()  # scheduler settings a request may set (flow_shift)
+    max_side: int = MAX_IMAGE_SIDE  # the family's longest side (its positions' reach)
     family: str = ""  # the folder's pipeline class (errors name it)
     param_aliases: dict[str, str] = {}  # diffusers' other names for our fields
 
@@ -132,9 +133,13 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
 
 
-def _check_size(name: str, value: int | None, multiple: int) -> None:
+def _check_size(name: str, value: int | None, multiple: int, most: int = MAX_IMAGE_SIDE) -> None:
     if value is None:
         return
+    if most < MAX_IMAGE_SIDE and isinstance(value, int) and value > most:
+        raise InvalidRequestError(
+            name, f"must be at most {most}: this transformer's positions reach {most} pixels a side"
+        )
     _check_int(name, value, multiple, MAX_IMAGE_SIDE)
     if value % multiple:
         raise InvalidRequestError(name, f"must be a multiple of {multiple}, got {value}")
@@ -166,8 +171,8 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
     if not isinstance(params, DiffusionParams):
         raise InvalidRequestError("params", f"must be DiffusionParams, got {type(params).__name__}")
     _check_int("num_inference_steps", params.num_inference_steps, 1, limits.max_inference_steps)
-    _check_size("height", params.height, limits.size_multiple)
-    _check_size("width", params.width, limits.size_multiple)
+    _check_size("height", params.height, limits.size_multiple, limits.max_side)
+    _check_size("width", params.width, limits.size_multiple, limits.max_side)
     height = params.height or limits.native_size
     width = params.width or limits.native_width or limits.native_size
     if height * width > limits.max_image_pixels:

@@ -64,3 +64,13 @@ def test_size_and_width_that_disagree_are_refused_naming_size():
     with pytest.raises(InvalidRequestError) as info:
         VideoGenerationRequest(prompt="a cat", size="48x32", width=64).image_params()
     assert info.value.field == "size"
+
+
+def test_a_side_past_the_familys_positions_is_a_400_naming_it():
+    """SD3's position embedding covers pos_embed_max_size patches a side: past it, diffusers'
+    own model raises (a 500 once); here it is refused before any stage runs."""
+    limits = PipelineLimits(size_multiple=4, embedding_dim=8, has_text_encoder=True, max_side=128)
+    with pytest.raises(InvalidRequestError, match="positions reach 128") as info:
+        validate_params(DiffusionParams(height=1024, width=128), limits)
+    assert info.value.field == "height"
+    validate_params(DiffusionParams(height=128, width=128), limits)

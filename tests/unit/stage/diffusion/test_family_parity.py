@@ -101,7 +101,10 @@ def bad_requests(case, limits) -> list[tuple[str, DiffusionRequest]]:
     cases = [
         ("height", request(case, "r", 1, height=step + 1)),
         ("num_inference_steps", request(case, "r", 1, num_inference_steps=0)),
-        ("size", request(case, "r", 1, height=4096 // step * step, width=4096 // step * step)),
+        # past the stage's pixel limit, or past the family's positions where they end first
+        ("size", request(case, "r", 1, height=4096 // step * step, width=4096 // step * step))
+        if limits.max_side >= 4096
+        else ("height", request(case, "r", 1, height=limits.max_side + step)),
         ("max_sequence_length", request(case, "r", 1, max_sequence_length=10**6)),
     ]
     if not limits.takes_negative_prompt:
