@@ -1,0 +1,1 @@
+"""STUB of vllm.assets (see audio.py)."""

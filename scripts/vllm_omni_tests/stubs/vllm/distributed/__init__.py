@@ -1,0 +1,1 @@
+"""STUB of vllm.distributed (no process groups exist in the test process)."""

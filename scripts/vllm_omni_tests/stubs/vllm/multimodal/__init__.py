@@ -1,0 +1,1 @@
+"""STUB of vllm.multimodal (see media/audio.py)."""

@@ -1,0 +1,1 @@
+"""STUB of vllm.utils (see argparse_utils.py)."""

@@ -1,0 +1,1 @@
+"""STUB package (see omni.py)."""
