@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.server import running_server
 
-GREEDY = {"temperature": 0.0, "max_tokens": 8}
+GREEDY = {"temperature": 0.0, "max_tokens": 8, "modalities": ["text"]}
 IMAGE = {"modalities": ["text", "image"], "seed": 5, "num_inference_steps": 4}
 
 
