@@ -3,7 +3,7 @@
 A job is OpenAI's (and vLLM-Omni's) ``video`` object: ``queued`` → ``in_progress`` →
 ``completed`` (its MP4 under the store's folder) or ``failed`` (its ``error``). The store is
 bounded in number (``max_jobs``) and time (a finished job ``ttl_s`` after it finished goes,
-with its file): when full, the oldest finished job makes room; when every kept job is still
+with its file): when full, the oldest job that finished makes room; when every kept job is still
 unfinished, a new one is refused (429). Deleting a job cancels its task (aborting its request
 in the stages) and removes its file. The folder is the server's own unless it was given.
 """
@@ -68,9 +68,16 @@ class _Entry:
 
 
 class VideoJobs:
-    def __init__(self, max_jobs: int, ttl_s: float, folder: str | None = None) -> None:
+    def __init__(
+        self,
+        max_jobs: int,
+        ttl_s: float,
+        folder: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_jobs = max_jobs
         self.ttl_s = ttl_s
+        self.clock = clock
         self._owned = folder is None
         self.folder = Path(folder or tempfile.mkdtemp(prefix="omnistage-videos-"))
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -91,7 +98,7 @@ class VideoJobs:
         return job.model_copy()
 
     async def _run(self, entry: _Entry, run: Callable[[], Awaitable[OmniVideo]]) -> None:
-        started = time.monotonic()
+        started = self.clock()
         entry.job.status = "in_progress"
         try:
             video = await run()
@@ -110,13 +117,13 @@ class VideoJobs:
             _, code = error_status(exc)
             entry.job.status = "failed"
             entry.job.error = JobError(code=str(code), message=str(exc) or type(exc).__name__)
-        entry.finished_at = time.monotonic()
+        entry.finished_at = self.clock()
         entry.job.inference_time_s = round(entry.finished_at - started, 3)
         entry.job.completed_at = int(time.time())
         entry.job.expires_at = entry.job.completed_at + int(self.ttl_s)
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for job_id, entry in list(self._entries.items()):
             if entry.finished_at is not None and now - entry.finished_at >= self.ttl_s:
                 self._remove(job_id)
@@ -132,7 +139,7 @@ class VideoJobs:
                 f"{self.max_jobs} video jobs are unfinished (--max-video-jobs); retry when one "
                 "finishes, or delete one",
             )
-        self._remove(min(finished, key=lambda e: e.finished_at or 0.0).job.id)
+        self._remove(finished[0].job.id)  # the oldest: kept in creation order
 
     def _remove(self, job_id: str) -> None:
         entry = self._entries.pop(job_id)

@@ -19,9 +19,16 @@ def done() -> asyncio.Future[OmniVideo]:
 
 
 async def settle() -> None:
+    """The started tasks' first steps (a job goes in_progress)."""
     for _ in range(5):
         await asyncio.sleep(0)
-    await asyncio.sleep(0.05)  # the file is written on a worker thread
+
+
+async def ended(jobs: VideoJobs, *job_ids: str) -> None:
+    """Until the jobs completed or failed (a file is written on a worker thread)."""
+    async with asyncio.timeout(10):
+        while any(jobs.get(j).status in ("queued", "in_progress") for j in job_ids):
+            await asyncio.sleep(0.01)
 
 
 async def test_a_job_runs_keeps_its_mp4_and_is_deleted_with_it(tmp_path):
@@ -34,7 +41,7 @@ async def test_a_job_runs_keeps_its_mp4_and_is_deleted_with_it(tmp_path):
     with pytest.raises(ResourceNotFoundError, match="poll"):
         jobs.content(job.id)
     gate.set_result(VIDEO)
-    await settle()
+    await ended(jobs, job.id)
     finished = jobs.get(job.id)
     assert (finished.status, finished.progress, finished.seconds, finished.num_frames) == (
         "completed", 100, "1.125", 9,
@@ -55,7 +62,7 @@ async def test_a_failed_job_says_why_and_has_no_content(tmp_path):
         raise InvalidRequestError("num_frames", "too many")
 
     job = jobs.start("m", "a cat", fail)
-    await settle()
+    await ended(jobs, job.id)
     failed = jobs.get(job.id)
     assert failed.status == "failed" and failed.error is not None
     assert failed.error.code == "invalid_request" and "too many" in failed.error.message
@@ -82,20 +89,23 @@ async def test_deleting_an_unfinished_job_cancels_its_work(tmp_path):
 
 
 async def test_jobs_are_bounded_in_number_and_time(tmp_path):
-    jobs = VideoJobs(2, 0.2, str(tmp_path))
+    now = [0.0]
+    jobs = VideoJobs(2, 60, str(tmp_path), clock=lambda: now[0])
     gate = done()
     first = jobs.start("m", "a", lambda: gate)
-    jobs.start("m", "b", lambda: gate)
+    second = jobs.start("m", "b", lambda: gate)
     with pytest.raises(CapacityError, match="--max-video-jobs"):
         jobs.start("m", "c", lambda: gate)
     gate.set_result(VIDEO)
-    await settle()
-    third = jobs.start("m", "c", lambda: gate)  # the oldest finished made room
+    await ended(jobs, first.id, second.id)
+    third = jobs.start("m", "c", lambda: gate)  # the oldest finished one made room
     with pytest.raises(JobNotFoundError):
         jobs.get(first.id)
-    await settle()
+    await ended(jobs, third.id)
     path = jobs.content(third.id)
-    await asyncio.sleep(0.25)  # past the time to live
+    now[0] += 59.0
+    assert jobs.get(third.id).status == "completed"
+    now[0] += 1.0  # its time to live is over
     with pytest.raises(JobNotFoundError):
         jobs.get(third.id)
     assert not path.exists()
