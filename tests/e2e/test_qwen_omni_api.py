@@ -293,13 +293,23 @@ def test_bench_serve_times_the_first_audio(server, tmp_path):
 LONG = {"talker_params": {"temperature": 0.9, "max_tokens": 160}, "audio_params": {"num_steps": 2}}
 
 
-def stream_speech(server, extra: dict = LONG, seed: int = 5, stop_after: int | None = None):
+def stream_speech(
+    server,
+    extra: dict = LONG,
+    seed: int = 5,
+    stop_after: int | None = None,
+    refused_ok: bool = False,
+):
     """A streamed speech request: ``(pcm bytes of the decoded pieces, data pieces, finish
-    reason, error)``; ``stop_after``: leave after that many data pieces."""
+    reason, error)``; ``stop_after``: leave after that many data pieces; ``refused_ok``:
+    None for a 503 (a stage it needs asleep when it came)."""
     body = {"messages": MESSAGES, **SPEAK, **extra, "seed": seed, "stream": True}
     body["audio"] = {"voice": "Chelsie", "format": "pcm16"}
     pcm, pieces, reason, error = b"", 0, None, None
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        if refused_ok and r.status_code == 503:  # came while a stage it needs slept
+            assert r.headers["retry-after"]
+            return None
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -414,6 +424,35 @@ def test_a_talker_or_code2wav_sleep_mid_stream_follows_its_mode(
         assert reason == "abort" or error is not None
     else:
         assert (pcm, error) == (long_speech[0], None)  # kept, then finished as alone
+    wait_idle(server)
+
+
+def test_keep_sleeps_of_the_talker_at_random_moments_lose_no_streamed_request(server, long_speech):
+    """Streamed speech requests start while the talker is put to sleep with ``keep`` and
+    woken at random moments (some reach it asleep before their prompt came, some mid-reply):
+    each ends within a bound with the bytes it gives alone, and nothing stays in flight."""
+    import random
+
+    rng = random.Random(42)
+    short = {**LONG, "talker_params": {"temperature": 0.9, "max_tokens": 24}}
+    alone = stream_speech(server, short)[0]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        runs = []
+        for _ in range(6):
+            runs += [pool.submit(stream_speech, server, short, refused_ok=True) for _ in range(2)]
+            time.sleep(rng.uniform(0.0, 0.06))
+            body = {"stage_ids": [1], "level": rng.choice([1, 2]), "mode": "keep"}
+            r = httpx.post(server.url + "/v1/omni/sleep", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            time.sleep(rng.uniform(0.0, 0.05))
+            r = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [1]}, timeout=60)
+            assert r.status_code == 200, r.text
+        done, late = concurrent.futures.wait(runs, timeout=60)
+        assert not late, f"{len(late)} of {len(runs)} streamed requests still running after 60 s"
+    served = [run.result() for run in done if run.result() is not None]
+    assert len(served) >= 3  # those that came while the talker was awake
+    for pcm, _, reason, error in served:
+        assert (error, reason) == (None, "length") and pcm == alone
     wait_idle(server)
 
 

@@ -101,6 +101,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         )
         self._held: list[Sequence] = []  # arrived while paused; scheduled on resume
         self._awaiting: dict[str, Any] = {}  # streamed requests whose prompt has not come
+        self._deferred: dict[str, Any] = {}  # their input that came while the stage slept
         self._queued_outputs: list[StageOutput] = []  # ended from outside (abort)
         self.requests = RequestTable(
             config,
@@ -343,6 +344,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         if mode == "abort":
             for request_id in list(self._awaiting):
                 self._drop_awaiting(request_id)
+            self._deferred.clear()
             seqs = [*self.scheduler.remove_all(), *self._held]
             self._held.clear()
             for seq in seqs:
@@ -358,8 +360,9 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         self._held.clear()
 
     def is_drained(self) -> bool:
-        """No request that was here before the pause is still waiting or running."""
-        return not self.scheduler.has_unfinished()
+        """No request that was here before the pause is still waiting (for its streamed
+        prompt too) or running."""
+        return not (self.scheduler.has_unfinished() or self._awaiting)
 
     def _drop_memory_state(self) -> int:
         # KV contents die with the memory: whatever still holds blocks recomputes later.
@@ -370,6 +373,8 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
     def _after_wake(self, ack: Ack) -> None:
         if KV_CACHE in ack.metadata.tags:
             self.block_manager.reset()  # the cache came back empty
+        if not self.sleep_control.is_sleeping:
+            self.replay_deferred()
 
     def _after_weights_changed(self) -> None:
         self.block_manager.clear_cache()  # cached k/v came from the old weights

@@ -20,6 +20,7 @@ class StreamedInput:
     STREAM_INPUT = "embeds"  # its streams give prompt fields and decode embeddings
 
     _awaiting: dict[str, Any]
+    _deferred: dict[str, list[tuple[dict[str, Any] | None, bool]]]
     _queued_outputs: list[StageOutput]
     if TYPE_CHECKING:  # the engine's
         stage_id: int
@@ -40,7 +41,16 @@ class StreamedInput:
     def append_input(self, request_id: str, fields: dict[str, Any] | None, ended: bool) -> None:
         """More of a streamed request's input: its prompt fields first (it is queued then),
         then decode embeddings as they come; ``ended``: nothing more comes (its last row
-        repeats). Input for a request no longer here is dropped."""
+        repeats). Input for a request no longer here is dropped.
+
+        While the stage sleeps (a ``keep`` sleep, or a ``wait`` sleep's request whose prompt
+        had not come), input for a request it holds is kept aside and applied once it wakes
+        (``replay_deferred``): the request was admitted before the sleep, so it is neither
+        refused nor lost, and nothing reaches the device while its memory is released."""
+        known = request_id in self._awaiting or bool(self.requests.samples(request_id))
+        if self.sleep_control.is_sleeping and known:
+            self._deferred.setdefault(request_id, []).append((fields, ended))
+            return
         template = self._awaiting.get(request_id)
         if template is not None:
             if not fields or "prompt_token_ids" not in fields:
@@ -61,8 +71,20 @@ class StreamedInput:
                 seq.decode_embeds = rows if old is None else torch.cat([old, rows])
             seq.input_open = seq.input_open and not ended
 
+    def replay_deferred(self) -> None:
+        """Apply the input kept aside while the stage slept, in the order it came; a request
+        whose input fails now fails as it would have then."""
+        deferred, self._deferred = self._deferred, {}
+        for request_id, inputs in deferred.items():
+            try:
+                for fields, ended in inputs:
+                    self.append_input(request_id, fields, ended)
+            except Exception as exc:
+                self.fail_request(request_id, exc)
+
     def fail_request(self, request_id: str, exc: Exception) -> None:
         """End a streamed request with ``exc`` (its input was refused)."""
+        self._deferred.pop(request_id, None)
         if self._awaiting.pop(request_id, None) is not None:
             self._queued_outputs.append(
                 StageOutput(request_id, finished=True, finish_reason="error", error=exc)
@@ -71,6 +93,7 @@ class StreamedInput:
             self._fail(seq, exc)
 
     def _drop_awaiting(self, request_id: str, reason: str = "abort") -> None:
+        self._deferred.pop(request_id, None)
         if self._awaiting.pop(request_id, None) is not None:
             self._queued_outputs.append(
                 StageOutput(request_id, finished=True, finish_reason=reason)  # type: ignore[arg-type]

@@ -258,3 +258,52 @@ def test_the_talker_fed_while_the_thinker_runs_speaks_the_same(stages, case):
     flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
     g = tokens.groups
     assert [flat[i : i + g] for i in range(0, len(flat), g)] == frames
+
+
+@pytest.mark.parametrize(("level", "asleep_after"), [(1, 0), (2, 0), (2, 3)])
+def test_input_that_reaches_a_talker_asleep_with_keep_is_applied_when_it_wakes(
+    stages, level, asleep_after
+):
+    """A streamed request admitted before a ``keep`` sleep: the thinker's rows that come
+    while the talker sleeps (its prompt among them, or later decode rows) are kept and
+    applied on wake, so it speaks as it would have (it used to be refused as asleep, and
+    the request hung with nothing running or waiting)."""
+    from omnistage.stage.ar.wire import ARStageRequest
+    from omnistage.stage.core import upstream_update
+    from omnistage.stage.messages import AppendInput, Handoff
+
+    folder, thinker, talker = stages
+    prompt_ids, thinker_ids, frames = reference()
+    _, tokens = processors.checkpoint_tokens(folder)
+    params = {"audio_params": {"voice": "Ethan"}}
+    thinker.add_request(
+        thinker_request("kept", folder, prompt_ids, "text", params, stream_hidden_states=True)
+    )
+    rows = processors.thinker_rows(folder, params)
+    talker.add_streamed_request("kept", ARStageRequest([], greedy()))
+    said, codes, fed, thinker_done, talker_done = [], [], 0, False, False
+    asleep = False
+    while not talker_done:
+        if not thinker_done:
+            for out in thinker.step():
+                said += out.new_token_ids
+                thinker_done = out.finished
+                delta = Handoff(**out.delta) if out.delta else None
+                msg = AppendInput("kept", list(out.new_token_ids), out.finished, delta)
+                fields, ended = rows.feed_update(upstream_update(msg), out.finished)
+                talker.append_input("kept", fields, ended)
+                fed += 1
+        if fed >= asleep_after and not asleep and not talker.is_sleeping():
+            talker.sleep(level, mode="keep")
+            asleep = True
+        if asleep and (thinker_done or fed >= asleep_after + 4):
+            talker.wake_up(resume=True)
+            asleep, asleep_after = False, 1 << 30
+        for out in talker.step():
+            assert out.error is None, out.error
+            codes += out.new_token_ids
+            talker_done = out.finished
+    assert said == thinker_ids
+    flat = processors.talker_to_code2wav(UpstreamResult(token_ids=codes), folder)["codes"]
+    g = tokens.groups
+    assert [flat[i : i + g] for i in range(0, len(flat), g)] == frames
