@@ -62,7 +62,7 @@ def merge_stage_params(
     for field, (stage_id, params) in params_by_field(entries, preparers).items():
         own = dict(given.get(field) or {})
         for key, value in params.items():
-            if key in own and own[key] != value:
+            if own.get(key) is not None and own[key] != value:  # None: not given
                 raise InvalidRequestError(
                     f"{FIELD}.{stage_id}.{key}",
                     f"{value!r} differs from the request's own {key} ({own[key]!r}); give it once",

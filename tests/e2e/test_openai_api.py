@@ -52,6 +52,19 @@ def test_chat_non_streaming_and_streaming_agree(client):
     assert streamed == full.choices[0].message.content
 
 
+def test_a_chat_without_max_tokens_may_take_the_rest_of_the_context(client):
+    """As vLLM's chat, not SamplingParams' 16 tokens: 20 tokens at least, then any of half
+    the vocabulary ends it (a 400 "min_tokens must not exceed max_tokens" if 16 applied)."""
+    reply = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "Hello there"}],
+        temperature=0.0,
+        extra_body={"min_tokens": 20, "stop_token_ids": list(range(256))},
+    )
+    assert reply.usage.completion_tokens > 16
+    assert reply.choices[0].finish_reason == "stop"
+
+
 def png_of(part):
     assert part["type"] == "image_url"
     url = part["image_url"]["url"]

@@ -109,6 +109,9 @@ async def start_chat(
         prompt, prompt_ids = await _chat_prompt(body, request, engine, modalities, tools)
         if prompt_ids is not None and body.return_token_ids:
             ctx = dataclasses.replace(ctx, prompt_ids=prompt_ids)
+        # As vLLM's chat: without a limit the answer may take the rest of the context (or
+        # the stage's configured default), not SamplingParams' 16 tokens.
+        sampling.setdefault("max_tokens", None)
         stream = engine.generate(prompt, sampling, modalities, **params)
     voice = _voice_field(body)
     if voice is not None:  # a refused voice named as the body gave it

@@ -22,6 +22,10 @@ from omnistage.stage.ar.sampling import SamplingParams
 from omnistage.stage.ar.wire import ARStageInfo, ARStageRequest, MultiModalItem
 from omnistage.stage.prepare import RequestOptions, check_mapping
 
+# Limits a request may give as None, meaning "none asked for": the stage's default
+# (``override_generation_config``, a family's defaults) applies, else no limit.
+_DEFAULT_WHEN_NONE = frozenset({"max_tokens"})
+
 
 class ARRequestPreparer:
     PROMPT_FIELDS = (
@@ -63,7 +67,14 @@ class ARRequestPreparer:
             stops = list(
                 dict.fromkeys([*(data.get("stop_token_ids") or []), *self.info.stop_token_ids])
             )
-            data = {**self.info.param_defaults, **data, "stop_token_ids": stops}
+            unset = {k for k, v in data.items() if v is None and k in _DEFAULT_WHEN_NONE}
+            data = {
+                **self.info.param_defaults,
+                **{k: v for k, v in data.items() if k not in unset},
+                "stop_token_ids": stops,
+            }
+            for key in unset:  # "no limit asked for": the stage's default, else none
+                data.setdefault(key, None)
         try:
             return SamplingParams(**data)
         except InvalidRequestError as exc:

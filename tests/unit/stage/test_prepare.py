@@ -166,3 +166,18 @@ def test_an_answer_too_big_for_max_answer_logprobs_is_refused_up_front():
     # Within the bound (and without logprobs at all) requests pass.
     prepare(ar, prompt, sampling_params={"n": 2, "prompt_logprobs": 1, "max_tokens": 4})
     prepare(ar, prompt, sampling_params={"n": 64, "max_tokens": 4000})
+
+
+def test_max_tokens_none_is_the_stages_default_else_no_limit(ar):
+    """A chat without a limit sends ``max_tokens: None`` (vLLM's chat: the rest of the
+    context); a stage default (``override_generation_config``) still bounds it; a request
+    that does not send the key at all gets SamplingParams' 16."""
+    unset = prepare(ar, "hi", sampling_params={"max_tokens": None})
+    assert unset.sampling_params.max_tokens is None
+    assert prepare(ar, "hi").sampling_params.max_tokens == 16
+    info = ARStageInfo(vocab_size=512, max_model_len=64, param_defaults={"max_tokens": 7})
+    bounded = ARRequestPreparer(ar.config, info)
+    assert (
+        prepare(bounded, "hi", sampling_params={"max_tokens": None}).sampling_params.max_tokens == 7
+    )
+    assert prepare(bounded, "hi", sampling_params={"max_tokens": 3}).sampling_params.max_tokens == 3
