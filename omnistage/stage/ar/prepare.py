@@ -8,6 +8,7 @@ sampling parameters come from (``params_field``: ``sampling_params``, or e.g. a 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,7 @@ class ARRequestPreparer:
         self.info = info
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         self._prompt_processor: PromptProcessor | None = None
+        self._build_lock = threading.Lock()
 
     @property
     def params_field(self) -> str:
@@ -240,16 +242,19 @@ class ARRequestPreparer:
 
     def prompt_processor(self) -> PromptProcessor:
         """The model family's processor of multimodal prompts (built once, on first use)."""
-        if self._prompt_processor is None:
-            from omnistage.models import registry
+        # Requests are prepared on several threads at once, and building it imports
+        # transformers' lazily loaded classes, which is not thread-safe: one builds it.
+        with self._build_lock:
+            if self._prompt_processor is None:
+                from omnistage.models import registry
 
-            family = registry.family_of_folder(self.config.model)
-            make = getattr(family, "prompt_processor", None)
-            if make is None:
-                raise InvalidRequestError(
-                    "multi_modal_data", "this model takes text only (no audio, image or video)"
-                )
-            self._prompt_processor = make(self.config.model)
+                family = registry.family_of_folder(self.config.model)
+                make = getattr(family, "prompt_processor", None)
+                if make is None:
+                    raise InvalidRequestError(
+                        "multi_modal_data", "this model takes text only (no audio, image or video)"
+                    )
+                self._prompt_processor = make(self.config.model)
         return self._prompt_processor
 
     def _media(self, prompt: Mapping[str, Any]) -> list[MediaItem]:

@@ -181,3 +181,43 @@ def test_max_tokens_none_is_the_stages_default_else_no_limit(ar):
         prepare(bounded, "hi", sampling_params={"max_tokens": None}).sampling_params.max_tokens == 7
     )
     assert prepare(bounded, "hi", sampling_params={"max_tokens": 3}).sampling_params.max_tokens == 3
+
+
+BUILD_AT_ONCE = """
+import sys, threading
+from omnistage.config import StageConfig
+from omnistage.stage.ar.prepare import ARRequestPreparer
+from omnistage.stage.ar.wire import ARStageInfo
+
+config = StageConfig(stage_id=0, kind="ar", model=sys.argv[1], model_stage="thinker")
+preparer = ARRequestPreparer(config, ARStageInfo(vocab_size=512, max_model_len=64))
+start, built, failed = threading.Barrier(8), set(), []
+
+def build():
+    start.wait()
+    try:
+        built.add(id(preparer.prompt_processor()))
+    except Exception as exc:
+        failed.append(repr(exc))
+
+threads = [threading.Thread(target=build) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert not failed and len(built) == 1, (failed, built)
+"""
+
+
+def test_eight_threads_asking_for_the_prompt_processor_at_once_get_one():
+    """The first media requests come on several threads at once; building the processor
+    imports transformers' lazily loaded classes, which raced into an ImportError (a 500).
+    In a fresh process, where nothing of transformers is imported yet."""
+    import subprocess
+    import sys
+
+    from omnistage.pipelines import load_pipeline
+
+    folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_AT_ONCE, folder], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
