@@ -1,7 +1,9 @@
 """The data path: route one request through the chain of stages it needs.
 
 The first stage's request is prepared here, in the API process (tokenized and validated by
-its kind's preparer, on a worker thread so a large prompt never stalls the event loop). Each
+its kind's preparer, on a worker thread so a large prompt never stalls the event loop; a
+prompt with media on one of ``media_threads`` threads of its own, so that few are processed
+at once and text requests never queue behind them, the memory given back after). Each
 stage streams what the client gets; what the next stage takes goes stage to stage
 (``omnistage.stage.handoff``): a stage that feeds another leaves its finished output there
 and answers with a reference, which travels on with the next stage's request — made here
@@ -19,6 +21,7 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from omnistage.config import PipelineConfig, StageConfig
@@ -28,6 +31,7 @@ from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.engine.streamed import AudioJoin, run_streamed
 from omnistage.errors import InvalidRequestError, StageAsleepError, StageInternalError
+from omnistage.memory.heap import give_back_memory
 from omnistage.models import registry
 from omnistage.models.processors import Wants
 from omnistage.stage.kinds import stage_kind
@@ -36,7 +40,11 @@ from omnistage.stage.prepare import RequestOptions, RequestPreparer, prompt_fiel
 
 
 class RequestRouter:
-    """``prepare(chain)`` runs before admission (auto-wake)."""
+    """``prepare(chain)`` runs before admission (auto-wake). ``media_threads``: prompts with
+    media prepared at once (decoding's features and placeholders; the server sets it from
+    ``--media-decode-workers``)."""
+
+    media_threads = 2
 
     def __init__(
         self,
@@ -53,6 +61,7 @@ class RequestRouter:
         self._downstream = self._compute_downstream()
         self._preparers: dict[int, tuple[Any, RequestPreparer]] = {}
         self.stats_listeners: list[StatsListener] = []  # per-stage request timings
+        self._media_pool: ThreadPoolExecutor | None = None
 
     def _compute_downstream(self) -> dict[int, int]:
         downstream: dict[int, int] = {}
@@ -124,6 +133,25 @@ class RequestRouter:
         wants = self._wants(stage_id, chain, options)
         return self.preparer(stage_id).prepare(prompt, options, wants)
 
+    async def _prepare_first(
+        self, stage_id: int, prompt: dict[str, Any], options: RequestOptions, chain: list[int]
+    ) -> StageRequest:
+        """The first stage's request, off the event loop (see the module docstring)."""
+        if not prompt.get("multi_modal_data"):
+            return await asyncio.to_thread(self._prepare_request, stage_id, prompt, options, chain)
+        if self._media_pool is None:
+            self._media_pool = ThreadPoolExecutor(
+                self.media_threads, thread_name_prefix="omnistage-prepare-media"
+            )
+
+        def prepare() -> StageRequest:
+            try:
+                return self._prepare_request(stage_id, prompt, options, chain)
+            finally:
+                give_back_memory()
+
+        return await asyncio.get_running_loop().run_in_executor(self._media_pool, prepare)
+
     def _template(self, stage_id: int, options: RequestOptions, chain: list[int]) -> StageRequest:
         """The request of a stage fed by the one before: the user's parameters, its prompt
         left for the stage to fill from the hand-off."""
@@ -171,7 +199,8 @@ class RequestRouter:
         chain, fields, options, num_samples = self.check(prompt, options, wanted)
         await self._prepare(chain)
         self.gate.check_available(chain)
-        request = await asyncio.to_thread(self._prepare_request, chain[0], fields, options, chain)
+        request = await self._prepare_first(chain[0], fields, options, chain)
+        del prompt, fields  # decoded media are inputs now: not held while the request runs
         # Later stages learn that this request is on its way, so a sleep of one of them can
         # treat it by the sleep's mode when it gets there (see admission.py).
         bound = set(chain[1:])

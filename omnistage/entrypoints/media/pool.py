@@ -11,13 +11,15 @@ others wait their turn off the event loop; what a large decode freed is returned
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from omnistage.memory.heap import give_back_memory
+
+__all__ = ["give_back_memory", "run_decode"]
 
 _T = TypeVar("_T")
 _POOLS: dict[int, ThreadPoolExecutor] = {}
@@ -42,19 +44,3 @@ def _trimmed(fn: Callable[..., _T], *args: Any) -> _T:
         return fn(*args)
     finally:
         give_back_memory()
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None  # type: ignore[no-any-return]
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-def give_back_memory() -> None:
-    """Return the heap's free memory to the OS (glibc's ``malloc_trim``; elsewhere nothing)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)

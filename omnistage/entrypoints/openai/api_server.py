@@ -91,6 +91,7 @@ def start_engine(
         distributed_executor_backend=config.distributed_executor_backend,
         paused_request_timeout_s=config.paused_request_timeout_s,
     )
+    engine.router.media_threads = config.media_decode_workers  # and their processing
     progress(f"all {pipeline.num_stages} stage(s) ready")
     return engine
 

@@ -113,8 +113,10 @@ class MediaSettings(BaseModel):
         default=2,
         ge=1,
         le=64,
-        description="Threads that decode media at once (audio, images, video frames); more "
-        "wait their turn, so large media cannot hold every other request's share of the CPU.",
+        description="Threads that decode media at once (audio, images, video frames), and "
+        "as many that turn decoded media into the model's inputs (features, patches); more "
+        "wait their turn, so large media cannot hold every other request's share of the CPU "
+        "or swell the server's memory.",
     )
     max_video_decoded_bytes: ByteCount = Field(
         default=1024 * 1024 * 1024,
