@@ -96,11 +96,13 @@ _ORDER = (  # `all` runs them in this order
     ),
     Benchmark(
         "robustness",
-        "fairness under load and hostile requests; restarts",
+        "fairness under load and hostile requests; restarts; media bombs; speech under sleeps",
         "through a real server: a chat's latency beside 64 clients, hostile requests and a "
-        "request holding every slot, against the idle server; and a killed stage's restart "
-        "against a cold start.",
-        "about 2 minutes",
+        "request holding every slot, against the idle server; a killed stage's restart "
+        "against a cold start; the API process's peak RSS and a chat's latency beside media "
+        "small on the wire and huge decoded; streamed speech while the talker sleeps with "
+        "keep at random moments.",
+        "about 4 minutes",
     ),
     Benchmark(
         "rollouts",

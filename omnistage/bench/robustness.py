@@ -8,6 +8,8 @@
   server, in the same run.
 - Restart: a stage killed with SIGKILL, until the server has it back and until it answers
   again, against a cold start of the whole server to its first answer.
+- Media and speech under keep sleeps, on the tiny Qwen2.5-Omni pipeline
+  (``robustness_media.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from omnistage.bench import robustness_media
 from omnistage.bench.report import write_results
 from omnistage.bench.served import Served
 
@@ -176,9 +179,16 @@ def run(out_dir: str, device: str = "cpu") -> str:
         cold_start_ms = (time.perf_counter() - start) * 1e3
         fairness = bench_fairness(server)
         restart = bench_restart(server, cold_start_ms)
+    with Server(
+        "--pipeline", "tiny-qwen2.5-omni", "--device", device, "--enable-sleep-mode"
+    ) as omni:
+        media = robustness_media.bench_media(omni)
+        speech = robustness_media.bench_speech(omni)
     name = device.replace(":", "")
     tables = [
         write_results(out_dir, f"fairness-{name}", fairness, COLUMNS),
         write_results(out_dir, f"restart-{name}", restart, RESTART_COLUMNS),
+        write_results(out_dir, f"media-{name}", media, robustness_media.MEDIA_COLUMNS),
+        write_results(out_dir, f"speech-sleeps-{name}", speech, robustness_media.SPEECH_COLUMNS),
     ]
     return "\n\n".join(tables)

@@ -47,7 +47,7 @@ def clean_venv(tmp_path_factory):
         ROOT,
         source,
         ignore=shutil.ignore_patterns(
-            ".venv", ".git", ".whl", ".omnistage-cache", "bench-results", "*.egg-info", "build"
+            ".venv*", ".git", ".whl", ".omnistage-cache", "bench-results", "*.egg-info", "build"
         ),
     )
     # --no-compile: the ~4000 modules of the dependencies are not byte-compiled up front (half
