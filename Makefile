@@ -42,9 +42,24 @@ serve: install
 # The Ray tests run in a pytest process of their own, so that a Ray teardown problem cannot
 # end the whole run without a report (one did: a stage handle's watcher thread still asking
 # Ray while the driver shut Ray down; the handle now joins it).
+#
+# Two pytest runs at once, on the two cores CI has: the main one (unit tests first) and, beside
+# the unit tests, the install-from-scratch test and then the Ray tests — mostly one core of
+# pip unpacking and Ray starting up, where the unit tests leave the other core idle a good
+# part of the time; the integration and e2e tests, whose bounds are timings, run after both
+# (the unit tests take twice as long as the two). The second run's output is shown when both
+# are done; any of them failing fails the target.
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m ray tests
+	@side_log=$$(mktemp); \
+	( $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests/e2e/test_packaging.py; \
+	  first=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider -m ray tests; \
+	  second=$$?; test $$first = 0 && test $$second = 0 ) >$$side_log 2>&1 & side=$$!; \
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" \
+		--ignore=tests/e2e/test_packaging.py tests/unit tests/integration tests/e2e; main=$$?; \
+	wait $$side; side_status=$$?; \
+	echo "--- beside the unit tests: tests/e2e/test_packaging.py, then the Ray tests"; \
+	cat $$side_log; rm -f $$side_log; \
+	test $$main = 0 && test $$side_status = 0
 
 test-unit: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
