@@ -135,6 +135,9 @@ def test_the_image_route_gives_one_frame(client, reference):
     ("fields", "field"),
     [
         ({"size": "50x32"}, "width"),
+        # past the tiny transformer's rotary table (32 patches a side: 512 pixels)
+        ({"size": "1024x16", "num_frames": "5"}, "width"),
+        ({"size": "16x4096", "num_frames": "5"}, "height"),
         ({"num_frames": "84"}, "num_frames"),  # 85 on the grid: more than Wan 2.1's 81
         ({"fps": "0"}, "fps"),
         ({"fps": "500"}, "fps"),

@@ -129,7 +129,15 @@ class WanFamily(FamilyBase):
 
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
-        temporal, _ = _scale_factors(pipeline)
+        temporal, spatial = _scale_factors(pipeline)
+        # Its rotary table covers rope_max_seq_len positions on each axis (diffusers' rope
+        # slices it per axis and cannot view past its end): a longer side, or more latent
+        # frames, is a 400 naming the field, not the model's error as a 500.
+        reach = int(getattr(config, "rope_max_seq_len", 0) or 0)
+        patch = config.patch_size
+        max_frames = DEFAULT_FRAMES
+        if reach:
+            max_frames = min(max_frames, (reach * int(patch[0]) - 1) * temporal + 1)
         return flow.text_limits(
             pipeline,
             size_multiple=_size_multiple(pipeline),
@@ -137,7 +145,8 @@ class WanFamily(FamilyBase):
             native_size=DEFAULT_HEIGHT,
             native_width=DEFAULT_WIDTH,
             max_sequence_length=DEFAULT_MAX_SEQUENCE_LENGTH,
-            max_frames=DEFAULT_FRAMES,
+            max_frames=max_frames,
+            max_side=reach * spatial * min(int(patch[1]), int(patch[2])) if reach else None,
             frame_step=temporal,
             default_frames=DEFAULT_FRAMES,
             default_fps=DEFAULT_FPS,

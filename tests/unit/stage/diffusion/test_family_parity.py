@@ -133,3 +133,17 @@ def test_bad_input_is_refused_naming_the_field(served):
         with pytest.raises(InvalidRequestError) as err:
             engine.add_request(bad)
         assert err.value.field == field_name, err.value
+
+
+def test_the_tallest_and_widest_sizes_it_allows_are_served(served):
+    """Every size is served or refused naming it: a side at the family's reach (its positions',
+    or 1024 where they are unbounded) beside the narrowest side runs. Wan's rotary table once
+    failed past rope_max_seq_len patches a side with diffusers' error as a 500."""
+    case, _, engine = served
+    limits = engine.limits
+    step, longest = limits.size_multiple, min(limits.max_side, 1024) // limits.size_multiple
+    for height, width in ((longest * step, step), (step, longest * step)):
+        got = pixels(
+            engine, [request(case, "edge", 3, height=height, width=width, num_inference_steps=1)]
+        )["edge"]
+        assert got.shape[-3:-1] == (height, width) or got.shape[-2:] == (height, width), got.shape
