@@ -28,6 +28,7 @@ MAX_IMAGE_SIDE = 4096
 MAX_EMBEDDING_TOKENS = 4096
 MAX_SEED = 2**63 - 1
 MAX_FPS = 120
+MAX_GUIDANCE_SCALE = 100.0  # the HTTP fields refuse the same; 1e38 made an all-black picture
 
 
 class DiffusionParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -184,8 +185,10 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
     scale = params.guidance_scale
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise InvalidRequestError("guidance_scale", f"must be a finite number, got {scale!r}")
-    if scale < 0:
-        raise InvalidRequestError("guidance_scale", f"must be >= 0, got {scale}")
+    if not 0 <= scale <= MAX_GUIDANCE_SCALE:
+        raise InvalidRequestError(
+            "guidance_scale", f"must be in [0, {MAX_GUIDANCE_SCALE:g}], got {scale}"
+        )
     if not isinstance(params.negative_prompt, str):
         raise InvalidRequestError("negative_prompt", "must be a string")
     if params.negative_prompt and not limits.takes_negative_prompt:

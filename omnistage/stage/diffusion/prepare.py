@@ -69,7 +69,27 @@ class DiffusionRequestPreparer:
     def from_vllm(self, entry: Mapping[str, Any]) -> dict[str, Any]:
         """A diffusion stage's entry holds diffusers' names (vLLM-Omni's
         ``OmniDiffusionSamplingParams``)."""
-        return self._own_names(dict(check_mapping(entry, "")), "")
+        data = self._own_names(dict(check_mapping(entry, "")), "")
+        self._check_own_values(data)
+        return data
+
+    def _check_own_values(self, data: dict[str, Any]) -> None:
+        """Each value of a list entry in its range, so a 400 names it under the entry
+        (``sampling_params_list.0.guidance_scale``); checks across fields wait for the
+        merged parameters. The entry is checked beside the smallest valid size."""
+        step = self.limits.size_multiple
+        video = any(key in data for key in ("num_frames", "fps", "seconds"))
+        trial: dict[str, Any] = {"height": step, "width": step, "video": video}
+        trial["guidance_scale"] = self.limits.default_guidance_scale
+        if video and self.limits.max_frames <= 1:
+            return  # "this pipeline makes images": the merged check says it
+        try:
+            validate_params(DiffusionParams(**{**trial, **data}), self.limits)
+        except InvalidRequestError as exc:
+            if exc.field in data:
+                raise
+        except TypeError:
+            return  # a wrong type: the merged check names it
 
     def normalize(self, options: RequestOptions) -> RequestOptions:
         return options

@@ -30,6 +30,7 @@ def check(field: str, limits: PipelineLimits = TEXT, **request_kwargs) -> None:
         ("num_inference_steps", DiffusionParams(num_inference_steps=1001)),
         ("guidance_scale", DiffusionParams(guidance_scale=float("nan"))),
         ("guidance_scale", DiffusionParams(guidance_scale=-1.0)),
+        ("guidance_scale", DiffusionParams(guidance_scale=1e38)),  # via sampling_params_list
         ("seed", DiffusionParams(seed=-3)),
         ("scheduler", DiffusionParams(scheduler="euler_ancestral")),
         ("max_sequence_length", DiffusionParams(max_sequence_length=0)),
@@ -87,3 +88,27 @@ def test_valid_requests_pass():
         ),
         EMBEDS_ONLY,
     )
+
+
+def test_a_list_entry_out_of_range_is_named_under_the_entry():
+    """vLLM-Omni's sampling_params_list: guidance_scale=1e38 in an entry was a 200 with an
+    all-black picture; each value is checked where it was given."""
+    from omnistage.config import StageConfig
+    from omnistage.engine.stage_params import params_by_field
+    from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
+    from omnistage.stage.diffusion.wire import DiffusionStageInfo
+
+    limits = PipelineLimits(size_multiple=16, embedding_dim=8, has_text_encoder=True)
+    preparer = DiffusionRequestPreparer(StageConfig.model_construct(), DiffusionStageInfo(limits))
+    for entry, field in [
+        ({"guidance_scale": 1e38}, "guidance_scale"),
+        ({"guidance_scale": float("nan")}, "guidance_scale"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"height": 17}, "height"),
+        ({"seed": -1}, "seed"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            params_by_field([entry], [preparer])
+        assert info.value.field == f"sampling_params_list.0.{field}"
+    # a value that is fine alone passes: the merged parameters are checked as a whole later
+    assert params_by_field([{"height": 1024, "guidance_scale": 3.5}], [preparer])
