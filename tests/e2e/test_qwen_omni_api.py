@@ -259,6 +259,42 @@ def test_bad_media_is_a_400_naming_the_part_and_the_stage_lives_on(server, conte
     assert ok.status_code == 200, ok.text
 
 
+def _short_audio_part() -> dict:
+    import numpy as np
+
+    from tests.qwen_omni_media import wav_data
+
+    data = wav_data(np.zeros(1, np.float32))  # one sample: shorter than a feature frame
+    return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        # the stage's check of its first medium, named as the part the body sent
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, "AUDIO"]}]},
+            "messages.0.content.1.input_audio",
+        ),
+        ({"speaker": "Chelsie", "voice": "Ethan"}, "voice"),  # a check across fields
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"media_io_kwargs": {"video": {"fps": 2}}}, "media_io_kwargs"),  # no media part
+    ],
+)
+def test_the_400_names_the_field_as_the_body_has_it(server, change, param):
+    """``param`` is the body's own path: not the stage's ``multi_modal_data[0]``, nor null
+    for a check across fields, nor the mm_processor_kwargs a media_io_kwargs option joins."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "modalities": ["text"], **change}
+    for message in body["messages"]:
+        if isinstance(message["content"], list):
+            message["content"] = [
+                _short_audio_part() if p == "AUDIO" else p for p in message["content"]
+            ]
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
 def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
     from tests.qwen_omni_media import picture
 

@@ -310,6 +310,8 @@ def test_release_kv_cache_memory_as_vllm_documents_it(server):
         assert reply.status_code == 200, reply.text
         return reply
 
+    bogus = httpx.post(url + "/release_kv_cache_memory", json={"bogus": 1}, timeout=30)
+    assert bogus.status_code == 400 and bogus.json()["error"]["param"] == "bogus", bogus.text
     post("/sleep?level=0&mode=keep")  # pause, release nothing
     (stage,) = httpx.get(url + "/v1/omni/stages", timeout=30).json()["stages"]
     assert stage["level"] == 0 and stage["sleeping_tags"] == []

@@ -20,7 +20,11 @@ items through ``omnistage.models.media.media_items``. Nothing here imports torch
 from __future__ import annotations
 
 from omnistage.entrypoints.media.decode import decode_audio, decode_image, resample
-from omnistage.entrypoints.media.messages import has_media_parts, load_messages
+from omnistage.entrypoints.media.messages import (
+    has_media_parts,
+    load_messages,
+    media_part_fields,
+)
 from omnistage.entrypoints.media.parts import check_counts, load_part, part_modality
 from omnistage.entrypoints.media.policy import MediaPolicy
 from omnistage.entrypoints.media.video import decode_video
@@ -33,6 +37,7 @@ __all__ = [
     "decode_video",
     "has_media_parts",
     "load_messages",
+    "media_part_fields",
     "load_part",
     "part_modality",
     "resample",

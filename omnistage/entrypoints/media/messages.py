@@ -27,6 +27,19 @@ def has_media_parts(messages: Any) -> bool:
     )
 
 
+def media_part_fields(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each media part's place in the body (``messages.0.content.1.input_audio``), in the
+    order ``load_messages`` gives their media: a stage's error about its ``k``-th medium
+    (``multi_modal_data[k]``) names the part the client sent."""
+    fields = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        for i, part in enumerate(content if isinstance(content, list) else []):
+            if part_modality(part) is not None:
+                fields.append(f"messages.{m}.content.{i}.{part.get('type')}")
+    return fields
+
+
 async def load_messages(
     messages: Sequence[Mapping[str, Any]],
     policy: MediaPolicy,

@@ -12,6 +12,7 @@ from omnistage.entrypoints.openai.protocol import (
     ImageFields,
     _SamplingFields,
     _Strict,
+    field_error,
 )
 from omnistage.stage.ar.sampling import MAX_LOGPROBS
 
@@ -171,7 +172,7 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise field_error("top_logprobs", "needs logprobs: true")
         return self
 
     @model_validator(mode="after")
@@ -181,7 +182,7 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
             and self.modalities is not None
             and "audio" not in self.modalities
         ):
-            raise ValueError('audio is given but modalities does not include "audio"')
+            raise field_error("audio", 'audio is given but modalities does not include "audio"')
         named = {
             "audio_params.voice": (self.audio_params or {}).get("voice"),
             "audio.voice": self.audio.voice if self.audio is not None else None,
@@ -191,9 +192,10 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
         given = {k: v for k, v in named.items() if v is not None}
         if len({str(v).casefold() for v in given.values()}) > 1:
             # One voice per request: never pick one of two silently.
-            raise ValueError(
+            raise field_error(
+                list(given)[-1],
                 " and ".join(f"{k} ({v!r})" for k, v in given.items()) + " differ; give the "
-                "voice once"
+                "voice once",
             )
         return self
 
@@ -203,16 +205,16 @@ class ChatCompletionRequest(_SamplingFields, ImageFields):
             allowed = ("fps", "num_frames") if modality == "video" else ()
             unknown = sorted(set(kwargs) - set(allowed))
             if unknown:
-                raise ValueError(
-                    f"media_io_kwargs.{modality}.{unknown[0]} is not implemented; "
-                    f"{modality} takes {list(allowed) or 'no options'}"
+                raise field_error(
+                    f"media_io_kwargs.{modality}.{unknown[0]}",
+                    f"is not implemented; {modality} takes {list(allowed) or 'no options'}",
                 )
             for key, value in kwargs.items():
                 own = (self.mm_processor_kwargs or {}).get(key)
                 if own is not None and own != value:
-                    raise ValueError(
-                        f"media_io_kwargs.{modality}.{key} and mm_processor_kwargs.{key} "
-                        "differ; give it once"
+                    raise field_error(
+                        f"media_io_kwargs.{modality}.{key}",
+                        f"and mm_processor_kwargs.{key} differ; give it once",
                     )
         return self
 
@@ -251,9 +253,9 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
     @model_validator(mode="after")
     def _one_sample_each_whole(self) -> BatchChatCompletionRequest:
         if self.n != 1:
-            raise ValueError("n: a batch answers one sample per conversation (n must be 1)")
+            raise field_error("n", "a batch answers one sample per conversation (n must be 1)")
         if self.stream:
-            raise ValueError("stream: a batch's answer is not streamed")
+            raise field_error("stream", "a batch's answer is not streamed")
         return self
 
     def conversation(self, index: int) -> ChatCompletionRequest:

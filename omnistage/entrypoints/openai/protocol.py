@@ -14,8 +14,15 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from omnistage.stage.ar.sampling import MAX_LOGPROBS, MAX_N
+
+
+def field_error(field: str, reason: str) -> PydanticCustomError:
+    """A check across a body's fields that names the one at fault: the 400's ``param`` is
+    ``field`` (a model validator's own error has no field of its own: ``param`` null)."""
+    return PydanticCustomError("value_error", "{reason}", {"reason": reason, "field": field})
 
 
 class _Strict(BaseModel):
@@ -42,9 +49,10 @@ class _RequestBody(_Strict):
             merged = {k: v for k, v in data.items() if k != "extra_body"}
             for key, value in data["extra_body"].items():
                 if key in merged and merged[key] is not None and merged[key] != value:
-                    raise ValueError(  # never one of two values picked silently
+                    raise field_error(  # never one of two values picked silently
+                        key,
                         f"{key} is given at the top level and in extra_body with different "
-                        "values; give it once"
+                        "values; give it once",
                     )
                 if merged.get(key) is None:
                     merged[key] = value
@@ -132,7 +140,7 @@ class ImageFields(_Strict):
     def _one_size(self) -> ImageFields:
         sizes = (self.width, self.height)
         if self.size is not None and sizes != (None, None) and sizes != parse_size(self.size):
-            raise ValueError("size disagrees with width and height; give one")
+            raise field_error("size", "disagrees with width and height; give one")
         return self
 
     def image_params(self, seed: int | None) -> dict[str, Any]:

@@ -12,14 +12,20 @@ users' text as its prompt (vLLM-Omni's image generation through chat), each of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from omnistage.engine.outputs import OmniRequestOutput
-from omnistage.entrypoints.media import MediaPolicy, has_media_parts, load_messages
+from omnistage.entrypoints.media import (
+    MediaPolicy,
+    has_media_parts,
+    load_messages,
+    media_part_fields,
+)
 from omnistage.entrypoints.openai.chat_events import chat_events
 from omnistage.entrypoints.openai.chat_prompt import check_tools, needs_rendering, render_chat
 from omnistage.entrypoints.openai.chat_protocol import ChatCompletionRequest
@@ -36,6 +42,7 @@ from omnistage.entrypoints.openai.streams import (
     collect,
     fingerprint,
     merged,
+    named,
     primed,
     renamed,
 )
@@ -106,17 +113,48 @@ async def start_chat(
                 "num_outputs_per_prompt",
                 "is for pipelines that start with a diffusion stage; ask for samples with n",
             )
-        prompt, prompt_ids = await _chat_prompt(body, request, engine, modalities, tools)
+        namer = _body_namer(body)
+        try:
+            prompt, prompt_ids = await _chat_prompt(body, request, engine, modalities, tools)
+        except InvalidRequestError as exc:
+            raise named(exc, namer) from None
         if prompt_ids is not None and body.return_token_ids:
             ctx = dataclasses.replace(ctx, prompt_ids=prompt_ids)
         # As vLLM's chat: without a limit the answer may take the rest of the context (or
         # the stage's configured default), not SamplingParams' 16 tokens.
         sampling.setdefault("max_tokens", None)
         stream = engine.generate(prompt, sampling, modalities, **params)
+        stream = renamed(stream, namer)  # a refused medium or option named as the body has it
     voice = _voice_field(body)
     if voice is not None:  # a refused voice named as the body gave it
         stream = renamed(stream, {"audio_params.voice": voice}.get)
     return ctx, stream
+
+
+def _body_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    return [m.prompt_message() for m in body.messages]
+
+
+def _body_namer(body: ChatCompletionRequest) -> Callable[[str], str | None]:
+    """A stage's name for what the body gave, as the body has it: ``multi_modal_data[k]...``
+    (the prompt's ``k``-th medium) is the ``k``-th media part of the messages
+    (``messages.0.content.1.input_audio...``); a media option the body gave in
+    ``media_io_kwargs.video`` is named there, not as the ``mm_processor_kwargs`` it joins."""
+    fields = media_part_fields(_body_messages(body))
+    video = (body.media_io_kwargs or {}).get("video") or {}
+
+    def rename(field: str) -> str | None:
+        match = re.match(r"multi_modal_data\[(\d+)\](.*)", field)
+        if match is not None and int(match[1]) < len(fields):
+            return fields[int(match[1])] + match[2]
+        if field == "mm_processor_kwargs" and body.mm_processor_kwargs is None and video:
+            return "media_io_kwargs"
+        key = field.removeprefix("mm_processor_kwargs.")
+        if key != field and isinstance(video, dict) and key in video:
+            return f"media_io_kwargs.video.{key}"
+        return None
+
+    return rename
 
 
 def _voice_field(body: ChatCompletionRequest) -> str | None:
@@ -136,7 +174,7 @@ async def _chat_prompt(
 ) -> tuple[dict[str, Any], list[int] | None]:
     """The first stage's prompt: the messages with their media loaded, or their token ids
     where the HTTP layer renders them (``chat_prompt``)."""
-    messages = [m.prompt_message() for m in body.messages]
+    messages = _body_messages(body)
     prompt: dict[str, Any] = {"messages": messages}
     media: list[MediaItem] = []
     options = body.media_options()

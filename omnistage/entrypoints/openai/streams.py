@@ -47,10 +47,13 @@ async def renamed(stream: Stream, rename: Callable[[str], str | None]) -> Stream
             async for out in stream:
                 yield out
         except InvalidRequestError as exc:
-            name = rename(exc.field)
-            if name is None:
-                raise
-            raise type(exc)(name, getattr(exc, "reason", str(exc))) from None
+            raise named(exc, rename) from None
+
+
+def named(exc: InvalidRequestError, rename: Callable[[str], str | None]) -> InvalidRequestError:
+    """``exc`` with its field as ``rename`` gives it (itself where ``rename`` gives None)."""
+    name = rename(exc.field)
+    return exc if name is None else type(exc)(name, getattr(exc, "reason", str(exc)))
 
 
 async def primed(stream: Stream) -> Stream:

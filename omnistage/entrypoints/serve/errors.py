@@ -161,14 +161,26 @@ def _validation_message(errors: list[dict[str, Any]]) -> str:
                 "it does not implement is refused, never ignored)"
             )
         else:  # pydantic's type code too, as vLLM's handler shows it (clients match on it)
-            where = _field_path(error.get("loc", ()))
+            where = _own_field(error) or _field_path(error.get("loc", ()))
             parts.append(f"{where}: {error.get('msg')} [type={error.get('type')}]")
     return "; ".join(parts)
+
+
+def _own_field(error: dict[str, Any]) -> str | None:
+    """The field a model validator named (``protocol.field_error``), under the error's own
+    location (a batch's conversation, a message)."""
+    field = (error.get("ctx") or {}).get("field")
+    if not isinstance(field, str):
+        return None
+    loc = [str(part) for part in error.get("loc", ())[1:]]
+    return ".".join([*loc, field])
 
 
 def _validation_param(errors: list[dict[str, Any]]) -> str | None:
     """The first offending field without its location prefix (``body.stage_ids`` → ``stage_ids``)."""
     for error in errors:
+        if _own_field(error):  # a check across fields names the one at fault
+            return _own_field(error)
         loc = [part for part in error.get("loc", ()) if not isinstance(part, int)]
         if len(loc) > 1 and error.get("type") != "json_invalid":
             return _field_path(loc[1:])

@@ -162,9 +162,15 @@ async def collective_rpc(body: RpcBody, engine: EngineClientDep) -> dict[str, An
 # -- KV cache and weight transfer -----------------------------------------------------------
 
 
+class NoFields(BaseModel):
+    """A body with nothing in it (``{}``), or none: a field is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 @router.post("/release_kv_cache_memory", response_model_exclude_none=True)
 async def release_kv_cache_memory(
-    engine: EngineClientDep, states: StageStatesDep
+    engine: EngineClientDep, states: StageStatesDep, body: NoFields | None = None
 ) -> OmniControlResponse:
     """vLLM's KV-only release: every stage with a KV cache drops it, its weights staying
     resident, and stops scheduling (requests in flight are kept and resume) until ``POST

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 from fastapi import APIRouter
+from pydantic import BaseModel, model_validator
 
+from omnistage.entrypoints.openai.protocol import field_error
 from omnistage.errors import (
     InvalidRequestError,
     SleepModeDisabledError,
@@ -84,6 +86,38 @@ def test_asleep_reply_names_every_sleeping_stage(client_for: ClientFactory) -> N
 def test_invalid_request_names_the_param(client_for: ClientFactory) -> None:
     reply = client_for(FakeEngine(), extra_routers=[_raising_router()]).get("/raise/invalid")
     assert reply.json()["error"]["param"] == "max_tokens"
+
+
+class _Inner(BaseModel):
+    a: int = 0
+    b: int = 0
+
+    @model_validator(mode="after")
+    def _agree(self) -> _Inner:
+        if self.a != self.b:
+            raise field_error("b", "differs from a; give one")
+        return self
+
+
+class _Outer(BaseModel):
+    items: list[_Inner]
+
+
+def test_a_check_across_fields_names_the_field_at_fault(client_for: ClientFactory) -> None:
+    """A model validator's error has no field of its own (``param`` was null); one raised
+    with ``field_error`` names its field, under the error's location in the body."""
+    router = APIRouter()
+
+    @router.post("/check")
+    async def check(body: _Outer) -> None:
+        return None
+
+    client = client_for(FakeEngine(), extra_routers=[router])
+    reply = client.post("/check", json={"items": [{"a": 1, "b": 1}, {"a": 1, "b": 2}]})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "items.1.b", error
+    assert error["message"].startswith("items.1.b: differs from a; give one"), error
 
 
 def test_engine_sleep_mode_disabled_detail_names_sleep_and_wake_up(
