@@ -196,6 +196,13 @@ class StageConfig(_Frozen):
         "tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is refused up "
         "front (400) instead of filling the server's memory with one reply.",
     )
+    max_request_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="AR: most tokens one request may ask the stage to hold, n x (prompt "
+        "tokens + max_tokens, or the rest of the context without it); more is refused up "
+        "front (400). None: bounded by n and max_model_len only.",
+    )
     override_generation_config: dict[str, Any] = Field(
         default_factory=dict,
         description="AR: default sampling parameters of this stage's requests over the "

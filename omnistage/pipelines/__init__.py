@@ -42,6 +42,7 @@ _STAGE_OVERRIDES = frozenset(
         "enable_prefix_caching",
         "encoder_cache_mb",
         "max_answer_logprobs",
+        "max_request_tokens",
         "attention_backend",
         "idle_sleep_s",
         "idle_sleep_level",

@@ -117,6 +117,13 @@ class ServerConfig(MediaSettings):
         "(prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is "
         "refused up front with a 400 (default: 1000000).",
     )
+    max_request_tokens: int | None = Field(
+        default=None,
+        gt=0,
+        description="AR stages: most tokens one request may ask a stage to hold, n x (prompt "
+        "tokens + max_tokens); more is refused up front with a 400 (default: no bound beyond "
+        "n and max_model_len).",
+    )
     enable_prefix_caching: bool | None = Field(
         default=None,
         description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
@@ -285,6 +292,7 @@ class ServerConfig(MediaSettings):
             "kv_cache_bytes": self.kv_cache_memory,
             "enable_prefix_caching": self.enable_prefix_caching,
             "max_answer_logprobs": self.max_answer_logprobs,
+            "max_request_tokens": self.max_request_tokens,
             "attention_backend": self.attention_backend,
         }
         if self.enable_sleep_mode:

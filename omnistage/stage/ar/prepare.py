@@ -171,6 +171,26 @@ class ARRequestPreparer:
             "tokens or logprobs",
         )
 
+    def _refuse_too_much_work(self, params: SamplingParams, prompt_tokens: int) -> None:
+        """Refuse a request that would hold more than ``max_request_tokens`` tokens of the
+        stage: its ``n`` samples, each its prompt and ``max_tokens`` (the rest of the
+        context without it). The scheduler's fair share keeps other requests served beside
+        it; this bounds how long one request may occupy its share."""
+        limit = self.config.max_request_tokens
+        if limit is None:
+            return
+        max_tokens = params.max_tokens or self.info.max_model_len - prompt_tokens
+        tokens = params.n * (prompt_tokens + max_tokens)
+        if tokens <= limit:
+            return
+        field = "n" if params.n > 1 else "max_tokens"
+        raise InvalidRequestError(
+            field if self.params_field == "sampling_params" else f"{self.params_field}.{field}",
+            f"the request would hold {tokens} tokens (n={params.n} x ({prompt_tokens} prompt "
+            f"tokens + {max_tokens} max_tokens)), over max_request_tokens={limit} "
+            "(--max-request-tokens): ask for fewer samples or tokens",
+        )
+
     def prepare(
         self, prompt: Mapping[str, Any], options: RequestOptions, wants: Wants
     ) -> ARStageRequest:
@@ -215,6 +235,7 @@ class ARRequestPreparer:
                 )
         params = self.sampling_params(options)
         self._refuse_oversized_answer(params, len(token_ids))
+        self._refuse_too_much_work(params, len(token_ids))
         return ARStageRequest(
             prompt_token_ids=token_ids,
             sampling_params=params,

@@ -15,6 +15,10 @@ beyond its share (``max_num_seqs`` over the requests running, plus the waiting o
 request's newest sequences are preempted — behind the newcomer — until the newcomer fits. A
 request of ``n = max_num_seqs`` long samples thus cannot make a 2-token request wait for all
 of them; its preempted samples resume (recomputing their KV, same tokens) once there is room.
+The same holds when the KV cache, not the slots, runs out: a request with nothing running
+goes before the samples other requests had preempted (their excess, waiting first in line),
+and a decode that runs out of blocks preempts the newest sequence of the request holding
+the most, never a newcomer beside it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Scheduler:
         num_batched_tokens = 0
         num_slots = len(self.running)
         computing: set[bytes] = set()  # prefix blocks this step's prefills compute
+        self._newcomers_first()
         while self.waiting:
             seq = self.waiting[0]
             if not seq.is_ready:
@@ -84,17 +89,45 @@ class Scheduler:
         while self.running:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())
-                else:
+                victim = self._decode_victim(seq, scheduled)
+                if victim is seq:
                     self.preempt(seq)
                     break
+                self.running.remove(victim)
+                self.preempt(victim)
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
         self.running.extend(idle)
         return scheduled, False
+
+    def _newcomers_first(self) -> None:
+        """Fair share in line: when the first waiting sequence belongs to a request that has
+        sequences running (its excess, preempted), the ready sequences of requests with
+        nothing running go before it, each group in its own order."""
+        if len(self.waiting) < 2 or not self.running:
+            return
+        running = {s.request_id for s in self.running}
+        if self.waiting[0].request_id not in running:
+            return
+        first = [s for s in self.waiting if s.request_id not in running and s.is_ready]
+        if first:
+            chosen = {id(s) for s in first}
+            self.waiting = deque(first + [s for s in self.waiting if id(s) not in chosen])
+
+    def _decode_victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence:
+        """The sequence to preempt when ``seq`` needs a block none is free for: the newest
+        not yet scheduled this step of the request holding the most sequences (``seq``
+        itself when that is its own request and none of its others is left)."""
+        counts = Counter(s.request_id for s in (*self.running, *scheduled, seq))
+        for request_id, _ in counts.most_common():
+            for other in reversed(self.running):
+                if other.request_id == request_id:
+                    return other
+            if request_id == seq.request_id:
+                return seq
+        return seq
 
     def _fits(self, seq: Sequence, slots: int) -> bool:
         return len(self.running) + slots <= self.max_num_seqs and self.block_manager.can_allocate(

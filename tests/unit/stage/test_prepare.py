@@ -168,6 +168,31 @@ def test_an_answer_too_big_for_max_answer_logprobs_is_refused_up_front():
     prepare(ar, prompt, sampling_params={"n": 64, "max_tokens": 4000})
 
 
+def test_a_request_over_max_request_tokens_is_refused_naming_n_or_max_tokens():
+    """n=32 x (900 + 3000) tokens held one stage's slots for minutes; an operator bounds it."""
+    folder = ensure_preset("demo", cache_dir() / "demo")
+    config = StageConfig(stage_id=0, kind="ar", model=str(folder), max_request_tokens=20_000)
+    ar = ARRequestPreparer(config, ARStageInfo(vocab_size=512, max_model_len=4096))
+    with pytest.raises(InvalidRequestError, match="max_request_tokens=20000") as refused:
+        prepare(ar, "hi", sampling_params={"n": 32, "max_tokens": 3000, "ignore_eos": True})
+    assert refused.value.field == "n"
+    with pytest.raises(InvalidRequestError, match="--max-request-tokens"):
+        prepare(ar, "hi", sampling_params={"n": 8, "max_tokens": None})  # the rest of the context
+    small = ARRequestPreparer(
+        StageConfig(stage_id=0, kind="ar", model=str(folder), max_request_tokens=1000),
+        ARStageInfo(vocab_size=512, max_model_len=4096),
+    )
+    with pytest.raises(InvalidRequestError) as refused:
+        prepare(small, "hi", sampling_params={"n": 1, "max_tokens": 2000})
+    assert refused.value.field == "max_tokens"
+    prepare(ar, "hi", sampling_params={"n": 4, "max_tokens": 3000})  # 4 x (prompt + 3000)
+    unbounded = ARRequestPreparer(
+        StageConfig(stage_id=0, kind="ar", model=str(folder)),
+        ARStageInfo(vocab_size=512, max_model_len=4096),
+    )
+    prepare(unbounded, "hi", sampling_params={"n": 32, "max_tokens": 3000})  # no bound set
+
+
 def test_max_tokens_none_is_the_stages_default_else_no_limit(ar):
     """A chat without a limit sends ``max_tokens: None`` (vLLM's chat: the rest of the
     context); a stage default (``override_generation_config``) still bounds it; a request

@@ -83,3 +83,32 @@ def test_a_newcomer_too_big_for_any_fair_share_preempts_nothing(micro):
     run_all(engine, samples)
     assert engine.scheduler.num_preemptions == 0
     assert len([key for key in samples if key[0] == "b"]) == MAX_NUM_SEQS
+
+
+def test_a_short_request_is_not_held_behind_samples_the_kv_cache_preempted(micro):
+    """When the KV cache, not the slots, runs out, a big request's decode preempts its own
+    samples and they wait first in line; a newcomer behind them once waited until the other
+    samples finished (a 2-token chat 290 s beside n=32 x 3000 tokens). A request with
+    nothing running goes before another's preempted excess, and a decode that runs out
+    preempts the newest sample of the request holding the most, not the newcomer."""
+    alone: dict = {}
+    engine = make_engine(micro, max_num_seqs=MAX_NUM_SEQS)
+    engine.add_request(ARRequest("big", [5, 6, 7, 8], BIG))
+    run_all(engine, alone)
+
+    engine = make_engine(micro, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=20 * 8192)
+    assert engine.scheduler.block_manager.num_blocks <= 20  # 8 samples x 124 tokens need 64
+    samples: dict = {}
+    engine.add_request(ARRequest("big", [5, 6, 7, 8], BIG))
+    while engine.scheduler.num_preemptions < 8:  # the cache ran out: samples wait in line
+        step_into(engine, samples)
+    assert engine.scheduler.waiting
+    engine.add_request(ARRequest("probe", [9, 8, 7], greedy(4)))
+    steps = 0
+    while "probe" not in step_into(engine, samples):
+        steps += 1
+        assert steps < 10, "the probe waited behind the preempted samples"
+    run_all(engine, samples)
+    big = {key: tokens for key, tokens in samples.items() if key[0] == "big"}
+    assert big == alone  # preempted samples resume with the tokens they would have had
+    assert len(samples[("probe", 0)]) == 4
