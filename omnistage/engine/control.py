@@ -131,7 +131,13 @@ class StageControl:
                 await self.gate.drain_bound(ids, timeout_s)
             except TimeoutError as exc:
                 results = dict.fromkeys(ids, exc)
-        if not results:
+        if not results and op.mode == "wait":
+            # A stage fed by another of this sleep drains after it: its requests end only
+            # when their input has stopped coming (a streamed edge), so its drain timeout
+            # counts from then, not from the upstream stage's own drain.
+            for wave in self._upstream_first(ids):
+                results.update(await self._call_each(wave, op))
+        elif not results:
             results = await self._call_each(ids, op)
         acks = {sid: as_acks(sid, results[sid], level=op.level, mode=op.mode) for sid in ids}
         elapsed_ms = (time.perf_counter() - start) * 1e3
@@ -152,6 +158,20 @@ class StageControl:
         self.notify("sleep", flat)
         raise_if_gone(results)
         return flat
+
+    def _upstream_first(self, ids: list[int]) -> list[list[int]]:
+        """``ids`` in waves: a stage after every stage of ``ids`` upstream of it (input_from
+        names an earlier stage, so one pass in stage order finds each one's depth)."""
+        by_id = {s.stage_id: s for s in self.config.stages}
+        depth: dict[int, int] = {}
+        for sid in sorted(ids):
+            up, deepest = by_id[sid].input_from, 0
+            while up is not None:
+                if up in depth:
+                    deepest = max(deepest, depth[up] + 1)
+                up = by_id[up].input_from
+            depth[sid] = deepest
+        return [[s for s in ids if depth[s] == d] for d in sorted(set(depth.values()))]
 
     async def wake_up(
         self,

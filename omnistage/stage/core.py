@@ -329,10 +329,15 @@ class StageCore:
             return [*self._flush(), value_result(pending.call_id, result)]
         if time.monotonic() > pending.deadline:
             self._pending = None
+            holders = list(getattr(self.engine, "drain_holders", list)())
             self.engine.resume()
+            named = ", ".join(holders[:5]) + (
+                f" and {len(holders) - 5} more" if holders[5:] else ""
+            )
             timeout = TimeoutError(
-                f"sleep(mode='wait') gave up: requests still running after {pending.timeout_s:g}s; "
-                "raise drain_timeout_s or sleep with mode 'abort' or 'keep'"
+                f"sleep(mode='wait') gave up: requests still running after {pending.timeout_s:g}s"
+                + (f" ({named})" if named else "")
+                + "; raise drain_timeout_s or sleep with mode 'abort' or 'keep'"
             )
             return [error_result(pending.call_id, timeout)]
         return []

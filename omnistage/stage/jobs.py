@@ -375,6 +375,10 @@ class JobEngine(StageEngineBase[W], Generic[W, R]):
     def is_drained(self) -> bool:
         return not self._drain_ids
 
+    def drain_holders(self) -> list[str]:
+        """The requests ``is_drained`` still waits for (a ``wait`` sleep's error names them)."""
+        return sorted(self._drain_ids)
+
     def status(self) -> dict[str, Any]:
         return {
             **self.control_status(),

@@ -364,6 +364,11 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         prompt too) or running."""
         return not (self.scheduler.has_unfinished() or self._awaiting)
 
+    def drain_holders(self) -> list[str]:
+        """The requests ``is_drained`` still waits for (a ``wait`` sleep's error names them)."""
+        seqs = [*self.scheduler.running, *self.scheduler.waiting]
+        return sorted({s.request_id for s in seqs} | set(self._awaiting))
+
     def _drop_memory_state(self) -> int:
         # KV contents die with the memory: whatever still holds blocks recomputes later.
         preempted = self.scheduler.preempt_all()

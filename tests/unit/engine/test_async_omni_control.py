@@ -335,3 +335,27 @@ async def test_a_request_for_a_paused_stage_waits_within_its_timeout_then_is_ref
     waiting.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await waiting
+
+
+async def test_a_wait_sleep_drains_a_stage_after_the_stages_feeding_it():
+    """Under a streamed edge the downstream stage's requests end only when their input stops:
+    sleeping both with ``wait`` at once timed the downstream out while the upstream still
+    drained (code2wav ERROR after 30 s, talker SUCCESS). Upstream first; other modes at once."""
+    omni, stages = make_omni()
+    for stage in stages:
+        stage.hold = {"sleep"}
+    sleep = asyncio.ensure_future(omni.sleep([0, 1], level=1, mode="wait"))
+    await turns()
+    assert [len(s.calls("sleep")) for s in stages] == [1, 0]  # the image stage waits its turn
+    stages[0].release("sleep")
+    await turns()
+    assert [len(s.calls("sleep")) for s in stages] == [1, 1]
+    stages[1].release("sleep")
+    assert [ack["status"] for ack in await sleep] == ["SUCCESS", "SUCCESS"]
+    await omni.wake_up([0, 1])
+    keep = asyncio.ensure_future(omni.sleep([0, 1], level=1, mode="keep"))
+    await turns()
+    assert [len(s.calls("sleep")) for s in stages] == [2, 2]  # no drain: both at once
+    for stage in stages:
+        stage.release("sleep")
+    await keep

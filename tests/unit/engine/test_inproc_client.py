@@ -83,7 +83,7 @@ async def test_sleep_with_wait_replies_after_the_drain(client):
 
 async def test_wait_drain_gives_up_after_the_timeout_and_resumes(client):
     q = client.add_request("slow", ar_request(max_tokens=400, ignore_eos=True))
-    with pytest.raises(TimeoutError, match="drain_timeout_s"):
+    with pytest.raises(TimeoutError, match=r"after 0.05s \(slow\); raise drain_timeout_s"):
         await client.call(ops.Sleep(level=1, mode="wait", drain_timeout_s=0.05))
     status = await client.call(ops.Status())
     assert not status["is_sleeping"]
