@@ -202,8 +202,11 @@ class RequestRouter:
         request = await self._prepare_first(chain[0], fields, options, chain)
         del prompt, fields  # decoded media are inputs now: not held while the request runs
         # Later stages learn that this request is on its way, so a sleep of one of them can
-        # treat it by the sleep's mode when it gets there (see admission.py).
+        # treat it by the sleep's mode when it gets there (see admission.py). Checked again
+        # first, with no await in between: a sleep that began while the prompt was prepared
+        # drained without counting this request, which must not go in behind its back.
         bound = set(chain[1:])
+        self.gate.check_available(chain)
         self.gate.add_bound(bound)
         # What a stage left for the next one and no stage has taken yet: (its stage, where).
         pending: list[tuple[int, HandoffRef]] = []

@@ -359,3 +359,30 @@ async def test_a_wait_sleep_drains_a_stage_after_the_stages_feeding_it():
     for stage in stages:
         stage.release("sleep")
     await keep
+
+
+async def test_a_sleep_that_begins_while_a_prompt_is_prepared_refuses_it_before_any_stage():
+    """The request passed its availability check, then its prompt was prepared (an await)
+    while a wait sleep of the image stage began and drained (nothing was bound for it yet).
+    It then went in and failed mid-stream at the sleeping stage: admission and the drain
+    disagreed on who was in. Now it is counted as bound at once after a second check."""
+    omni, stages = make_omni()
+    router = omni.router
+    prepared, go_on = asyncio.Event(), asyncio.Event()
+    prepare_first = router._prepare_first
+
+    async def slow_prepare(*args: Any, **kwargs: Any) -> Any:
+        request = await prepare_first(*args, **kwargs)
+        prepared.set()
+        await go_on.wait()
+        return request
+
+    router._prepare_first = slow_prepare  # type: ignore[method-assign]
+    first = asyncio.ensure_future(anext(omni.generate("hi", modalities=["image"], request_id="r")))
+    await asyncio.wait_for(prepared.wait(), 5)
+    acks = await omni.sleep([1], level=1, mode="wait")
+    assert acks[0]["status"] == "SUCCESS"
+    go_on.set()
+    with pytest.raises(StageAsleepError):
+        await asyncio.wait_for(first, 5)  # before: submitted to the thinker, failing later
+    assert not any(isinstance(m, AddRequest) for m in stages[0].sent)  # refused up front
