@@ -129,6 +129,8 @@ class AdmissionGate:
                 if s.paused:
                     await self._wait_for_resume(stage_id)
                     self._raise_if_unavailable(stage_id)
+            else:  # let in by a wait sleep's drain, unless its process died meanwhile
+                self.check_alive(stage_id)
             s.admitting += 1
             if bound:
                 s.bound -= 1

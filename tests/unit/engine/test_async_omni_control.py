@@ -386,3 +386,24 @@ async def test_a_sleep_that_begins_while_a_prompt_is_prepared_refuses_it_before_
     with pytest.raises(StageAsleepError):
         await asyncio.wait_for(first, 5)  # before: submitted to the thinker, failing later
     assert not any(isinstance(m, AddRequest) for m in stages[0].sent)  # refused up front
+
+
+async def test_a_request_let_in_by_a_wait_drain_meets_a_restarting_stage_as_restarting():
+    """A stage killed during a wait sleep's drain: the requests on their way to it were let
+    in by the drain and reached a dead client (stage_dead, no Retry-After, for 2.6 s) while
+    the server was restarting it (stage_restarting elsewhere). They are told it restarts."""
+    from omnistage.errors import StageRestartingError
+
+    gate = AdmissionGate(2)
+    gate.add_bound([1])  # a request in the thinker, on its way to stage 1
+    gate.begin_transition([1], "sleeping", level=1)
+    await gate.close_and_drain_admission([1], sleep_mode="wait")
+    drain = asyncio.ensure_future(gate.drain_bound([1], 30))
+    await turns()
+    assert gate.stages[1].admits_bound
+    gate.mark_dead(1, "killed by SIGKILL", restarting=True)
+    with pytest.raises(StageRestartingError):
+        async with gate.admit(1, bound=True):
+            pass
+    gate.release_bound([1])  # the refused request leaves the pipeline
+    await asyncio.wait_for(drain, 1)
