@@ -100,9 +100,10 @@ _ORDER = (  # `all` runs them in this order
         "through a real server: a chat's latency beside 64 clients, hostile requests and a "
         "request holding every slot, against the idle server; a killed stage's restart "
         "against a cold start; the API process's peak RSS and a chat's latency beside media "
-        "small on the wire and huge decoded; streamed speech while the talker sleeps with "
-        "keep at random moments.",
-        "about 4 minutes",
+        "small on the wire and huge decoded (with the default and a 256 MiB bound on "
+        "decoded media in flight); streamed speech while the talker sleeps with keep at "
+        "random moments.",
+        "about 5 minutes",
     ),
     Benchmark(
         "rollouts",

@@ -184,6 +184,9 @@ def run(out_dir: str, device: str = "cpu") -> str:
     ) as omni:
         media = robustness_media.bench_media(omni)
         speech = robustness_media.bench_speech(omni)
+    budget = ("--max-media-decoded-bytes-in-flight", robustness_media.BUDGET)
+    with Server("--pipeline", "tiny-qwen2.5-omni", "--device", device, *budget) as omni:
+        media += robustness_media.bench_media(omni, budgeted=True)
     name = device.replace(":", "")
     tables = [
         write_results(out_dir, f"fairness-{name}", fairness, COLUMNS),

@@ -129,13 +129,24 @@ async def _chats_beside(url: str, bodies: list[dict[str, Any]]) -> tuple[list[fl
         return latencies, [r.status_code for r in await heavy]
 
 
-def bench_media(server: Served) -> list[dict[str, Any]]:
+BUDGET = "256MiB"  # --max-media-decoded-bytes-in-flight of the second server
+
+
+def bench_media(server: Served, budgeted: bool = False) -> list[dict[str, Any]]:
+    """The cases on ``server``; ``budgeted``: the server holds at most ``BUDGET`` of decoded
+    media at once (two of the FLACs), and only the idle and FLAC cases run."""
+    flacs = [_audio_chat(flac_bomb(), "flac")] * 8
     cases = [
         ("idle server", []),
-        ("8 FLACs of 600 s at 48 kHz at once", [_audio_chat(flac_bomb(), "flac")] * 8),
+        ("8 FLACs of 600 s at 48 kHz at once", flacs),
         ("8 videos of 60 s in 4K at once", [_video_chat(video_bomb())] * 8),
         ("8 WAVs of 10 s at 16 kHz at once (served)", [_audio_chat(wav(), "wav")] * 8),
     ]
+    if budgeted:
+        cases = [
+            (f"idle server, decoded media at most {BUDGET}", []),
+            (f"8 FLACs of 600 s at 48 kHz at once, at most {BUDGET}", flacs),
+        ]
     rows: list[dict[str, Any]] = []
     for case, bodies in cases:
         with PeakRSS(server.process.pid) as rss:

@@ -176,10 +176,14 @@ def rgb_image(image: Image) -> Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def mono_audio(samples: np.ndarray, rate: int) -> Audio:
-    """Float samples ``[frames, channels]`` (or ``[frames]``) as mono float32 in [-1, 1]."""
+def mono_audio(samples: np.ndarray, rate: int, *, in_place: bool = False) -> Audio:
+    """Float samples ``[frames, channels]`` (or ``[frames]``) as mono float32 in [-1, 1];
+    ``in_place``: a decoder's own float32 buffer is clipped where it is (no second copy)."""
     mono = samples.mean(axis=1) if samples.ndim == 2 else samples
-    return Audio(np.clip(mono.astype(np.float32, copy=False), -1.0, 1.0), int(rate))
+    mono = mono.astype(np.float32, copy=False)
+    if in_place and mono.flags.writeable:
+        return Audio(np.clip(mono, -1.0, 1.0, out=mono), int(rate))
+    return Audio(np.clip(mono, -1.0, 1.0), int(rate))
 
 
 def _is_pil(value: Any) -> bool:

@@ -340,6 +340,26 @@ class OmniPromptProcessor:
     def prepare_all(self, media: list[MediaItem], opts: Options, field: str) -> list[Prepared]:
         raise NotImplementedError
 
+    def audio_tokens(self, frames: int) -> int:
+        """Placeholder tokens of ``frames`` log-mel frames (the family's encoder's)."""
+        raise NotImplementedError
+
+    def min_tokens(self, media: list[MediaItem]) -> int:
+        """A lower bound of the tokens ``media`` expand to, from their lengths alone: what
+        refuses an audio too long for the context before it is resampled and featurized
+        (10 minutes of audio are hundreds of MB of features). Audio only."""
+        total = 0
+        rate, hop = int(self.features.sampling_rate), int(self.features.hop_length)
+        for item in media:
+            value = item.value
+            if item.modality != "audio" or not isinstance(value, Audio):
+                continue
+            if value.sampling_rate <= 0:
+                continue  # refused, naming it, when processed
+            samples = len(value.samples) * rate // value.sampling_rate - 1  # resampled, at least
+            total += max(0, self.audio_tokens(max(0, samples) // hop))
+        return total
+
     def process(
         self,
         token_ids: list[int],

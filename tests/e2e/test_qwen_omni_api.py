@@ -37,7 +37,9 @@ MODEL = "tiny-qwen2.5-omni"  # the checkpoint folder's name: the served model's
 @pytest.fixture(scope="module")
 def server():
     folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model  # built on first use
-    with running_server("--model", folder, "--enable-sleep-mode") as server:
+    # The decoded media of all requests at once: room for one 48 kHz FLAC of 200 s (38 MB).
+    budget = ["--max-media-decoded-bytes-in-flight", "64MiB"]
+    with running_server("--model", folder, "--enable-sleep-mode", *budget) as server:
         yield server
 
 
@@ -293,6 +295,39 @@ def test_the_400_names_the_field_as_the_body_has_it(server, change, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_decoded_media_leave_the_budget_once_their_prompt_is_prepared(server):
+    """Each 200 s FLAC decodes to 38 MB, the budget holds 64 MB: one after another they are
+    all answered at once (a request's decoded samples leave the budget when its prompt has
+    been prepared, here refused as too long); four at once wait their turns; one larger than
+    the budget is a 400 naming it."""
+    import numpy as np
+    import soundfile
+
+    def flac(seconds: float) -> dict:
+        out = io.BytesIO()
+        soundfile.write(out, np.zeros(int(seconds * 48000), np.float32), 48000, format="FLAC")
+        data = base64.b64encode(out.getvalue()).decode()
+        return {"type": "input_audio", "input_audio": {"data": data, "format": "flac"}}
+
+    def ask(part: dict) -> httpx.Response:
+        body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+    part = flac(200)
+    for _ in range(3):
+        started = time.monotonic()
+        reply = ask(part)
+        assert reply.status_code == 400 and "context length" in reply.text, reply.text
+        assert time.monotonic() - started < 20  # never the 30 s wait for room
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, [part] * 4))
+    assert [r.status_code for r in replies] == [400] * 4, [r.text for r in replies]
+    assert all("context length" in r.text for r in replies)
+    too_big = ask(flac(400))  # 77 MB
+    assert too_big.status_code == 400, too_big.text
+    assert "--max-media-decoded-bytes-in-flight" in too_big.json()["error"]["message"]
 
 
 def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):

@@ -86,7 +86,7 @@ def decode_audio(raw: bytes, where: str, policy: MediaPolicy) -> Audio:
                 samples.add(block.mean(axis=1) if block.shape[1] > 1 else block[:, 0])
                 if len(block) < size:
                     break
-            return mono_audio(samples.whole(), rate)
+            return mono_audio(samples.whole(), rate, in_place=True)
 
     return decoding(where, "audio", run)
 
@@ -103,7 +103,19 @@ class _Samples:
         self.limit = min(int(policy.max_audio_seconds * rate), policy.max_audio_decoded_bytes // 4)
         if header is not None:
             self._check(header)
-        self.buffer = np.empty(header or 0, np.float32)
+        self.buffer = np.empty(0, np.float32)
+        if header:  # counted against the server's budget before it is allocated
+            budget = policy.budget
+            if budget is not None:
+                budget.take(header * 4, where)
+            try:
+                self.buffer = np.empty(header, np.float32)
+            except BaseException:
+                if budget is not None:
+                    budget.give_back(header * 4)
+                raise
+            if budget is not None:
+                budget.attach(self.buffer, header * 4)
         self.spilled: list[np.ndarray] = []
         self.total = 0
 
@@ -170,7 +182,7 @@ def audio_track(raw: bytes, where: str, policy: MediaPolicy, what: str) -> Audio
         for frame in container.decode(stream):
             add(resampler.resample(frame))
         add(resampler.resample(None))
-        return mono_audio(samples.whole(), rate)
+        return mono_audio(samples.whole(), rate, in_place=True)
 
 
 def decode_image(raw: bytes, where: str, policy: MediaPolicy) -> Image:

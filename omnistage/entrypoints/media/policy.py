@@ -12,6 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from omnistage.entrypoints.media.budget import DecodedBudget
 from omnistage.errors import InvalidRequestError
 from omnistage.models.media import MODALITIES
 
@@ -40,6 +41,9 @@ class MediaPolicy:
     max_video_decoded_bytes: int = 1024 * 1024 * 1024
     max_audio_decoded_bytes: int = 600 * 48000 * 4
     decode_workers: int = 2
+    # Decoded bytes held across requests (``--max-media-decoded-bytes-in-flight``): the
+    # server's one budget, shared by its requests; None: unbounded (the Python API).
+    budget: DecodedBudget | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, cfg: ServerConfig) -> MediaPolicy:
@@ -59,6 +63,7 @@ class MediaPolicy:
             max_video_decoded_bytes=cfg.max_video_decoded_bytes,
             max_audio_decoded_bytes=cfg.max_audio_decoded_bytes,
             decode_workers=cfg.media_decode_workers,
+            budget=DecodedBudget(cfg.max_media_decoded_bytes_in_flight),
         )
 
 

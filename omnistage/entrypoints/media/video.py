@@ -89,7 +89,7 @@ def _sample_frames(
         else:
             step = 1.0 / fps
         max_decoded = math.ceil((seconds or policy.max_video_seconds) * MAX_DECODED_FPS) + 1
-        picked = _Frames(count)
+        picked = _Frames(count, policy, where)
         size: tuple[int, int] | None = None
         start: float | None = None
         previous: tuple[float, Any] | None = None
@@ -139,20 +139,35 @@ class _Frames:
     """The sampled frames: written into one array of ``count`` frames when the header says
     how many (the peak is the frames once, not a list of them and its stacked copy)."""
 
-    def __init__(self, count: int | None) -> None:
+    def __init__(self, count: int | None, policy: MediaPolicy, where: str) -> None:
         self.count = count
         self.array: np.ndarray | None = None
         self.items: list[np.ndarray] = []
         self.num = 0
+        self.budget, self.where = policy.budget, where
 
     def add(self, image: np.ndarray) -> None:
         if self.count is not None and self.num < self.count:
             if self.array is None:
-                self.array = np.empty((self.count, *image.shape), np.uint8)
+                self.array = self._allocate((self.count, *image.shape))
             self.array[self.num] = image
         else:
             self.items.append(image)
         self.num += 1
+
+    def _allocate(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The frames' array, counted against the server's budget before it is allocated."""
+        nbytes = int(np.prod(shape))
+        if self.budget is None:
+            return np.empty(shape, np.uint8)
+        self.budget.take(nbytes, self.where)
+        try:
+            array = np.empty(shape, np.uint8)
+        except BaseException:
+            self.budget.give_back(nbytes)
+            raise
+        self.budget.attach(array, nbytes)
+        return array
 
     def whole(self) -> np.ndarray:
         if self.array is not None and not self.items:

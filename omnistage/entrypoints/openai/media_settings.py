@@ -109,6 +109,14 @@ class MediaSettings(BaseModel):
         "a small file of a high rate cannot swell the server (units such as '256MiB' "
         "accepted; default: 600 s at 48 kHz, about 110 MiB).",
     )
+    max_media_decoded_bytes_in_flight: ByteCount = Field(
+        default=1024 * 1024 * 1024,
+        gt=0,
+        description="Most memory the decoded media of all requests may take at once in the "
+        "API process, from their decoding until their prompts are prepared; a request that "
+        "would pass it waits for room (30 s, then a 429), one larger than it is a 400 "
+        "(units such as '512MiB' accepted; default 1 GiB).",
+    )
     media_decode_workers: int = Field(
         default=2,
         ge=1,

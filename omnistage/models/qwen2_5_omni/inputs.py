@@ -80,6 +80,9 @@ class Qwen25OmniPromptProcessor(OmniPromptProcessor):
 
     # -- media ----------------------------------------------------------------------------
 
+    def audio_tokens(self, frames: int) -> int:
+        return audio_output_length(min(frames, self.features.nb_max_frames))
+
     def audio_features(self, audio: Any, where: str) -> torch.Tensor:
         """``[mel, frames]``: the unpadded log-mel frames of ``audio``."""
         samples = self._samples(audio, where)

@@ -115,6 +115,9 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
 
     # -- media ----------------------------------------------------------------------------
 
+    def audio_tokens(self, frames: int) -> int:
+        return audio_output_length(frames, self.settings.audio_n_window)
+
     def resampled(self, audio: Any, where: str) -> np.ndarray:
         """``audio``'s samples at the feature extractor's rate (float32)."""
         samples = self._samples(audio, where)

@@ -144,6 +144,26 @@ class ARRequestPreparer:
                 "characters with this tokenizer). Please reduce the length of the prompt.",
             )
 
+    def _refuse_media_surely_too_long(
+        self, processor: PromptProcessor, token_ids: list[int], media: list[MediaItem]
+    ) -> None:
+        """Refuse, before its media are processed, a prompt whose media alone surely pass
+        ``max_model_len`` (the family's ``min_tokens``, from their lengths): featurizing ten
+        minutes of audio to refuse it after took hundreds of MB and a core for seconds."""
+        least = getattr(processor, "min_tokens", None)
+        if least is None:
+            return
+        tokens = len(token_ids) + int(least(media))
+        if tokens >= self.info.max_model_len:
+            raise ContextLengthError(
+                "prompt",
+                f"This model's maximum context length is {self.info.max_model_len} tokens. "
+                f"However, you requested at least {tokens} tokens in the prompt (its media "
+                f"alone expand to {tokens - len(token_ids)} or more), which leave no room to "
+                f"generate within max_model_len={self.info.max_model_len}. Please reduce the "
+                "length of the prompt.",
+            )
+
     def _refuse_oversized_answer(self, params: SamplingParams, prompt_tokens: int) -> None:
         """Refuse a request whose logprobs alone would make an answer of hundreds of MB (one
         reply could take the API process's memory): ``n`` copies of a logprob entry per
@@ -215,7 +235,9 @@ class ARRequestPreparer:
         processed = None
         if media:  # placeholders expanded, encoder inputs and positions, as the model wants
             kwargs = check_mapping(prompt.get("mm_processor_kwargs"), "mm_processor_kwargs")
-            processed = self.prompt_processor().process(token_ids, media, dict(kwargs))
+            processor = self.prompt_processor()
+            self._refuse_media_surely_too_long(processor, token_ids, media)
+            processed = processor.process(token_ids, media, dict(kwargs))
             token_ids = processed.token_ids
         if len(token_ids) >= self.info.max_model_len:
             raise ContextLengthError(

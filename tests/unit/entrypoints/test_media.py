@@ -684,6 +684,7 @@ def test_media_flags_build_the_policy(tmp_path, capsys):
             "--max-video-frames", "16",
             "--max-video-seconds", "20",
             "--max-video-decoded-bytes", "2GiB",
+            "--max-media-decoded-bytes-in-flight", "3GiB",
         ],
         "omnistage",
     )  # fmt: skip
@@ -696,6 +697,7 @@ def test_media_flags_build_the_policy(tmp_path, capsys):
     assert (policy.max_audio_seconds, policy.max_image_pixels) == (30.0, 1_000_000)
     assert (policy.max_video_frames, policy.max_video_seconds) == (16, 20.0)
     assert policy.max_video_decoded_bytes == 2 << 30
+    assert policy.budget is not None and policy.budget.limit == 3 << 30
 
 
 @pytest.mark.parametrize(
