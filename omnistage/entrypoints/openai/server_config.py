@@ -261,7 +261,7 @@ class ServerConfig(MediaSettings):
 
             return self.model if is_hub_id(self.model) else Path(self.model).name
         if self.config:
-            return Path(self.config).stem
+            return _pipeline_name(self.config)
         return self.pipeline or "tiny-omni"
 
     @property
@@ -331,3 +331,16 @@ class ServerConfig(MediaSettings):
             ensure_models(config, on_build)  # type: ignore[arg-type]
             return config
         return load_pipeline(self.pipeline or "tiny-omni", on_build=on_build, **overrides)  # type: ignore[arg-type]
+
+
+def _pipeline_name(path: str) -> str:
+    """A pipeline file's own ``name``, else its file's stem (a file that cannot be read is
+    reported, naming it, when the pipeline is loaded)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return Path(path).stem
+    name = data.get("name") if isinstance(data, dict) else None
+    return name.strip() if isinstance(name, str) and name.strip() else Path(path).stem

@@ -111,3 +111,17 @@ def test_the_default_body_limit_takes_one_medium_of_the_media_limit_in_base64():
     smaller = ServerConfig(pipeline="tiny-chat", max_media_bytes=3 * 1024 * 1024)
     assert 4 * 1024 * 1024 <= smaller.request_body_limit < config.request_body_limit
     assert ServerConfig(max_request_body_bytes=1000).request_body_limit == 1000  # as given
+
+
+def test_a_pipeline_file_is_served_under_its_own_name(tmp_path):
+    """examples/pipeline.yaml says ``name: my-omni`` is the model id: /v1/models reported the
+    file's stem and "model": "my-omni" was a 404."""
+    from pathlib import Path
+
+    example = Path(__file__).parents[3] / "examples" / "pipeline.yaml"
+    assert ServerConfig(config=str(example)).model_names == ["my-omni"]
+    unnamed = tmp_path / "mine.yaml"
+    unnamed.write_text("stages: []\n")
+    assert ServerConfig(config=str(unnamed)).model_name == "mine"
+    named = ServerConfig(config=str(example), served_model_name=["other"])
+    assert named.model_names == ["other"]
