@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from omnistage.config import PipelineConfig
+from omnistage.config import ConfigError, PipelineConfig
 from omnistage.entrypoints.openai.server_config import ServerConfig
 
 if TYPE_CHECKING:
@@ -216,7 +217,13 @@ def run_server(config: ServerConfig) -> None:
 
     # Everything that can fail on bad settings fails here, before the HTTP server starts, so
     # the CLI reports it in one line; the stages are shut down on every exit path after this.
-    pipeline = resolve_pipeline(config, progress)
+    # The port first: a port in use was found only once every stage had loaded.
+    listener = bind_listener(config.host, config.port)
+    try:
+        pipeline = resolve_pipeline(config, progress)
+    except BaseException:
+        listener.close()
+        raise
     # The stages start now, importing torch and their models' code while this process
     # imports the engine client and the app (no torch has been imported here yet).
     from omnistage.engine.spawn import prestart, uses_ray
@@ -225,16 +232,42 @@ def run_server(config: ServerConfig) -> None:
     prestarted = {} if ray else prestart(pipeline)
     try:
         engine = start_engine(config, pipeline, progress, prestarted)
+    except BaseException:
+        listener.close()
+        raise
     finally:
         for stage in prestarted.values():  # not taken over: start-up failed before
             stage.discard()
     try:
-        _serve(config, build_app(config, engine_client=engine), progress)
+        _serve(config, build_app(config, engine_client=engine), progress, listener)
     finally:
+        listener.close()
         engine.shutdown()
 
 
-def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) -> None:
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (``ConfigError`` naming the address when it cannot
+    be); uvicorn listens on it once the stages are up."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another with "
+            "--port, or stop what holds it)"
+        ) from None
+    return sock
+
+
+def _serve(
+    config: ServerConfig,
+    app: FastAPI,
+    progress: Callable[[str], None],
+    listener: socket.socket | None = None,
+) -> None:
     import uvicorn
 
     # No log_config: uvicorn's loggers already log through omnistage's handler
@@ -266,7 +299,7 @@ def _serve(config: ServerConfig, app: FastAPI, progress: Callable[[str], None]) 
     # uvicorn drains in-flight requests on Ctrl-C, then re-raises the signal it caught: the
     # drain is the graceful exit, not an error.
     with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+        server.run(sockets=[listener] if listener is not None else None)
 
 
 def serve_until_stopped(config: ServerConfig) -> int:
