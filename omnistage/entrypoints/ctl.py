@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=DEFAULT_SLEEP_LEVEL,
         choices=SLEEP_LEVELS,
-        help="Sleep level.",
+        help=f"Sleep level (default: {DEFAULT_SLEEP_LEVEL}; 0 pauses, 1 keeps a host copy of "
+        "the weights, 2 drops them and reloads on wake).",
     )
     s.add_argument("--mode", choices=SLEEP_MODES, help="What happens to in-flight requests.")
     s.add_argument("--tags", nargs="+", choices=KNOWN_TAGS, help="Only these memory tags.")
@@ -155,7 +156,7 @@ def format_response(op: str, data: Any) -> str:
                     str(s.get("stage_id")),
                     str(s.get("kind")),
                     str(s.get("state")),
-                    str(s.get("level")),
+                    "-" if s.get("level") is None else str(s.get("level")),
                     str(s.get("paused")),
                     str(s.get("in_flight")),
                     _weights_cell(s),
@@ -194,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
             method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=600
         )
     except httpx.HTTPError as exc:
-        print(f"error: cannot reach {args.url}: {exc}", file=sys.stderr)
+        print(
+            f"error: cannot reach {args.url}: {exc} (another server: --url or $OMNISTAGE_URL)",
+            file=sys.stderr,
+        )
         return 2
     try:
         data = response.json()
@@ -203,7 +207,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
     elif response.status_code >= 400:
-        print(error_line(response.status_code, data), file=sys.stderr)
+        line = error_line(response.status_code, data)
+        if response.status_code == 401:
+            line += (
+                " (the control key: --api-key, or $OMNISTAGE_CONTROL_API_KEY / $OMNISTAGE_API_KEY)"
+            )
+        print(line, file=sys.stderr)
     else:
         print(format_response(args.op, data))
     # 200 with status ERROR: some stage failed the operation (its ACK says why); scripts

@@ -55,7 +55,8 @@ def test_the_ack_table_shows_the_achieved_throughput(monkeypatch, capsys):
     [
         (401, {"error": {"message": "missing or invalid API key", "code": "unauthorized"},
                "detail": "missing or invalid API key"},
-         "error: HTTP 401 unauthorized: missing or invalid API key"),
+         "error: HTTP 401 unauthorized: missing or invalid API key (the control key: "
+         "--api-key, or $OMNISTAGE_CONTROL_API_KEY / $OMNISTAGE_API_KEY)"),
         (501, {"error": {"message": "Engine does not support sleep", "code": "not_implemented"}},
          "error: HTTP 501 not_implemented: Engine does not support sleep"),
         (409, {"error": {"message": "stage 0 is busy (waking);\nretry", "code": "stage_busy"}},
@@ -72,3 +73,25 @@ def test_a_refused_call_is_one_readable_line_not_a_json_dump(
     assert out.err.strip() == line and out.out == ""
     assert ctl.run(parse("--json", "sleep", "0")) == 1  # --json still prints the body
     assert '"error"' in capsys.readouterr().out or status == 502
+
+
+def test_what_a_newcomer_needs_is_in_the_message(monkeypatch, capsys):
+    """Where to point ctl, an awake stage's level, the default sleep level."""
+
+    def unreachable(*args, **kwargs):
+        raise httpx.ConnectError("connection refused")
+
+    monkeypatch.setattr(httpx, "request", unreachable)
+    assert ctl.run(parse("--url", "http://127.0.0.1:9", "status")) == 2
+    assert "--url or $OMNISTAGE_URL" in capsys.readouterr().err
+    stages = {"stages": [{"stage_id": 0, "kind": "ar", "state": "awake", "level": None},
+                         {"stage_id": 1, "kind": "ar", "state": "asleep", "level": 2}]}  # fmt: skip
+    monkeypatch.setattr(httpx, "request", lambda *a, **k: httpx.Response(200, json=stages))
+    assert ctl.run(parse("status")) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[1].split()[3] == "-" and rows[2].split()[3] == "2"  # LEVEL, not None
+    parser = argparse.ArgumentParser()
+    ctl.add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["ctl", "sleep", "--help"])
+    assert f"default: {ctl.DEFAULT_SLEEP_LEVEL}" in " ".join(capsys.readouterr().out.split())
