@@ -184,9 +184,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="Run a benchmark; writes JSON and a Markdown table with a legend.",
-        description="Run a benchmark. Each writes <out>/<name>.json and a Markdown table with "
-        "a legend of its columns; `omnistage bench NAME --help` says what NAME measures and "
-        "how long it takes.",
+        description="Run a benchmark. Each writes its results to <out> as JSON and a Markdown "
+        "table with a legend of its columns, one pair per table, named after the table and "
+        "the device (e.g. control-http-cpu.json and .md); `omnistage bench NAME --help` says "
+        "what NAME measures and how long it takes.",
     )
     names = p.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, bench in BENCHMARKS.items():

@@ -36,6 +36,7 @@ from omnistage.bench.served import Served
 
 COLUMNS = [
     "pipeline",
+    "stage",
     "level",
     "cycles",
     "sleep_p50_ms",
@@ -93,6 +94,9 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def cycle_rows(client: httpx.Client, pipeline: str, level: int, cycles: int) -> dict[str, Any]:
+    """``cycles`` sleep → wake cycles of stage 0 (the stage a chat starts at)."""
+    print(f"[bench] {pipeline}: {cycles} sleep/wake cycles of stage 0 at level {level}",
+          flush=True)  # fmt: skip
     sleeps, wakes, trips, after, warm = [], [], [], [], []
     for _ in range(cycles):
         sleep_ms = _post_ms(client, "/v1/omni/sleep", {"stage_ids": [0], "level": level})
@@ -103,7 +107,9 @@ def cycle_rows(client: httpx.Client, pipeline: str, level: int, cycles: int) -> 
         sleeps.append(sleep_ms)
         wakes.append(wake_ms)
         trips.append(sleep_ms + wake_ms)
-    row: dict[str, Any] = {"pipeline": pipeline, "level": level, "cycles": cycles}
+    stages = client.get("/v1/omni/stages").json().get("stages") or [{}]
+    stage = f"0 ({stages[0].get('name') or stages[0].get('kind') or '?'})"
+    row: dict[str, Any] = {"pipeline": pipeline, "stage": stage, "level": level, "cycles": cycles}
     for name, values in (("sleep", sleeps), ("wake", wakes), ("round_trip", trips)):
         row[f"{name}_p50_ms"] = statistics.median(values)
         row[f"{name}_p90_ms"] = _percentile(values, 0.9)
@@ -128,6 +134,7 @@ def run(
         raise ValueError(f"repeats must be at least 1, got {repeats}")
     rows = []
     for pipeline in pipelines:
+        print(f"[bench] starting omnistage serve --pipeline {pipeline}", flush=True)
         with (
             served_pipeline(pipeline, device) as served,
             httpx.Client(base_url=served.url, timeout=120) as client,
