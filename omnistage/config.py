@@ -170,6 +170,11 @@ class StageConfig(_Frozen):
         description="AR: the attention backend (default: torch_sdpa on CPU, batch-invariant; "
         "torch_sdpa_padded on CUDA, whose decode steps are captured in CUDA graphs).",
     )
+    enforce_eager: bool = Field(
+        default=False,
+        description="AR on CUDA: never capture decode steps in CUDA graphs (vLLM's "
+        "enforce_eager); every step runs eagerly.",
+    )
     max_num_seqs: int = Field(
         default=32,
         gt=0,

@@ -78,6 +78,7 @@ class LLM:
             if "kv_cache_bytes" in kwargs:
                 raise TypeError("LLM() got kv_cache_memory and kv_cache_bytes; give one")
             kwargs["kv_cache_bytes"] = kv_cache_memory
+        kwargs = _vllm_arguments(model, kwargs)
         config = offline_stage_config(
             "LLM",
             KIND,
@@ -108,12 +109,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
         return_hidden_states: bool = False,
+        use_tqdm: bool = False,
+        **vllm_only: Any,
     ) -> list[RequestOutput]:
         """Generate for a string, a ``{"prompt_token_ids": [...]}`` or ``{"prompt": ...}``
         dict (with ``multi_modal_data`` for a model with encoders), or a list of them; one
-        ``SamplingParams`` for all or one per prompt. Outputs come back in input order."""
+        ``SamplingParams`` for all or one per prompt. Outputs come back in input order.
+        ``use_tqdm``: a progress bar of finished prompts (vLLM's)."""
+        _refuse_call_arguments("generate", vllm_only)
         items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-        return self._run([self._prompt(p) for p in items], sampling_params, return_hidden_states)
+        prompts_ = [self._prompt(p) for p in items]
+        return self._run(prompts_, sampling_params, return_hidden_states, use_tqdm)
 
     def chat(
         self,
@@ -122,9 +128,12 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+        **vllm_only: Any,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of them,
         rendered by the checkpoint's chat template as the server's chat route renders them."""
+        _refuse_call_arguments("chat", vllm_only)
         is_single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if is_single else list(messages)
         prompts: list[tuple[str | None, dict[str, Any]]] = []
@@ -136,7 +145,7 @@ class LLM:
             )
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template's own
             prompts.append((text, {"prompt_token_ids": ids}))
-        return self._run(prompts, sampling_params, False)
+        return self._run(prompts, sampling_params, False, use_tqdm)
 
     def _prompt(self, prompt: PromptInput) -> tuple[str | None, dict[str, Any]]:
         """The prompt's text (for the record) and its fields for the preparer."""
@@ -159,6 +168,7 @@ class LLM:
         prompts: list[tuple[str | None, dict[str, Any]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None,
         return_hidden_states: bool,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         if self.engine.is_sleeping():
             raise StageAsleepError(0, "the LLM is asleep; call wake_up() first")
@@ -189,7 +199,7 @@ class LLM:
                 samples = [CompletionOutput(i) for i in range(request.sampling_params.n)]
                 ids = list(request.prompt_token_ids)
                 results[request_id] = RequestOutput(request_id, text, ids, samples)
-            self._drive(results)
+            self._drive(results, use_tqdm)
         except BaseException:
             for request_id, result in results.items():
                 if not result.finished:
@@ -198,9 +208,24 @@ class LLM:
             raise
         return list(results.values())
 
-    def _drive(self, results: dict[str, RequestOutput]) -> None:
-        """Step the engine until every sample of every request has finished."""
+    def _drive(self, results: dict[str, RequestOutput], use_tqdm: bool = False) -> None:
+        """Step the engine until every sample of every request has finished (``use_tqdm``:
+        a progress bar of finished prompts)."""
         unfinished = {rid: len(r.outputs) for rid, r in results.items()}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(results), desc="Processed prompts", unit="prompt")
+        try:
+            self._step_until_done(results, unfinished, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _step_until_done(
+        self, results: dict[str, RequestOutput], unfinished: dict[str, int], bar: Any
+    ) -> None:
         while unfinished:
             outputs = self.engine.step()
             if not outputs and not self.engine.has_runnable_work():
@@ -217,6 +242,8 @@ class LLM:
                 if not unfinished[out.request_id]:
                     del unfinished[out.request_id]
                     result.finished = True
+                    if bar is not None:
+                        bar.update(1)
 
     # -- sleep and wake -------------------------------------------------------------------
 
@@ -395,3 +422,60 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+# vLLM's ``LLM`` arguments that mean something here (taken) and those that do not (refused,
+# saying why). The rest of vLLM's engine arguments are StageConfig fields of the same name.
+_VLLM_TAKEN = {
+    "trust_remote_code": "omnistage runs its own model code, never a checkpoint's",
+    "disable_log_stats": "the offline LLM logs no statistics",
+}
+_VLLM_REFUSED = {
+    "quantization": "quantized checkpoints are not served yet",
+    "load_format": "weights load from the checkpoint's safetensors files only",
+    "tokenizer": "the tokenizer is the checkpoint's own (give the same folder or leave it out)",
+    "revision": "checkpoints are local folders; nothing is downloaded",
+    "download_dir": "checkpoints are local folders; nothing is downloaded",
+    "swap_space": "a preempted sequence recomputes its KV cache; nothing is swapped to the host",
+    "cpu_offload_gb": "weights stay on the stage's device (sleep level 1 moves them to the host)",
+    "distributed_executor_backend": "a stage's ranks are its own processes "
+    "(tensor_parallel_size); Ray places whole stages (the server's --distributed-executor-backend)",
+    "enable_lora": "LoRA adapters are not served yet",
+    "max_lora_rank": "LoRA adapters are not served yet",
+    "speculative_config": "speculative decoding is not implemented",
+    "kv_cache_dtype": "the KV cache takes the model's dtype",
+    "enable_chunked_prefill": "a prompt is prefilled whole (max_num_batched_tokens bounds a step)",
+    "pipeline_parallel_size": "a stage runs on one rank or tensor_parallel_size ranks",
+}
+_VLLM_CALL_REFUSED = {
+    "lora_request": "LoRA adapters are not served yet",
+    "priority": "requests are scheduled first come, first served (with a fair share of slots)",
+    "prompt_adapter_request": "prompt adapters are not implemented",
+    "guided_options_request": "structured outputs are not implemented",
+}
+
+
+def _vllm_arguments(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with vLLM's ``LLM`` arguments taken or refused (``TypeError`` naming the
+    argument and why); ``enforce_eager`` is the stage's own field."""
+    out = dict(kwargs)
+    for name in _VLLM_TAKEN:
+        out.pop(name, None)
+    if out.get("tokenizer") in (None, model, str(model)):
+        out.pop("tokenizer", None)
+    if out.get("load_format") in ("auto", "safetensors"):
+        out.pop("load_format", None)
+    for name, why in _VLLM_REFUSED.items():
+        if name in out and out[name] not in (None, False):
+            raise TypeError(f"LLM() does not take {name}={out[name]!r}: {why}")
+        out.pop(name, None)
+    return out
+
+
+def _refuse_call_arguments(method: str, given: dict[str, Any]) -> None:
+    for name, value in given.items():
+        why = _VLLM_CALL_REFUSED.get(name)
+        if why is None:
+            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
+        if value is not None:
+            raise TypeError(f"LLM.{method}() does not take {name}: {why}")

@@ -44,6 +44,7 @@ _STAGE_OVERRIDES = frozenset(
         "max_answer_logprobs",
         "max_request_tokens",
         "attention_backend",
+        "enforce_eager",
         "idle_sleep_s",
         "idle_sleep_level",
         "max_image_pixels",

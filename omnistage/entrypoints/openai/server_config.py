@@ -128,6 +128,11 @@ class ServerConfig(MediaSettings):
         default=None,
         description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
     )
+    enforce_eager: bool | None = Field(
+        default=None,
+        description="AR stages on CUDA: never capture decode steps in CUDA graphs (vLLM's "
+        "--enforce-eager).",
+    )
     attention_backend: AttentionBackendName | None = Field(
         default=None,
         description="AR stages: the attention backend (default: torch_sdpa on CPU, "
@@ -294,6 +299,7 @@ class ServerConfig(MediaSettings):
             "max_answer_logprobs": self.max_answer_logprobs,
             "max_request_tokens": self.max_request_tokens,
             "attention_backend": self.attention_backend,
+            "enforce_eager": self.enforce_eager,
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True

@@ -85,8 +85,9 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         # Decode graphs are captured with one rank only (a graph would hold the collectives),
-        # and only where the attention backend allows it.
-        if self.device.type == "cuda" and tp.size == 1 and self.attention.supports_cuda_graphs:
+        # and only where the attention backend allows it and the stage does not enforce eager.
+        graphs = self.attention.supports_cuda_graphs and not config.enforce_eager
+        if self.device.type == "cuda" and tp.size == 1 and graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attention,

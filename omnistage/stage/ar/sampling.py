@@ -77,10 +77,19 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    # vLLM's: draw best_of and return the n best. Every sample drawn is returned here, so it
+    # is n (or left out); RL callers pass best_of=n.
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                "best_of",
+                f"must equal n ({self.n}) or be left out, got {self.best_of!r}: omnistage "
+                "returns every sample it draws (ask n=best_of and rank them yourself)",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

@@ -235,3 +235,32 @@ def test_sleep_of_the_kv_cache_keeps_the_weights(llm):
     ]
     with pytest.raises(TypeError, match="callable"):
         llm.collective_rpc("sleep")  # type: ignore[arg-type]
+
+
+def test_vllms_arguments_are_taken_or_refused_saying_why(demo, capsys):
+    """RL frameworks pass these routinely; each was a bare TypeError."""
+    with LLM(
+        str(demo), kv_cache_bytes=4 * MiB, max_model_len=256, seed=0,
+        enforce_eager=True, trust_remote_code=True, disable_log_stats=True,
+        tokenizer=str(demo), load_format="auto",
+    ) as llm:  # fmt: skip
+        assert llm.engine.config.enforce_eager
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=True)
+        assert len(outputs) == 3 and "Processed prompts" in capsys.readouterr().err
+        assert llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)
+        assert llm.generate("hi", SamplingParams(n=2, best_of=2, max_tokens=2))
+        with pytest.raises(TypeError, match="lora_request: LoRA adapters are not served yet"):
+            llm.generate("hi", GREEDY, lora_request=object())
+        with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+            llm.generate("hi", GREEDY, bogus=1)
+    with pytest.raises(InvalidRequestError, match="best_of") as refused:
+        SamplingParams(n=1, best_of=4)
+    assert "returns every sample" in str(refused.value)
+    for name, value, why in [
+        ("quantization", "awq", "not served yet"),
+        ("swap_space", 4, "recomputes"),
+        ("load_format", "dummy", "safetensors"),
+        ("tokenizer", "/elsewhere", "the checkpoint's own"),
+    ]:
+        with pytest.raises(TypeError, match=f"does not take {name}=.*{why}"):
+            LLM(str(demo), **{name: value})
