@@ -80,10 +80,29 @@ def parse_pipeline(data: Any, source: str) -> PipelineConfig:
 
 
 def pipeline_from_file(path: str | Path, **overrides: Any) -> PipelineConfig:
-    """A pipeline YAML file with ``overrides`` applied to every stage."""
+    """A pipeline YAML file with ``overrides`` applied to every stage; its relative model
+    paths resolved (``file_model_path``)."""
     base = load_pipeline_config(path)
-    stages = [apply_overrides(s.model_dump(), overrides) for s in base.stages]
+    stages = []
+    for stage in base.stages:
+        data = stage.model_dump()
+        data["model"] = file_model_path(data["model"], data.get("preset"), Path(path).parent)
+        stages.append(apply_overrides(data, overrides))
     return parse_pipeline({"name": base.name, "stages": stages}, str(path))
+
+
+def file_model_path(model: str, preset: str | None, folder: Path) -> str:
+    """A pipeline file's ``model``: ``{cache}`` is the model cache; a relative path is read
+    against the file's folder, or — a preset not built there yet — against the model cache
+    (built there); never against the working directory (serving the example wrote
+    ``models/`` into whatever folder it was run from)."""
+    model = str(Path(model.replace("{cache}", str(cache_dir()))).expanduser())
+    if Path(model).is_absolute():
+        return model
+    beside = (folder / model).resolve()
+    if beside.exists() or preset is None:
+        return str(beside)
+    return str(cache_dir() / model)
 
 
 def cache_dir() -> Path:

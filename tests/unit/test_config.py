@@ -95,3 +95,26 @@ def test_stream_needs_an_input_and_a_kind_that_takes_it():
         ConfigError, match=r"stages.1.stream: a 'diffusion' stage takes its input whole"
     ):
         check_kinds(config)
+
+
+def test_a_pipeline_files_relative_models_never_resolve_against_the_working_directory(
+    tmp_path, monkeypatch
+):
+    """Serving examples/pipeline.yaml built models/ into whatever folder it was run from."""
+    from omnistage.pipelines import cache_dir, pipeline_from_file
+
+    folder, elsewhere = tmp_path / "conf", tmp_path / "cwd"
+    (folder / "ckpt").mkdir(parents=True)
+    elsewhere.mkdir()
+    (folder / "p.yaml").write_text(
+        "stages:\n"
+        "  - {stage_id: 0, kind: ar, model: ckpt}\n"  # beside the file: taken from there
+        "  - {stage_id: 1, kind: ar, model: models/demo, preset: demo, input_from: 0,"
+        " input_processor: thinker_hidden_to_image_cond}\n"
+    )
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = pipeline_from_file(folder / "p.yaml").stages
+    assert first.model == str(folder / "ckpt")
+    assert second.model == str(cache_dir() / "models" / "demo")  # a preset: the model cache
+    assert not (elsewhere / "models").exists()
