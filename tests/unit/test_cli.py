@@ -122,6 +122,39 @@ def test_the_banner_never_prints_a_key(monkeypatch):
     assert "$OMNISTAGE_API_KEY" in banner and "$OMNISTAGE_CONTROL_API_KEY" in banner
 
 
+class _Pipeline:
+    """What the banner asks of an engine: its outputs, and whether a video request passes."""
+
+    def __init__(self, outputs: list[str], videos: bool = False) -> None:
+        self.outputs, self.videos = outputs, videos
+
+    def output_modalities(self) -> list[str]:
+        return self.outputs
+
+    def check(self, prompt, sampling_params, modalities, image_params=None) -> None:
+        if not self.videos:
+            raise ValueError("this pipeline makes images, not videos")
+
+
+@pytest.mark.parametrize(
+    ("outputs", "videos", "present", "absent"),
+    [
+        (["text"], False, ["chat/completions"], ["audio", "images/generations", "videos"]),
+        (["text", "audio"], False, ['"modalities": ["text", "audio"]', "hello.wav"], ["videos"]),
+        (["text", "image"], False, ["chat/completions"], ["images/generations"]),
+        (["image"], False, ["images/generations"], ["chat/completions", "videos"]),
+        (["image"], True, ["videos/sync", "cat.mp4"], ["chat/completions"]),
+    ],
+)
+def test_the_banner_suggests_what_the_pipeline_answers(outputs, videos, present, absent):
+    """A chat curl on an image or video pipeline was a 400; a speech pipeline had no speech
+    example (each printed line was run by hand against tiny-qwen2.5-omni, tiny-wan and
+    tiny-flux)."""
+    banner = ready_banner(ServerConfig(), 8000, _Pipeline(outputs, videos))
+    assert all(p in banner for p in present), banner
+    assert not any(a in banner for a in absent), banner
+
+
 @pytest.mark.parametrize("module", ["omnistage", "omnistage.entrypoints.openai.api_server"])
 def test_module_entry_points_take_the_cli(module):
     """``python -m omnistage`` is the CLI; vLLM-Omni's ``python -m ...api_server`` is

@@ -176,9 +176,10 @@ def build_app(
     return app
 
 
-def ready_banner(config: ServerConfig, port: int) -> str:
-    """What to try once the server is up; keys are never printed, only the variables that
-    hold them in the user's shell."""
+def ready_banner(config: ServerConfig, port: int, engine: Any = None) -> str:
+    """What to try once the server is up: requests the pipeline being served answers (a chat
+    where it writes text, speech where it speaks, a picture or a video where it makes them).
+    Keys are never printed, only the variables that hold them in the user's shell."""
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
 
     base = f"http://{config.host}:{port}"
@@ -192,17 +193,56 @@ def ready_banner(config: ServerConfig, port: int) -> str:
         lines.append(f"console and playground: {base}/ui")
     if data or control:
         lines.append("keys are not shown: the lines below read them from your shell's variables")
+    outputs = _banner_outputs(engine)
+    tries = []
+    if "text" in outputs:
+        tries += [
+            f"  curl -s {base}/v1/chat/completions{data} {json_body} \\",
+            '    -d \'{"messages": [{"role": "user", "content": "Hello"}], "modalities": ["text"], '
+            '"max_tokens": 16}\'',
+        ]
+    if "audio" in outputs:
+        tries += [
+            f"  curl -s {base}/v1/chat/completions{data} {json_body} \\",
+            '    -d \'{"messages": [{"role": "user", "content": "Say hello"}], '
+            '"modalities": ["text", "audio"], "audio": {"format": "wav"}}\' \\',
+            "    | python3 -c 'import sys, json, base64; sys.stdout.buffer.write(base64.b64decode("
+            'json.load(sys.stdin)["choices"][0]["message"]["audio"]["data"]))\' > hello.wav',
+        ]
+    if "video" in outputs:
+        tries.append(
+            f"  curl -s {base}/v1/videos/sync{data} -F prompt='a red cat' -F size=48x32 "
+            "-F num_frames=5 -o cat.mp4"
+        )
+    elif "image" in outputs and "text" not in outputs:
+        tries.append(
+            f"  curl -s {base}/v1/images/generations{data} {json_body} "
+            '-d \'{"prompt": "a red cat", "size": "64x64"}\''
+        )
     return "\n".join(
         [
             *lines,
             "try:",
-            f"  curl -s {base}/v1/chat/completions{data} {json_body} \\",
-            '    -d \'{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}\'',
+            *tries,
             f"  curl -s {base}/v1/omni/stages{control}",
             f"  curl -s -X POST {base}/v1/omni/sleep{control} {json_body} -d '{{\"stage_ids\": [0]}}'",
             f"  curl -s -X POST {base}/v1/omni/wakeup{control} {json_body} -d '{{\"stage_ids\": [0]}}'",
         ]
     )
+
+
+def _banner_outputs(engine: Any) -> set[str]:
+    """What the served pipeline makes: its output modalities, ``video`` where a video request
+    passes its checks (text where nothing says: an app without an engine)."""
+    if engine is None or not hasattr(engine, "output_modalities"):
+        return {"text"}
+    outputs = set(engine.output_modalities())
+    if outputs == {"image"} and hasattr(engine, "check"):
+        video = {"video": True, "num_frames": 5, "height": 32, "width": 48}
+        with contextlib.suppress(Exception):
+            engine.check("a red cat", {}, ["image"], image_params=video)
+            outputs.add("video")
+    return outputs
 
 
 def run_server(config: ServerConfig) -> None:
@@ -293,7 +333,7 @@ def _serve(
             for srv in getattr(server, "servers", []):
                 for sock in srv.sockets:
                     port = sock.getsockname()[1]
-            progress(ready_banner(config, port))
+            progress(ready_banner(config, port, getattr(app.state, "engine_client", None)))
 
     server.startup = startup  # type: ignore[method-assign]
     # uvicorn drains in-flight requests on Ctrl-C, then re-raises the signal it caught: the
