@@ -134,6 +134,10 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidRequestError(name, f"must be in [{low}, {high}], got {value}")
 
 
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check_size(name: str, value: int | None, multiple: int, most: int = MAX_IMAGE_SIDE) -> None:
     if value is None:
         return
@@ -171,7 +175,14 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
     """Raise ``InvalidRequestError`` naming the first invalid field of ``params``."""
     if not isinstance(params, DiffusionParams):
         raise InvalidRequestError("params", f"must be DiffusionParams, got {type(params).__name__}")
-    _check_int("num_inference_steps", params.num_inference_steps, 1, limits.max_inference_steps)
+    steps = params.num_inference_steps
+    if _is_count(steps) and steps > limits.max_inference_steps:
+        raise InvalidRequestError(
+            "num_inference_steps",
+            f"must be at most {limits.max_inference_steps} (--max-inference-steps, or the "
+            f"scheduler's own steps), got {steps}",
+        )
+    _check_int("num_inference_steps", steps, 1, limits.max_inference_steps)
     _check_size("height", params.height, limits.size_multiple, limits.max_side)
     _check_size("width", params.width, limits.size_multiple, limits.max_side)
     height = params.height or limits.native_size
@@ -180,7 +191,7 @@ def validate_params(params: DiffusionParams, limits: PipelineLimits) -> None:
         raise InvalidRequestError(
             "size",
             f"{width}x{height} is {width * height} pixels; this stage allows at most "
-            f"{limits.max_image_pixels} (max_image_pixels)",
+            f"{limits.max_image_pixels} (--max-image-pixels)",
         )
     scale = params.guidance_scale
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
