@@ -173,11 +173,21 @@ class SleepController:
             raise WeightsInvalidError(self.stage_id)
 
     def memory_stats(self) -> dict[str, Any]:
+        """Per tag and in all: ``reserved_bytes`` (its address range), ``resident_bytes``
+        (measured: the pages in memory), ``released_bytes`` (what a sleep gave back: the
+        reserved bytes not resident of a tag that is asleep; an awake tag releases nothing,
+        its pages not touched yet are simply not resident) and ``backup_bytes`` (its host
+        copy). The console and ``omnistage:stage_released_bytes`` read these."""
         stats = self.arena.stats()
+        tags = {}
+        for tag, s in stats.items():
+            released = max(0, s.reserved_bytes - s.resident_bytes) if s.is_asleep else 0
+            tags[tag] = {**dataclasses.asdict(s), "released_bytes": released}
         return {
-            "tags": {tag: dataclasses.asdict(s) for tag, s in stats.items()},
+            "tags": tags,
             "reserved_bytes": sum(s.reserved_bytes for s in stats.values()),
             "resident_bytes": sum(s.resident_bytes for s in stats.values()),
+            "released_bytes": sum(t["released_bytes"] for t in tags.values()),
             "backup_bytes": sum(s.backup_bytes for s in stats.values()),
         }
 

@@ -236,7 +236,9 @@ class StageStateCollector(Collector):
         )
         resident = gauge("stage_resident_bytes", "Memory a stage holds now (its arena).")
         released = gauge(
-            "stage_released_bytes", "Memory a stage's arena has released (asleep tags)."
+            "stage_released_bytes",
+            "Memory a stage's sleeps gave back: the reserved bytes not resident of its asleep "
+            "tags (0 for an awake stage).",
         )
         restarts = counter("stage_restarts", "Times the server restarted a stage's process.")
         preemptions = counter(
@@ -272,8 +274,7 @@ class StageStateCollector(Collector):
             memory = row.get("memory")
             if isinstance(memory, dict):
                 resident.add_metric(ids, memory.get("resident_bytes", 0))
-                reserved = memory.get("reserved_bytes", 0)
-                released.add_metric(ids, max(0, reserved - memory.get("resident_bytes", 0)))
+                released.add_metric(ids, memory.get("released_bytes", 0))
             cache = row.get("prefix_cache")
             if isinstance(cache, dict):
                 queries.add_metric(ids, cache.get("queried_tokens", 0))

@@ -151,11 +151,15 @@ def test_sleep_wake_gives_identical_outputs_and_frees_memory(sizeable, level):
     # start): that is what a sleep can free.
     kv_held = tags["kv_cache"]["resident_bytes"]
     assert weights >= 32 * MiB and 0 < kv_held <= kv
+    # One definition of released (the ACK, the metric, the console): what a sleep gave back;
+    # awake, nothing is (after a wake, KV pages no request has touched are just not resident).
+    assert sizeable.memory_stats()["released_bytes"] == 0
     rss_before = process_resident_bytes()
     (ack,) = sizeable.sleep(level=level)
     rss_drop = rss_before - process_resident_bytes()
     stats = sizeable.memory_stats()
     assert sizeable.is_sleeping() and stats["resident_bytes"] == 0
+    assert stats["released_bytes"] == stats["reserved_bytes"] == weights + kv
     if level == 1:  # weights moved to a host copy: on the CPU only the KV cache leaves RSS
         assert stats["backup_bytes"] == ack["metadata"]["host_backup_bytes"] == weights
         assert 0.9 * kv_held <= rss_drop < kv + weights / 2
@@ -164,6 +168,8 @@ def test_sleep_wake_gives_identical_outputs_and_frees_memory(sizeable, level):
         assert rss_drop >= 0.9 * (weights + kv_held)
     (wake,) = sizeable.wake_up()
     assert wake["status"] == "SUCCESS" and not sizeable.is_sleeping()
+    awake = sizeable.memory_stats()
+    assert awake["released_bytes"] == 0 and awake["resident_bytes"] < awake["reserved_bytes"]
     assert token_ids(sizeable.generate(PROMPTS, GREEDY)) == before
 
 

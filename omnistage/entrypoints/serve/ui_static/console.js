@@ -72,7 +72,7 @@ export class Console {
     for (const [name, memory] of Object.entries(stage.memory?.tags || {})) {
       tags[name] = {
         resident: memory.resident_bytes,
-        released: Math.max(0, memory.reserved_bytes - memory.resident_bytes),
+        released: memory.released_bytes || 0,
       };
     }
     const samples = this.history.get(stage.stage_id) || [];
@@ -175,7 +175,7 @@ export class Console {
         const share = m.reserved_bytes ? m.resident_bytes / m.reserved_bytes : 0;
         const fill = h("span", { class: "fill" });
         fill.style.width = `${Math.round(share * 100)}%`;
-        const released = Math.max(0, m.reserved_bytes - m.resident_bytes);
+        const released = m.released_bytes || 0; // what a sleep gave back (0 while awake)
         return h(
           "div",
           { class: "tag-memory", "data-tag": tag },
