@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from omnistage.config import ConfigError, offline_stage_config
 from omnistage.entrypoints.llm_outputs import CompletionOutput, RequestOutput, add_output
+from omnistage.entrypoints.llm_vllm_args import refuse_call_arguments, vllm_arguments
 from omnistage.entrypoints.llm_weights import InProcessWeights, NamedTensors, reworded
 from omnistage.errors import SleepModeDisabledError, StageAsleepError, WeightsInvalidError
 from omnistage.models.processors import Wants
@@ -78,7 +79,7 @@ class LLM:
             if "kv_cache_bytes" in kwargs:
                 raise TypeError("LLM() got kv_cache_memory and kv_cache_bytes; give one")
             kwargs["kv_cache_bytes"] = kv_cache_memory
-        kwargs = _vllm_arguments(model, kwargs)
+        kwargs = vllm_arguments(model, kwargs)
         config = offline_stage_config(
             "LLM",
             KIND,
@@ -116,7 +117,7 @@ class LLM:
         dict (with ``multi_modal_data`` for a model with encoders), or a list of them; one
         ``SamplingParams`` for all or one per prompt. Outputs come back in input order.
         ``use_tqdm``: a progress bar of finished prompts (vLLM's)."""
-        _refuse_call_arguments("generate", vllm_only)
+        refuse_call_arguments("generate", vllm_only)
         items = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
         prompts_ = [self._prompt(p) for p in items]
         return self._run(prompts_, sampling_params, return_hidden_states, use_tqdm)
@@ -133,7 +134,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of them,
         rendered by the checkpoint's chat template as the server's chat route renders them."""
-        _refuse_call_arguments("chat", vllm_only)
+        refuse_call_arguments("chat", vllm_only)
         is_single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if is_single else list(messages)
         prompts: list[tuple[str | None, dict[str, Any]]] = []
@@ -422,60 +423,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-# vLLM's ``LLM`` arguments that mean something here (taken) and those that do not (refused,
-# saying why). The rest of vLLM's engine arguments are StageConfig fields of the same name.
-_VLLM_TAKEN = {
-    "trust_remote_code": "omnistage runs its own model code, never a checkpoint's",
-    "disable_log_stats": "the offline LLM logs no statistics",
-}
-_VLLM_REFUSED = {
-    "quantization": "quantized checkpoints are not served yet",
-    "load_format": "weights load from the checkpoint's safetensors files only",
-    "tokenizer": "the tokenizer is the checkpoint's own (give the same folder or leave it out)",
-    "revision": "checkpoints are local folders; nothing is downloaded",
-    "download_dir": "checkpoints are local folders; nothing is downloaded",
-    "swap_space": "a preempted sequence recomputes its KV cache; nothing is swapped to the host",
-    "cpu_offload_gb": "weights stay on the stage's device (sleep level 1 moves them to the host)",
-    "distributed_executor_backend": "a stage's ranks are its own processes "
-    "(tensor_parallel_size); Ray places whole stages (the server's --distributed-executor-backend)",
-    "enable_lora": "LoRA adapters are not served yet",
-    "max_lora_rank": "LoRA adapters are not served yet",
-    "speculative_config": "speculative decoding is not implemented",
-    "kv_cache_dtype": "the KV cache takes the model's dtype",
-    "enable_chunked_prefill": "a prompt is prefilled whole (max_num_batched_tokens bounds a step)",
-    "pipeline_parallel_size": "a stage runs on one rank or tensor_parallel_size ranks",
-}
-_VLLM_CALL_REFUSED = {
-    "lora_request": "LoRA adapters are not served yet",
-    "priority": "requests are scheduled first come, first served (with a fair share of slots)",
-    "prompt_adapter_request": "prompt adapters are not implemented",
-    "guided_options_request": "structured outputs are not implemented",
-}
-
-
-def _vllm_arguments(model: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` with vLLM's ``LLM`` arguments taken or refused (``TypeError`` naming the
-    argument and why); ``enforce_eager`` is the stage's own field."""
-    out = dict(kwargs)
-    for name in _VLLM_TAKEN:
-        out.pop(name, None)
-    if out.get("tokenizer") in (None, model, str(model)):
-        out.pop("tokenizer", None)
-    if out.get("load_format") in ("auto", "safetensors"):
-        out.pop("load_format", None)
-    for name, why in _VLLM_REFUSED.items():
-        if name in out and out[name] not in (None, False):
-            raise TypeError(f"LLM() does not take {name}={out[name]!r}: {why}")
-        out.pop(name, None)
-    return out
-
-
-def _refuse_call_arguments(method: str, given: dict[str, Any]) -> None:
-    for name, value in given.items():
-        why = _VLLM_CALL_REFUSED.get(name)
-        if why is None:
-            raise TypeError(f"LLM.{method}() got an unexpected keyword argument {name!r}")
-        if value is not None:
-            raise TypeError(f"LLM.{method}() does not take {name}: {why}")
