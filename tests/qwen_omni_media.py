@@ -209,3 +209,15 @@ def openai_parts(case: str):
         else:
             parts.append({"type": "image_url", "image_url": {"url": png_url(next(items).value)}})
     return [{"role": "user", "content": parts}], messages, options, kw
+
+
+def audio_tokens_and_bound(processor, rate: int, seconds: float) -> tuple[int, int]:
+    """(the audio placeholders ``processor`` expands a noise clip to, its ``min_tokens``): the
+    bound that refuses an audio too long for the context before it is featurized."""
+    samples = np.random.default_rng(0).uniform(-0.5, 0.5, int(rate * seconds)).astype(np.float32)
+    item = MediaItem("audio", Audio(samples, rate))
+    token = processor.placeholder_ids["audio"]
+    prompt = [1, processor.audio_bos, token, processor.audio_eos, 2]
+    expanded = processor.process(prompt, [item], {})
+    count = sum(t == processor.settings.audio_token_id for t in expanded.token_ids)
+    return count, processor.min_tokens([item])
