@@ -331,9 +331,6 @@ class Arena:
     def tags(self) -> list[str]:
         return list(self._tags)
 
-    def has_tag(self, tag: str) -> bool:
-        return tag in self._tags
-
     def is_asleep(self, tag: str) -> bool:
         self._check_tags([tag])
         return self._tags[tag].is_asleep

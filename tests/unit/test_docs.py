@@ -84,3 +84,21 @@ def test_the_two_node_example_is_a_valid_pipeline():
     assert thinker.placement is not None and decoder.placement is not None
     assert thinker.placement.resources == {"node_a": 1}
     assert decoder.placement.resources == {"node_b": 1}
+
+
+def test_the_family_tables_are_the_registrys():
+    """docs/adding-a-model.md's table and design.md's map name every family the registry
+    knows, with what its checkpoints say and its home (they once omitted Qwen3-Omni)."""
+    from omnistage.models.registry import FAMILIES
+
+    table = (ROOT / "docs" / "adding-a-model.md").read_text()
+    rows = {m[1]: m[0] for m in re.finditer(r"^\| `([a-z0-9_]+)` \|.*$", table, flags=re.M)}
+    assert set(rows) == {f.name for f in FAMILIES}, sorted(rows)
+    design = (ROOT / "docs" / "design.md").read_text()
+    for family in FAMILIES:
+        row = rows[family.name]
+        for said in (*family.architectures, *family.model_types, *family.pipeline_classes):
+            assert f"`{said}`" in row, (family.name, said)
+        home = family.home.removeprefix("omnistage.").replace(".", "/")
+        assert f"`{home}" in row, (family.name, home)
+        assert home.rsplit("/", 1)[-1] in design, (family.name, "design.md")

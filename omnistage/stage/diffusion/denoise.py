@@ -179,13 +179,3 @@ class DenoiseJob:
             seed=item.seed,
             pixels=pixels.clone() if params.return_pixels else None,
         )
-
-
-def denoise_batch(
-    family: Any, pipeline: Any, requests: list[DiffusionRequest], seeds: list[int]
-) -> list[ImageOutput | VideoOutput]:
-    """Generate one image per request, all steps at once; all must share one ``batch_key``."""
-    job = DenoiseJob(family, pipeline, requests, seeds)
-    while not job.is_done:
-        job.advance()
-    return [image for _, image in job.finish()]
