@@ -117,6 +117,12 @@ class PromptProcessor(Protocol):
         field: str = "multi_modal_data",
     ) -> ProcessedPrompt: ...
 
+    def min_tokens(self, media: list[MediaItem]) -> int:
+        """A lower bound of the placeholder tokens ``media`` expand to, from their lengths
+        alone (0 where the family cannot tell cheaply): what refuses a prompt too long for
+        the context before its media are processed."""
+        ...
+
 
 # -- already decoded media (vLLM's multi_modal_data) ----------------------------------------
 

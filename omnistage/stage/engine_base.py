@@ -86,6 +86,10 @@ class StageEngineBase(Generic[W]):
         """True once every request that was here at ``pause("wait")`` has finished."""
         raise NotImplementedError
 
+    def drain_holders(self) -> list[str]:
+        """The requests ``is_drained`` still waits for (a ``wait`` sleep's error names them)."""
+        raise NotImplementedError
+
     def _drop_memory_state(self) -> int:
         """Forget request state kept in the memory a sleep releases; returns the requests
         preempted for it (they recompute after wake)."""

@@ -148,12 +148,9 @@ class ARRequestPreparer:
         self, processor: PromptProcessor, token_ids: list[int], media: list[MediaItem]
     ) -> None:
         """Refuse, before its media are processed, a prompt whose media alone surely pass
-        ``max_model_len`` (the family's ``min_tokens``, from their lengths): featurizing ten
-        minutes of audio to refuse it after took hundreds of MB and a core for seconds."""
-        least = getattr(processor, "min_tokens", None)
-        if least is None:
-            return
-        tokens = len(token_ids) + int(least(media))
+        ``max_model_len`` (the processor's ``min_tokens``, from their lengths): featurizing
+        ten minutes of audio to refuse it after took hundreds of MB and a core for seconds."""
+        tokens = len(token_ids) + processor.min_tokens(media)
         if tokens >= self.info.max_model_len:
             raise ContextLengthError(
                 "prompt",
