@@ -31,7 +31,8 @@ PRESETS: dict[str, str] = {
 _DONE_MARKER = ".omnistage-built"
 # Raised whenever a builder writes other files or other bytes: a build whose marker names an
 # older version is rebuilt (it is omnistage's own, so it is replaced, never edited).
-BUILD_VERSION = 2  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media
+BUILD_VERSION = 3  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media;
+# 3: the tiny Qwen3-Omni's code2wav speaks 240 samples per frame
 
 
 def _marker(preset: str) -> str:

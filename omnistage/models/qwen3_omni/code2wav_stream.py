@@ -29,20 +29,21 @@ given. What the stream does about it:
   differently. A chunk is decoded only once every convolution of the decode picks the kernel
   it picks in the whole window (``DecoderReach.conv_backends``, torch's own choice); until
   then the chunk waits (the real model's decoder has settled after 32 frames, the tiny
-  preset's after about 220).
+  preset's after 161).
 - **The convolutions start ``context_samples`` before the first sample to hand out** (rounded
   down to a frame, and further back where a shorter decode would change a kernel): far enough
   that their zero padding does not reach the kept samples, so a chunk costs the chunk plus
   about ten frames of convolutions, not the window.
 - **A window spoken in one chunk is decoded exactly as the whole decode decodes it.**
 
-Bit for bit, then, on the tiny preset on the CPU (tested with one torch thread, checked with
-two); and for any model and device when every window is spoken in one chunk (``first_chunk``
+Bit for bit, then, on the tiny preset on the CPU with one torch thread; and for any model and device when every window is spoken in one chunk (``first_chunk``
 and ``chunk`` of 300 or more, or utterances shorter than ``first_chunk``). Beyond that, oneDNN's
 convolutions also block their work by the input's length (a transposed conv of 256 to 128
 channels rounds a sample differently in inputs of 1000 and 2000 samples), as cuDNN and cuBLAS
 pick kernels by shape on a GPU: with the real model's sizes on the CPU the streamed samples
-differ from the whole decode's by up to 2e-6 (measured; the samples are in [-1, 1]).
+differ from the whole decode's by up to 2e-6 (measured; the samples are in [-1, 1]); with
+several threads oneDNN also splits a long convolution's work by its length (the tiny preset's
+streams then differ by up to 1.1e-5).
 
 ``chunks`` (the stage config's ``stream_chunks``) are counted in frames (talker steps): the
 first chunk is handed out when ``first_chunk`` frames are final, each later one when ``chunk``

@@ -87,8 +87,10 @@ class TinyQwen3OmniSpec:
     code2wav_num_layers: int = 2
     code2wav_num_heads: int = 4
     code2wav_sliding_window: int = 8  # real 72
-    upsample_rates: tuple[int, ...] = (3, 2)
-    upsampling_ratios: tuple[int, ...] = (2,)
+    # 240 samples per frame (real 1920 = (8, 5, 4, 3) x (2, 2)): a 128-frame reply is 1.3 s
+    # of 24 kHz audio, long enough to hear that speech works
+    upsample_rates: tuple[int, ...] = (5, 4, 3)
+    upsampling_ratios: tuple[int, ...] = (2, 2)
     decoder_dim: int = 32
     max_shard_size: str | None = "1MB"  # None: one model.safetensors
 
