@@ -197,6 +197,26 @@ class Browser:
         os.close(self._recv_fd)
 
 
+_OVERFLOWS = """(() => {
+  const found = [];
+  const doc = document.documentElement;
+  if (doc.scrollWidth > window.innerWidth) found.push(`the page: ${doc.scrollWidth} px wide in ${window.innerWidth}`);
+  for (const box of document.querySelectorAll(".stage, .panel, .pipeline")) {
+    const name = `${box.tagName.toLowerCase()}.${box.className}${box.dataset.stageId ? `[${box.dataset.stageId}]` : ""}`;
+    if (box.scrollWidth > box.clientWidth + 1) found.push(`${name} scrolls: ${box.scrollWidth} px in ${box.clientWidth}`);
+    const edge = box.getBoundingClientRect();
+    for (const el of box.querySelectorAll("*")) {
+      const r = el.getBoundingClientRect();
+      if (r.width && (r.right > edge.right + 1 || r.left < edge.left - 1)) {
+        found.push(`${el.tagName.toLowerCase()}.${el.className} reaches out of ${name}`);
+        break;
+      }
+    }
+  }
+  return found;
+})()"""
+
+
 class Page:
     """A tab: navigate, evaluate, wait for a condition, click and type as a user, screenshot."""
 
@@ -269,6 +289,17 @@ class Page:
         root = self.call("DOM.getDocument")["root"]["nodeId"]
         node = self.call("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
         self.call("DOM.setFileInputFiles", {"nodeId": node, "files": [str(p) for p in paths]})
+
+    def resize(self, width: int, height: int) -> None:
+        """Lay the page out as in a window of ``width`` x ``height`` CSS pixels."""
+        metrics = {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False}
+        self.call("Emulation.setDeviceMetricsOverride", metrics)
+
+    def overflows(self) -> list[str]:
+        """What does not fit: the page wider than the window, a card or panel (``.stage``,
+        ``.panel``, ``.pipeline``) that scrolls sideways, or an element that reaches out of
+        its card. Empty when everything fits."""
+        return list(self.eval(_OVERFLOWS))
 
     def screenshot(self, path: Path) -> Path:
         """The whole page (beyond the window too), as PNG."""

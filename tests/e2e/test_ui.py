@@ -3,8 +3,9 @@ pipe, ``tests/e2e/browser.py``) on one ``tiny-omni`` server with an API key and 
 without the key the page shows its login prompt and no data; signed in, both stages awake;
 sleep stage 1 at level 2 and see its state and released memory within 2 s, wake it; a level
 typed by hand that the server refuses shows the server's 400; a chat gets its reply, and its
-picture. A screenshot of each step goes to ``$OMNISTAGE_UI_SCREENSHOTS`` (else pytest's temp
-folder; the path is printed)."""
+picture; and a three-stage pipeline (``tiny-qwen3-omni``) fits a 1280 px window. A screenshot of
+each step goes to ``$OMNISTAGE_UI_SCREENSHOTS`` (else pytest's temp folder; the path is
+printed), and each is checked for overflow: no sideways scrolling, nothing out of its card."""
 
 from __future__ import annotations
 
@@ -74,6 +75,13 @@ def page(browser: Browser, server: Server, shots: Path) -> Iterator[Page]:
     page.close()
 
 
+def snap(page: Page, path: Path) -> None:
+    """A screenshot of the page, which must fit its window: no card cut off, nothing sticking
+    out of its card."""
+    page.screenshot(path)
+    assert page.overflows() == [], path.name
+
+
 def text(page: Page, selector: str) -> str:
     return str(page.eval(f"document.querySelector({json.dumps(selector)})?.textContent ?? ''"))
 
@@ -89,7 +97,7 @@ def test_without_the_key_the_page_shows_its_login_prompt_and_no_data(
         page.type("#api-key", "wrong")
         page.click("#login-submit")
         page.wait_for("document.querySelector('#login').open")
-        page.screenshot(shots / "01-login.png")
+        snap(page, shots / "01-login.png")
         shown = str(page.eval("document.body.innerText"))
         assert page.eval("document.querySelectorAll('.stage, .msg, #acks tbody tr').length") == 0
         assert "thinker" not in shown and "tiny-omni" not in shown, shown
@@ -104,7 +112,7 @@ def test_signed_in_the_pipeline_shows_both_stages_awake(page: Page, shots: Path)
     assert text(page, f"{STAGE_1} h3") == "1 · image-decoder"
     assert text(page, f"{STAGE_1} .released").startswith("0 B")
     page.wait_for("document.querySelectorAll('.memory-chart polyline').length >= 4")
-    page.screenshot(shots / "02-both-awake.png")
+    snap(page, shots / "02-both-awake.png")
 
 
 def test_sleep_stage_1_at_level_2_and_wake_it(page: Page, server: Server, shots: Path) -> None:
@@ -123,7 +131,7 @@ def test_sleep_stage_1_at_level_2_and_wake_it(page: Page, server: Server, shots:
     shown = page.eval(f"import('./static/dom.js').then((dom) => dom.bytes({released}))")
     assert text(page, f"{STAGE_1} .released") == f"{shown} released"
     page.wait_for("document.querySelector('#acks tbody tr')?.textContent.includes('sleep')")
-    page.screenshot(shots / "03-stage-1-asleep.png")
+    snap(page, shots / "03-stage-1-asleep.png")
 
     page.click(f"{STAGE_1} button.wake")
     page.wait_for(
@@ -132,7 +140,7 @@ def test_sleep_stage_1_at_level_2_and_wake_it(page: Page, server: Server, shots:
     )
     page.wait_for("document.querySelector('#acks tbody tr')?.textContent.includes('wake_up')")
     assert "HTTP 200" in text(page, "#answer")
-    page.screenshot(shots / "04-stage-1-awake-again.png")
+    snap(page, shots / "04-stage-1-awake-again.png")
 
 
 def test_a_level_the_server_refuses_shows_its_400(page: Page, server: Server, shots: Path) -> None:
@@ -149,7 +157,7 @@ def test_a_level_the_server_refuses_shows_its_400(page: Page, server: Server, sh
     assert "HTTP 400" in answer and json.dumps(said.json(), indent=2) in answer
     assert said.json()["error"]["message"] in text(page, f"{STAGE_1} .reply")
     assert page.eval(f"document.querySelector('{STAGE_1}').dataset.state") == "awake"
-    page.screenshot(shots / "05-level-7-refused.png")
+    snap(page, shots / "05-level-7-refused.png")
     page.type(f"{STAGE_1} input.level", "2")
 
 
@@ -180,7 +188,7 @@ def test_a_chat_in_the_playground_gets_the_servers_reply(
     page.wait_for("document.querySelectorAll('.msg.assistant[data-done]').length === 2")
     page.wait_for("document.querySelector('.reply-image')?.naturalWidth > 0")
     assert page.eval("document.querySelectorAll('.msg.error').length") == 0
-    page.screenshot(shots / "06-chat.png")
+    snap(page, shots / "06-chat.png")
 
 
 def test_pictures_sounds_and_a_recording_go_to_the_server(
@@ -221,7 +229,7 @@ def test_pictures_sounds_and_a_recording_go_to_the_server(
     shown = page.eval("document.querySelector('.msg.assistant').dataset.error")
     assert shown == said.json()["error"]["message"]
     assert "HTTP 400" in text(page, ".msg.assistant .error-detail")
-    page.screenshot(shots / "07-media-refused.png")
+    snap(page, shots / "07-media-refused.png")
     page.click("#new-chat")
 
 
@@ -270,3 +278,38 @@ def test_speech_plays_from_pieces_cut_anywhere(page: Page) -> None:
     for name, got in result.items():
         assert got["n"] == 4801 and got["rate"] == 24000, (name, got)
         assert got["err"] <= 1 / 32767, (name, got)
+
+
+def test_three_stages_fit_a_1280_px_window_in_every_state(browser: Browser, shots: Path) -> None:
+    """tiny-qwen3-omni's three cards side by side at 1280 px, awake, one asleep (with its host
+    copy and its last sleep), woken again, and the ACK table's SKIPPED row: no sideways
+    scrolling, nothing out of its card."""
+    with running_server("--pipeline", "tiny-qwen3-omni", "--enable-sleep-mode") as server:
+        page = browser.page()
+        try:
+            page.resize(1280, 900)
+            page.goto(server.url + "/ui")
+            page.wait_for("document.querySelectorAll('.stage[data-state=awake]').length === 3")
+            code2wav = '.stage[data-stage-id="2"]'
+            snap(page, shots / "08-three-stages-1280.png")
+            for _ in range(2):  # the second is SKIPPED: "already asleep" in the ACK table
+                reply = httpx.post(
+                    server.url + "/v1/omni/sleep", json={"stage_ids": [2], "level": 1}, timeout=60
+                )
+                assert reply.status_code == 200, reply.text
+            page.wait_for(
+                f"""document.querySelector('{code2wav}').dataset.state === 'asleep'
+                    && document.querySelector('{code2wav} .last-ops').textContent
+                        .includes('kept on host')
+                    && document.querySelector('#acks tbody').textContent.includes('already')"""
+            )
+            snap(page, shots / "09-three-stages-code2wav-asleep-1280.png")
+            httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [2]}, timeout=60)
+            page.wait_for(
+                f"""document.querySelector('{code2wav}').dataset.state === 'awake'
+                    && document.querySelector('#acks tbody').textContent.includes('wake_up')"""
+            )
+            snap(page, shots / "10-three-stages-awake-again-1280.png")
+            assert page.errors() == []
+        finally:
+            page.close()

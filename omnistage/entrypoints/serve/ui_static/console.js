@@ -204,7 +204,10 @@ export class Console {
     const lines = [];
     if (last.sleep) {
       const m = last.sleep.metadata || {};
-      lines.push(`last sleep: level ${m.level}, ${bytes(last.sleep.freed_bytes)} freed in ${ms(m.latency_ms)}`);
+      // freed_bytes is the process's own drop (RSS on the CPU): a level-1 sleep moves the
+      // weights to a host copy, which the process still holds
+      const kept = m.host_backup_bytes ? `, ${bytes(m.host_backup_bytes)} kept on host` : "";
+      lines.push(`last sleep: level ${m.level} in ${ms(m.latency_ms)}: process freed ${bytes(last.sleep.freed_bytes)}${kept}`);
     }
     if (last.wake_up) {
       const m = last.wake_up.metadata || {};
@@ -282,7 +285,7 @@ export class Console {
           h("td", { text: `${ack.stage_id}${ack.rank ? `/${ack.rank}` : ""}` }),
           h("td", { class: "status", text: ack.status }),
           h("td", { text: m.level ?? "–" }),
-          h("td", { text: (m.tags || []).join(", ") || "–" }),
+          h("td", { class: "tags", text: (m.tags || []).join(", ") || "–" }),
           h("td", { class: "num", text: ms(m.latency_ms) }),
           h("td", { class: "num", text: bytes(ack.freed_bytes) }),
           h("td", { class: "num", text: bytes(m.restored_bytes) }),
