@@ -102,3 +102,25 @@ def test_the_family_tables_are_the_registrys():
         home = family.home.removeprefix("omnistage.").replace(".", "/")
         assert f"`{home}" in row, (family.name, home)
         assert home.rsplit("/", 1)[-1] in design, (family.name, "design.md")
+
+
+def test_every_shell_and_python_example_says_how_it_runs():
+    """Each ``bash``/``python`` block of the README and docs/ follows a marker: the built-in
+    pipeline it runs against (tests/e2e/test_docs_examples.py runs it), or why it is not run
+    here (tests/docs_examples.py)."""
+    from omnistage.pipelines import builtin_pipelines
+    from tests.docs_examples import examples
+
+    found = examples()
+    assert len(found) > 30
+    unmarked = [e.where for e in found if e.marker is None]
+    assert not unmarked, f"say how these run (<!-- example: ... -->): {unmarked}"
+    for example in found:
+        if not example.runs:
+            assert example.marker.removeprefix("not run:").strip(), example.where
+            continue
+        assert example.pipeline in builtin_pipelines(), example.where
+        assert example.expected is None or all(100 <= s <= 599 for s in example.expected), (
+            example.where
+        )
+    assert sum(e.runs for e in found) >= 20
