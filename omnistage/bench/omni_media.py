@@ -241,7 +241,7 @@ def thinker_decoder(folder: str | Path, device: str) -> Any:
     from omnistage.models.loader import load_module
 
     config = ARModelConfig.from_pretrained(folder, model_stage="thinker")
-    family = registry.family(config.family)
+    family = registry.ar_family(config.family)
     model = family.build_decoder(config, torch.float32)
     Arena(device).adopt(model)
     load_module(model, folder, rename=family.rename("thinker"))
@@ -253,9 +253,12 @@ def encoder_rows(
 ) -> list[dict[str, Any]]:
     """Per audio length and image size: the family processor's and the encoder's time."""
     from omnistage.models import registry
+    from omnistage.models.interfaces import supports_multimodal
 
     ours = thinker_decoder(folder, device)
-    processor = registry.family_of_folder(str(folder)).prompt_processor(folder)
+    family = registry.family_of_folder(str(folder))
+    assert supports_multimodal(family), f"{folder}: {family.name} takes no media"
+    processor = family.prompt_processor(folder)
     media: list[tuple[str, MediaItem, float | None]] = [
         (f"audio {s:g} s", MediaItem("audio", Audio(clip(s, seed=0), RATE), "a"), s)
         for s in settings.encoder_audio_s

@@ -153,7 +153,7 @@ class ARModelConfig:
         from omnistage.models import registry
 
         raw = read_config_json(path)
-        return registry.family_of(raw, path).decoder_config(raw, model_stage)
+        return registry.as_ar(registry.family_of(raw, path), path).decoder_config(raw, model_stage)
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

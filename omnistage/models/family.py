@@ -15,6 +15,7 @@ import yaml
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.interfaces import ARFamily, Rename
 from omnistage.models.tp_plan import DENSE_PLAN, TPPlan
 
 if TYPE_CHECKING:  # the family is read before any model code loads (no torch at import)
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # the family is read before any model code loads (no torch at
     from omnistage.models.decoder import CausalLM
     from omnistage.models.tensor_parallel import TPGroup
 
-Rename = Callable[[str], str | None]  # checkpoint name -> module name (None: not read)
+__all__ = ["DecoderFamily", "Rename", "build_decoder", "load_template", "skip_derived"]
 
 
 def skip_derived(name: str) -> str | None:
@@ -45,7 +46,7 @@ def load_template(package: str, name: str) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class DecoderFamily:
+class DecoderFamily(ARFamily):
     name: str
     layout: Callable[[dict[str, Any]], dict[str, Any]]
     tp_plan: TPPlan = DENSE_PLAN

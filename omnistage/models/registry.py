@@ -8,8 +8,11 @@ checkpoint its parts, the pipeline they form and the hand-offs between them. Add
 is one module and one line here. The engine, the stages and the HTTP layer reach model
 knowledge only through this registry (and name no model).
 
-Stage-to-stage processors (``input_processor`` in a pipeline) are registered here too, by
-name: the generic ones (``omnistage.models.processors``) and a family's.
+Stage-to-stage processors (``input_processor`` in a pipeline): the generic ones are named
+here (``omnistage.models.processors``); a family declares its own (``processors``), named
+``<family>.<short name>`` in a pipeline. The families' first names, unqualified, still work.
+
+What a family is typed as, and the capability checks: ``omnistage.models.interfaces``.
 """
 
 from __future__ import annotations
@@ -18,9 +21,18 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
+from omnistage.models.interfaces import (
+    ARFamily,
+    ModelFamily,
+    is_ar_family,
+    supports_processors,
+)
+
+if TYPE_CHECKING:
+    from omnistage.models.processors import InputProcessor
 
 
 @dataclass(frozen=True)
@@ -75,10 +87,13 @@ FAMILIES: tuple[FamilyEntry, ...] = (
 PROCESSORS: dict[str, str] = {
     "thinker_hidden_to_image_cond": "omnistage.models.processors:HIDDEN_TO_CONDITIONING",
     "text_to_image_prompt": "omnistage.models.processors:TEXT_TO_PROMPT",
-    "thinker_to_talker": "omnistage.models.qwen2_5_omni.processors:THINKER_TO_TALKER",
-    "talker_to_code2wav": "omnistage.models.qwen2_5_omni.processors:TALKER_TO_CODE2WAV",
-    "qwen3_thinker_to_talker": "omnistage.models.qwen3_omni.processors:THINKER_TO_TALKER",
-    "qwen3_talker_to_code2wav": "omnistage.models.qwen3_omni.processors:TALKER_TO_CODE2WAV",
+}
+# Names pipelines used before the families declared their processors.
+PROCESSOR_ALIASES: dict[str, str] = {
+    "thinker_to_talker": "qwen2_5_omni.thinker_to_talker",
+    "talker_to_code2wav": "qwen2_5_omni.talker_to_code2wav",
+    "qwen3_thinker_to_talker": "qwen3_omni.thinker_to_talker",
+    "qwen3_talker_to_code2wav": "qwen3_omni.talker_to_code2wav",
 }
 
 
@@ -94,9 +109,24 @@ def entry(name: str) -> FamilyEntry:
     raise CheckpointError(f"unknown model family {name!r}; known: {[f.name for f in FAMILIES]}")
 
 
-def family(name: str) -> Any:
+def family(name: str) -> ModelFamily:
     """The ``FAMILY`` object of the family registered as ``name``."""
-    return _load(f"{entry(name).home}:FAMILY")
+    found = _load(f"{entry(name).home}:FAMILY")
+    if not isinstance(found, ModelFamily):
+        raise CheckpointError(f"{entry(name).home}.FAMILY is not a model family")
+    return found
+
+
+def ar_family(name: str) -> ARFamily:
+    """The family registered as ``name``, which AR stages serve (``CheckpointError`` if not)."""
+    return as_ar(family(name))
+
+
+def as_ar(found: ModelFamily, where: object = "the checkpoint") -> ARFamily:
+    """``found`` as a family AR stages serve (``CheckpointError`` if it is not one)."""
+    if not is_ar_family(found):
+        raise CheckpointError(f"{where}: a {found.name} model is not served by an AR stage")
+    return found
 
 
 def supported() -> list[str]:
@@ -123,7 +153,7 @@ def find(raw: dict[str, Any]) -> FamilyEntry | None:
     return None
 
 
-def family_of(raw: dict[str, Any], where: object = "the checkpoint") -> Any:
+def family_of(raw: dict[str, Any], where: object = "the checkpoint") -> ModelFamily:
     """The ``FAMILY`` serving a checkpoint (``CheckpointError`` naming the supported ones)."""
     found = find(raw)
     if found is None:
@@ -134,7 +164,7 @@ def family_of(raw: dict[str, Any], where: object = "the checkpoint") -> Any:
     return family(found.name)
 
 
-def family_of_folder(folder: str | Path) -> Any:
+def family_of_folder(folder: str | Path) -> ModelFamily:
     """The ``FAMILY`` of a checkpoint folder (``config.json`` or ``model_index.json``)."""
     root = Path(folder)
     for name in ("config.json", "model_index.json"):
@@ -149,14 +179,32 @@ def family_of_folder(folder: str | Path) -> Any:
     raise CheckpointError(f"{folder} has no config.json or model_index.json")
 
 
-def processor(name: str) -> Any:
-    """The stage-to-stage processor registered as ``name`` (``ValueError`` naming the known
+def _family_processors() -> dict[str, str]:
+    """Every family's own processors, by their qualified names."""
+    found = {}
+    for f in FAMILIES:
+        declared = family(f.name)
+        if supports_processors(declared):
+            found.update({f"{f.name}.{short}": path for short, path in declared.processors.items()})
+    return found
+
+
+def processor(name: str) -> InputProcessor:
+    """The stage-to-stage processor named ``name``: a generic one, a family's
+    (``<family>.<short name>``) or an older name of one (``ValueError`` naming the known
     ones)."""
-    try:
-        path = PROCESSORS[name]
-    except KeyError:
-        raise ValueError(f"unknown input_processor {name!r}; known: {sorted(PROCESSORS)}") from None
-    return _load(path)
+    name = PROCESSOR_ALIASES.get(name, name)
+    path = PROCESSORS.get(name)
+    family_name, dot, short = name.partition(".")
+    if path is None and dot and any(f.name == family_name for f in FAMILIES):
+        declared = family(family_name)
+        if supports_processors(declared):
+            path = declared.processors.get(short)
+    if path is None:
+        known = sorted({*PROCESSORS, *PROCESSOR_ALIASES, *_family_processors()})
+        raise ValueError(f"unknown input_processor {name!r}; known: {known}")
+    found: InputProcessor = _load(path)
+    return found
 
 
 def is_family_module(module: str) -> bool:

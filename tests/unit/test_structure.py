@@ -39,10 +39,24 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imported(path: Path) -> set[str]:
-    """Every omnistage module ``path`` imports, at the top or inside functions."""
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the import nodes under ``if TYPE_CHECKING:`` (never run)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            found.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return found
+
+
+def imported(path: Path, *, run_only: bool = False) -> set[str]:
+    """Every omnistage module ``path`` imports, at the top or inside functions; with
+    ``run_only``, not those imported for the type checker alone (``if TYPE_CHECKING:``)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = _type_only(tree) if run_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -70,9 +84,12 @@ def test_no_import_runs_upward():
 
 
 def test_no_import_circle():
+    """Imports for the type checker alone do not count: they never run (the protocols of
+    ``omnistage.models.interfaces`` name the configs whose readers use the registry), and
+    ``test_no_import_runs_upward`` still holds them to the layers."""
     known = modules()
     graph = {
-        name: {t for t in imported(path) if t in known and t != name}
+        name: {t for t in imported(path, run_only=True) if t in known and t != name}
         for name, path in known.items()
     }
     # Importing a package runs its __init__: an edge to a.b.c is an edge to a.b too.
@@ -258,3 +275,45 @@ def test_no_call_is_dispatched_by_a_name_looked_up_at_run_time():
             ):
                 found.append(f"{name}:{node.lineno}")
     assert not found, found
+
+
+def test_the_family_seams_are_typed():
+    """What the registry hands out is typed (``omnistage.models.interfaces``), never ``Any``:
+    a caller gets a ``ModelFamily``, an ``ARFamily``, a ``DiffusionFamily`` or an
+    ``InputProcessor`` and the type checker follows it."""
+    source = (PACKAGE / "models" / "registry.py").read_text()
+    untyped = [
+        node.name
+        for node in ast.parse(source).body
+        if isinstance(node, ast.FunctionDef)
+        and node.name in ("family", "ar_family", "family_of", "family_of_folder", "processor")
+        and (node.returns is None or ast.unparse(node.returns) in ("Any", "object"))
+    ]
+    assert not untyped, untyped
+
+
+def _probes_a_family(node: ast.AST) -> bool:
+    """``getattr(<...family...>, "name"...)`` or ``hasattr(<...family...>, "name")``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and "family" in ast.unparse(node.args[0]).lower()
+    )
+
+
+def test_no_family_capability_is_probed_by_name():
+    """A family says what it can do by deriving from a capability protocol, and callers ask
+    with ``omnistage.models.interfaces``' ``supports_*`` / ``is_*`` helpers, never with
+    ``getattr(family, "prompt_processor", None)``."""
+    found = [
+        f"{name}:{node.lineno}"
+        for name, path in modules().items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if _probes_a_family(node)
+    ]
+    assert not found, found
+    probe = ast.parse('getattr(family, "prompt_processor", None)').body[0]
+    assert _probes_a_family(probe.value)  # type: ignore[attr-defined]

@@ -18,14 +18,16 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
+from typing_extensions import TypeIs
 
 from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 from omnistage.models.family import load_template
+from omnistage.models.interfaces import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class DiffusionRequestLike(Protocol):
     def params(self) -> DiffusionParamsLike: ...
 
 
+@runtime_checkable
 class DiffusionFamily(Protocol):
     """A diffusion model family. ``Conditioning`` (what ``encode`` returns) is the family's
     own type: the stage keeps it per request and hands it back to ``predict_noise``."""
@@ -193,3 +196,7 @@ class FamilyBase:
 
     def pipeline(self) -> list[dict[str, Any]]:
         return load_template("omnistage.models.diffusion", self.template)
+
+
+def is_diffusion_family(family: ModelFamily) -> TypeIs[DiffusionFamily]:
+    return isinstance(family, DiffusionFamily)

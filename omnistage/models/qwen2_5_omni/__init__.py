@@ -14,9 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.family import Rename, build_decoder, load_template
+from omnistage.models.family import Rename, build_decoder
+from omnistage.models.omni_family import VOCODER_PART, OmniFamily
 from omnistage.models.qwen2_5_omni.config import FAMILY_NAME, decoder_config
 from omnistage.models.qwen2_5_omni.weights import decoder_rename
 
@@ -27,9 +27,17 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     from omnistage.models.qwen2_5_omni.inputs import Qwen25OmniPromptProcessor
     from omnistage.models.tensor_parallel import TPGroup
 
+__all__ = ["FAMILY", "VOCODER_PART", "Qwen25OmniFamily"]
 
-class Qwen25OmniFamily:
+
+class Qwen25OmniFamily(OmniFamily):
     name = FAMILY_NAME
+    label = "Qwen2.5-Omni"
+    package = __name__
+    processors = {
+        "thinker_to_talker": f"{__name__}.processors:THINKER_TO_TALKER",
+        "talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV",
+    }
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         return decoder_config(raw, part)
@@ -55,28 +63,16 @@ class Qwen25OmniFamily:
 
         return Qwen25OmniPromptProcessor(folder)
 
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template(__name__, "pipeline.yaml")
+    def talker_request_setup(self, folder: str) -> dict[str, Any]:
+        from omnistage.models.qwen2_5_omni.talker import request_setup
 
-    def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
-        if config.part == "talker":
-            from omnistage.models.qwen2_5_omni.talker import request_setup
+        return request_setup(folder)
 
-            return request_setup(folder)
-        return {}
-
-    def vocoder(
-        self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
-    ) -> Any:
-        """The code2wav part: its DiT, BigVGAN and voices in ``arena``."""
+    def build_vocoder(self, folder: str | Path, arena: Any, *, load: bool) -> Any:
+        """Its DiT, BigVGAN and voices."""
         from omnistage.models.qwen2_5_omni.token2wav import Token2WavPipeline
 
-        if part not in (None, VOCODER_PART):
-            raise CheckpointError(
-                f"model_stage: a Qwen2.5-Omni vocoder stage runs {VOCODER_PART!r}, got {part!r}"
-            )
         return Token2WavPipeline(folder, arena, load=load)
 
 
-VOCODER_PART = "code2wav"
 FAMILY = Qwen25OmniFamily()

@@ -16,21 +16,30 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.family import Rename, build_decoder, load_template
+from omnistage.models.family import Rename, build_decoder
+from omnistage.models.omni_family import VOCODER_PART, OmniFamily
 from omnistage.models.qwen3_omni.config import FAMILY_NAME
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
 
     from omnistage.models.decoder import CausalLM
+    from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
     from omnistage.models.tensor_parallel import TPGroup
 
+__all__ = ["DECODER_PARTS", "FAMILY", "VOCODER_PART", "Qwen3OmniFamily"]
+
 DECODER_PARTS = ("thinker", "talker")
-VOCODER_PART = "code2wav"
 
 
-class Qwen3OmniFamily:
+class Qwen3OmniFamily(OmniFamily):
     name = FAMILY_NAME
+    label = "Qwen3-Omni"
+    package = __name__
+    processors = {
+        "thinker_to_talker": f"{__name__}.processors:THINKER_TO_TALKER",
+        "talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV",
+    }
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         part = part or "thinker"
@@ -71,32 +80,21 @@ class Qwen3OmniFamily:
 
         return decoder_rename(part or "thinker")
 
-    def prompt_processor(self, folder: str | Path) -> Any:
+    def prompt_processor(self, folder: str | Path) -> Qwen3OmniPromptProcessor:
         """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
         from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
 
         return Qwen3OmniPromptProcessor(folder)
 
-    def pipeline(self) -> list[dict[str, Any]]:
-        return load_template(__name__, "pipeline.yaml")
+    def talker_request_setup(self, folder: str) -> dict[str, Any]:
+        from omnistage.models.qwen3_omni.talker import request_setup
 
-    def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
-        if config.part == "talker":
-            from omnistage.models.qwen3_omni.talker import request_setup
+        return request_setup(folder)
 
-            return request_setup(folder)
-        return {}
-
-    def vocoder(
-        self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
-    ) -> Any:
-        """The code2wav part: its causal decoder in ``arena``."""
+    def build_vocoder(self, folder: str | Path, arena: Any, *, load: bool) -> Any:
+        """Its causal decoder."""
         from omnistage.models.qwen3_omni.code2wav import Code2WavVocoder
 
-        if part not in (None, VOCODER_PART):
-            raise CheckpointError(
-                f"model_stage: a Qwen3-Omni vocoder stage runs {VOCODER_PART!r}, got {part!r}"
-            )
         return Code2WavVocoder(folder, arena, load=load)
 
 

@@ -123,7 +123,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
     def info(self) -> ARStageInfo:
         """What the API process needs to validate requests before they reach this stage, as
         the stage's model family sets requests up (``request_setup``)."""
-        family = registry.family(self.model_config.family)
+        family = registry.ar_family(self.model_config.family)
         setup = family.request_setup(self.model_config, self.config.model)
         overrides = self.config.override_generation_config
         if overrides:  # the stage's defaults over the model's, under each request's own

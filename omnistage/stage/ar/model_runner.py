@@ -59,7 +59,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[resolve_dtype(config, model_config.torch_dtype)]
         self.block_size = config.block_size
-        self.family = registry.family(model_config.family)
+        self.family = registry.ar_family(model_config.family)
         self.model = self.family.build_decoder(model_config, self.dtype, tp)
         self.attention = select_backend(self.device, config.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")

@@ -287,14 +287,14 @@ class ARRequestPreparer:
         with self._build_lock:
             if self._prompt_processor is None:
                 from omnistage.models import registry
+                from omnistage.models.interfaces import supports_multimodal
 
                 family = registry.family_of_folder(self.config.model)
-                make = getattr(family, "prompt_processor", None)
-                if make is None:
+                if not supports_multimodal(family):
                     raise InvalidRequestError(
                         "multi_modal_data", "this model takes text only (no audio, image or video)"
                     )
-                self._prompt_processor = make(self.config.model)
+                self._prompt_processor = family.prompt_processor(self.config.model)
         return self._prompt_processor
 
     def _media(self, prompt: Mapping[str, Any]) -> list[MediaItem]:

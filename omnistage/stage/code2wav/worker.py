@@ -10,7 +10,9 @@ from pathlib import Path
 import torch
 
 from omnistage.config import StageConfig
+from omnistage.errors import CheckpointError
 from omnistage.models import registry
+from omnistage.models.interfaces import supports_vocoder
 from omnistage.models.tiny import ensure_preset
 from omnistage.stage.code2wav.params import Code2WavLimits
 from omnistage.stage.worker import ArenaWorker
@@ -29,7 +31,10 @@ class Code2WavWorker(ArenaWorker):
         folder = Path(config.model)
         if config.preset is not None and not (folder / "config.json").is_file():
             ensure_preset(config.preset, folder)
-        self.vocoder = registry.family_of_folder(folder).vocoder(
+        family = registry.family_of_folder(folder)
+        if not supports_vocoder(family):
+            raise CheckpointError(f"{folder}: a {family.name} model has no vocoder part")
+        self.vocoder = family.vocoder(
             folder, self.arena, part=config.model_stage, load=load_weights
         )
 

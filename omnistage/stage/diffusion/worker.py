@@ -10,14 +10,16 @@ from typing import Any
 import torch
 
 from omnistage.config import StageConfig
+from omnistage.errors import CheckpointError
 from omnistage.models import registry
+from omnistage.models.diffusion.family import DiffusionFamily, is_diffusion_family
 from omnistage.models.tiny import ensure_preset
 from omnistage.stage.resolve import resolve_stored_dtype
 from omnistage.stage.worker import ArenaWorker
 
 
 class DiffusionWorker(ArenaWorker):
-    family: Any  # the folder's ``FAMILY`` (``registry.family_of_folder``)
+    family: DiffusionFamily  # the folder's ``FAMILY`` (``registry.family_of_folder``)
     pipeline: Any  # what its ``build`` returned: modules, scheduler config, tokenizers
 
     def _build(self, config: StageConfig, load_weights: bool) -> None:
@@ -25,7 +27,10 @@ class DiffusionWorker(ArenaWorker):
         if config.preset is not None and not (folder / "model_index.json").is_file():
             ensure_preset(config.preset, folder)
         dtype = resolve_stored_dtype(config, folder).dtype
-        self.family = registry.family_of_folder(folder)
+        family = registry.family_of_folder(folder)
+        if not is_diffusion_family(family):
+            raise CheckpointError(f"{folder}: a {family.name} model is not a diffusion pipeline")
+        self.family = family
         self.pipeline = self.family.build(folder, self.arena, dtype, load=load_weights)
 
     def _writable_components(self) -> list[str]:

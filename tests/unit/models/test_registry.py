@@ -93,3 +93,37 @@ def test_a_folder_that_names_no_model_is_a_config_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["T5Model"]}))
     with pytest.raises(ConfigError, match="T5Model"):
         pipeline_from_model(str(tmp_path))
+
+
+def test_the_families_say_what_they_can_do_by_type():
+    """Capabilities are protocols a family derives from (``omnistage.models.interfaces``),
+    asked with their ``TypeIs`` helpers; the registry hands out typed families."""
+    from omnistage.models.diffusion.family import is_diffusion_family
+    from omnistage.models.interfaces import (
+        is_ar_family,
+        supports_multimodal,
+        supports_processors,
+        supports_vocoder,
+    )
+    from omnistage.models.omni_family import OmniFamily
+
+    omni = [registry.family(n) for n in ("qwen2_5_omni", "qwen3_omni")]
+    assert all(isinstance(f, OmniFamily) for f in omni)
+    for f in omni:
+        assert is_ar_family(f) and supports_multimodal(f) and supports_vocoder(f)
+        assert supports_processors(f) and not is_diffusion_family(f)
+    decoder = registry.ar_family("qwen2")
+    assert not supports_multimodal(decoder) and not supports_vocoder(decoder)
+    flux = registry.family("flux")
+    assert is_diffusion_family(flux) and not is_ar_family(flux)
+    with pytest.raises(CheckpointError, match="flux model is not served by an AR stage"):
+        registry.ar_family("flux")
+
+
+def test_a_familys_processors_are_its_own_under_its_name_and_the_old_names():
+    for family, old in (("qwen2_5_omni", ""), ("qwen3_omni", "qwen3_")):
+        for short in ("thinker_to_talker", "talker_to_code2wav"):
+            declared = registry.processor(f"{family}.{short}")
+            assert registry.processor(f"{old}{short}") is declared
+    with pytest.raises(ValueError, match="qwen3_omni.thinker_to_talker"):
+        registry.processor("qwen3_omni.sharpen")

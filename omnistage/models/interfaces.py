@@ -1,0 +1,96 @@
+"""What a model family is to the rest of omnistage, as typed protocols: the registry hands out
+a ``ModelFamily``; an AR stage needs an ``ARFamily``, a diffusion stage a ``DiffusionFamily``
+(``omnistage.models.diffusion.family``, with its ``is_diffusion_family``), a code2wav stage a ``SupportsVocoder``; a family whose
+thinker takes audio, pictures or video is ``SupportsMultiModal``. A family says what it can do
+by deriving from the capability's protocol, and callers ask with the ``TypeIs`` helpers below —
+never by looking an attribute up by name. (vLLM's ``model_executor/models/interfaces.py``
+works the same way.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from typing_extensions import TypeIs
+
+if TYPE_CHECKING:  # read before any model code loads (no torch at import)
+    import torch
+
+    from omnistage.models.ar_config import ARModelConfig
+    from omnistage.models.decoder import CausalLM
+    from omnistage.models.media import PromptProcessor
+    from omnistage.models.tensor_parallel import TPGroup
+
+Rename = Callable[[str], str | None]  # checkpoint name -> module name (None: not read)
+
+
+@runtime_checkable
+class ModelFamily(Protocol):
+    """Every family: its registered name and the stages a folder of it is served as
+    (``omnistage serve DIR``)."""
+
+    name: str
+
+    def pipeline(self) -> list[dict[str, Any]]: ...
+
+
+@runtime_checkable
+class ARFamily(ModelFamily, Protocol):
+    """A family served by AR stages: a decoder per part (``part``: ``model_stage``; None for a
+    single-decoder checkpoint), its checkpoint renames, what its requests need."""
+
+    def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig: ...
+
+    def build_decoder(
+        self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> CausalLM:
+        """The part's decoder on ``meta`` (adopt it into an arena, then load)."""
+        ...
+
+    def rename(self, part: str | None = None) -> Rename: ...
+
+    def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
+        """What a stage of this part asks of requests beyond its kind's defaults."""
+        ...
+
+
+@runtime_checkable
+class SupportsMultiModal(ModelFamily, Protocol):
+    """A family whose prompts carry audio, pictures or video: its processor of them."""
+
+    def prompt_processor(self, folder: str | Path) -> PromptProcessor: ...
+
+
+@runtime_checkable
+class SupportsVocoder(ModelFamily, Protocol):
+    """A family with a code-to-waveform part, run by a code2wav stage."""
+
+    def vocoder(
+        self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
+    ) -> Any: ...
+
+
+@runtime_checkable
+class SupportsProcessors(ModelFamily, Protocol):
+    """A family with its own stage-to-stage hand-offs: ``processors`` maps a short name to
+    ``"module:attribute"`` of an ``InputProcessor``; a pipeline names it
+    ``<family>.<short name>`` (the registry also keeps older unqualified names)."""
+
+    processors: Mapping[str, str]
+
+
+def is_ar_family(family: ModelFamily) -> TypeIs[ARFamily]:
+    return isinstance(family, ARFamily)
+
+
+def supports_multimodal(family: ModelFamily) -> TypeIs[SupportsMultiModal]:
+    return isinstance(family, SupportsMultiModal)
+
+
+def supports_vocoder(family: ModelFamily) -> TypeIs[SupportsVocoder]:
+    return isinstance(family, SupportsVocoder)
+
+
+def supports_processors(family: ModelFamily) -> TypeIs[SupportsProcessors]:
+    return isinstance(family, SupportsProcessors)
