@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "omnistage.entrypoints.llm",
-    "SamplingParams": "omnistage.stage.ar.sampling",
+    "SamplingParams": "omnistage.stage.ar.sampling_params",
     "RequestOutput": "omnistage.entrypoints.llm",
     "CompletionOutput": "omnistage.entrypoints.llm",
     "Logprob": "omnistage.entrypoints.llm",

@@ -21,11 +21,11 @@ os.environ.setdefault(
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen_omni_folder(tmp_path_factory):
+def tiny_qwen2_5_omni_folder(tmp_path_factory):
     """One tiny Qwen2.5-Omni checkpoint (the default spec) for the modules that only read it."""
-    from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
+    from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen2_5_omni
 
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("tiny-qwen-omni"), DEFAULT)
+    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("tiny-qwen-omni"), DEFAULT)
 
 
 @pytest.fixture(scope="session")

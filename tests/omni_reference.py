@@ -1,4 +1,4 @@
-"""What the omni references (tests/qwen_omni_reference.py, tests/qwen3_omni_reference.py)
+"""What the omni references (tests/qwen2_5_omni_reference.py, tests/qwen3_omni_reference.py)
 share: transformers' model and tokenizer cached per folder, a prompt's token ids, captured
 values detached."""
 

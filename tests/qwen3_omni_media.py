@@ -6,11 +6,11 @@ the reference processor.
 torchvision (not installed here): ``hf_processor`` builds the processor from its parts (the
 tokenizer, ``WhisperFeatureExtractor`` and the PIL ``Qwen2VLImageProcessorPil`` read from the
 folder) with a stand-in video processor running our ``video_pixels``
-(tests/qwen_omni_media.py: ``StandInVideoProcessor``; transformers' ``Qwen2VLVideoProcessor``
+(tests/qwen2_5_omni_media.py: ``StandInVideoProcessor``; transformers' ``Qwen2VLVideoProcessor``
 takes the frames as given, so only the patching is ours). Audio, images, the placeholder
 expansion, the interleaving of a video with its audio track and ``video_second_per_grid`` go
 through transformers' own code. Our video pixels are compared with the image processor's in
-tests/unit/models/test_qwen_omni_inputs.py (and with torchvision's processor where it loads).
+tests/unit/models/test_qwen2_5_omni_inputs.py (and with torchvision's processor where it loads).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 from omnistage.models.media import Audio, MediaItem, Video
-from tests.qwen_omni_media import StandInVideoProcessor
+from tests.qwen2_5_omni_media import StandInVideoProcessor
 
 RATE = 16000
 SMALL_FRAMES = {"min_pixels": 3136, "max_pixels": 16384}  # 56 x 56 -> 64 x 64: 2 x 2 tokens

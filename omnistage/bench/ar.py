@@ -20,7 +20,7 @@ from omnistage.entrypoints.llm import LLM
 from omnistage.memory import process_resident_bytes
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 
 MiB = 1 << 20
 NUM_PROMPTS = 32

@@ -15,7 +15,7 @@ there, waiting included; transformers: inside ``thinker.generate``, ``talker.gen
 Audio: every request against the same prompt sent alone to omnistage, and against
 transformers as shipped — whose 5.x ``generate`` drops an all-ones attention mask, so its
 talker never adds the codec pad / bos embeddings to its prefill as the original Qwen code does
-— and, untimed, with that mask handed back (as ``tests/qwen_omni_reference.py`` does). Sleep:
+— and, untimed, with that mask handed back (as ``tests/qwen2_5_omni_reference.py`` does). Sleep:
 per stage and level, medians over ``repeats`` cycles of sleep → wake (+ resume) → one audio
 request through ``Omni``; the baseline is the pipeline's cold start to its first audio. Media
 (``omni_media``): audio-in requests, the encoders, the encoder cache. Streamed speech

@@ -26,7 +26,7 @@ from omnistage.bench.robustness import Server
 from omnistage.config import StageConfig
 from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.engine import ARStageEngine
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from omnistage.stage.ar.wire import KIND
 

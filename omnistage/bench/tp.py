@@ -34,7 +34,7 @@ COLUMNS = [
 
 
 def _decode(llm: Any, seqs: int, new_tokens: int, repeats: int) -> tuple[float, list[list[int]]]:
-    from omnistage.stage.ar.sampling import SamplingParams
+    from omnistage.stage.ar.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(0)
     prompts = [

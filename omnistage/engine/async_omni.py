@@ -30,7 +30,7 @@ from omnistage.engine.weights import WeightSyncClient
 from omnistage.models import registry
 from omnistage.stage.control import Ack
 from omnistage.stage.kinds import check_kinds
-from omnistage.stage.prepare import RequestOptions
+from omnistage.stage.request_preparer import RequestOptions
 
 AckListener = Callable[[str, list[dict[str, Any]]], None]
 _FROM_CONFIG_OPTIONS = (

@@ -36,7 +36,7 @@ from omnistage.models import registry
 from omnistage.models.processors import Wants
 from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import HandoffRef, OutputMessage, StageRequest, Upstream
-from omnistage.stage.prepare import RequestOptions, RequestPreparer, prompt_fields
+from omnistage.stage.request_preparer import RequestOptions, RequestPreparer, prompt_fields
 
 
 class RequestRouter:

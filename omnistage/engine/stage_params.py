@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.prepare import RequestPreparer
+from omnistage.stage.request_preparer import RequestPreparer
 
 FIELD = "sampling_params_list"
 

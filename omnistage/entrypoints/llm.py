@@ -34,12 +34,12 @@ from omnistage.models.tokenizer import Tokenizer
 from omnistage.rl.bounds import check_weight_version
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.logprobs import Logprob
-from omnistage.stage.ar.prepare import ARRequestPreparer
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.request_preparer import ARRequestPreparer
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.wire import KIND
 from omnistage.stage.background import run_to_answer
 from omnistage.stage.control import Sleep, acks_of
-from omnistage.stage.prepare import RequestOptions, prompt_fields
+from omnistage.stage.request_preparer import RequestOptions, prompt_fields
 from omnistage.stage.vocabulary import check_tags
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]

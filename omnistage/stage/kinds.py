@@ -70,7 +70,7 @@ STAGE_KINDS: dict[str, KindSpec] = {
         KindSpec(
             name="ar",
             engine="omnistage.stage.ar.engine:ARStageEngine",
-            preparer="omnistage.stage.ar.prepare:ARRequestPreparer",
+            preparer="omnistage.stage.ar.request_preparer:ARRequestPreparer",
             wire="omnistage.stage.ar.wire",
             modality="text",
             has_prefix_cache=True,
@@ -81,14 +81,14 @@ STAGE_KINDS: dict[str, KindSpec] = {
         KindSpec(
             name="diffusion",
             engine="omnistage.stage.diffusion.engine:DiffusionStageEngine",
-            preparer="omnistage.stage.diffusion.prepare:DiffusionRequestPreparer",
+            preparer="omnistage.stage.diffusion.request_preparer:DiffusionRequestPreparer",
             wire="omnistage.stage.diffusion.wire",
             modality="image",
         ),
         KindSpec(
             name="code2wav",
             engine="omnistage.stage.code2wav.engine:Code2WavStageEngine",
-            preparer="omnistage.stage.code2wav.prepare:Code2WavRequestPreparer",
+            preparer="omnistage.stage.code2wav.request_preparer:Code2WavRequestPreparer",
             wire="omnistage.stage.code2wav.wire",
             modality="audio",
             takes_stream=True,

@@ -11,7 +11,7 @@ def omni_server():
     text unless they say otherwise and answer in OpenAI's shape (``--default-modalities text
     --chat-dialect openai``), as the tests using it were written; vLLM-Omni's defaults
     (every output, a choice per modality) are tested on the family servers
-    (test_qwen_omni_api.py, test_diffusion_families_api.py) and in
+    (test_qwen2_5_omni_api.py, test_diffusion_families_api.py) and in
     tests/unit/entrypoints/test_chat_dialects.py."""
     with running_server(
         "--pipeline", "tiny-omni", "--enable-sleep-mode", "--control-api-key", CONTROL_KEY,

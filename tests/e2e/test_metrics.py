@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-omni"
 # Exported once a speech stage has spoken: checked on a speaking server
-# (tests/e2e/test_qwen_omni_api.py); this module's pipeline has no such stage.
+# (tests/e2e/test_qwen2_5_omni_api.py); this module's pipeline has no such stage.
 SPEECH_FAMILIES = {
     "omnistage:time_to_first_audio_seconds",
     "omnistage:audio_seconds_total",

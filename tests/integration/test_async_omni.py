@@ -238,7 +238,7 @@ async def test_a_text_and_image_request_gives_the_same_png_under_any_load(tiny_o
 
 async def test_a_text_and_image_request_cut_by_keep_sleeps_gives_the_same_png(tiny_omni):
     """A sleep with mode keep preempts the thinker's request, which recomputes after the
-    wake. It recomputes step by step (``Sequence.rewind``), so the hidden states it hands the
+    wake. It recomputes step by step (``SequenceState.rewind``), so the hidden states it hands the
     image stage are the same bit for bit, and so is the PNG (in one prefill they were not)."""
     image = {"seed": 5, "num_inference_steps": 4}
     sampling = {"temperature": 0.0, "max_tokens": 80, "ignore_eos": True}

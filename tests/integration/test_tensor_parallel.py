@@ -192,7 +192,7 @@ async def test_a_trainer_sync_reaches_every_rank_all_or_nothing(engine, checkpoi
 
 def test_llm_takes_tensor_parallel_size(checkpoints):
     from omnistage.entrypoints.llm import LLM
-    from omnistage.stage.ar.sampling import SamplingParams
+    from omnistage.stage.ar.sampling_params import SamplingParams
 
     llm = LLM(str(checkpoints[0]), tensor_parallel_size=2, kv_cache_bytes=4 * MiB)
     try:

@@ -57,7 +57,7 @@ def test_relative_links_in_the_docs_resolve():
     assert not broken, broken
 
 
-def test_the_qwen_omni_guide_pipeline_is_valid():
+def test_the_qwen2_5_omni_guide_pipeline_is_valid():
     import yaml
 
     from omnistage.config import parse_pipeline_config

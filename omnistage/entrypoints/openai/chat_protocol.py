@@ -14,7 +14,7 @@ from omnistage.entrypoints.openai.protocol import (
     _Strict,
     field_error,
 )
-from omnistage.stage.ar.sampling import MAX_LOGPROBS
+from omnistage.stage.ar.sampling_params import MAX_LOGPROBS
 
 MAX_BATCH = 64  # conversations in one /v1/chat/completions/batch request
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from omnistage.stage.ar.sampling import MAX_LOGPROBS, MAX_N
+from omnistage.stage.ar.sampling_params import MAX_LOGPROBS, MAX_N
 
 
 def field_error(field: str, reason: str) -> PydanticCustomError:

@@ -25,7 +25,7 @@ from omnistage.entrypoints.serve.omni_control.operations import (
 from omnistage.entrypoints.serve.omni_control.protocol import OmniControlResponse
 from omnistage.entrypoints.serve.rl_routes import text_stage_id
 from omnistage.errors import ConflictError, InvalidRequestError, StageDeadError
-from omnistage.stage.ar.sampling import MAX_LOGPROBS
+from omnistage.stage.ar.sampling_params import MAX_LOGPROBS
 from omnistage.stage.kinds import stage_kind
 from omnistage.stage.vocabulary import KV_CACHE
 

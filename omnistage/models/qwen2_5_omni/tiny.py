@@ -1,6 +1,6 @@
 """Tiny random-initialised Qwen2.5-Omni checkpoints, built with transformers' own classes.
 
-``build_tiny_qwen_omni`` constructs ``transformers.Qwen2_5OmniForConditionalGeneration`` from
+``build_tiny_qwen2_5_omni`` constructs ``transformers.Qwen2_5OmniForConditionalGeneration`` from
 a small ``Qwen2_5OmniConfig`` (thinker text decoder, the smallest audio and vision encoders
 transformers accepts, talker, DiT + BigVGAN token2wav), randomises every parameter from a
 seeded generator and writes what the real ``Qwen/Qwen2.5-Omni-*`` folders hold:
@@ -320,7 +320,9 @@ def speakers(spec: TinyQwenOmniSpec, ids: dict[str, int], seed: int) -> dict[str
     return voices
 
 
-def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed: int = 0) -> Path:
+def build_tiny_qwen2_5_omni(
+    out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed: int = 0
+) -> Path:
     """Write a complete tiny Qwen2.5-Omni checkpoint for ``spec`` into the folder ``out``."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
@@ -355,14 +357,14 @@ def build_tiny_qwen_omni(out: str | Path, spec: TinyQwenOmniSpec = DEFAULT, seed
 
 def build(out: str | Path) -> Path:
     """The ``tiny-qwen2.5-omni`` preset (spec ``DEFAULT``, seed 0)."""
-    return build_tiny_qwen_omni(out, DEFAULT)
+    return build_tiny_qwen2_5_omni(out, DEFAULT)
 
 
 def build_alt(out: str | Path) -> Path:
     """The second tiny config (spec ``ALT``: other sizes, tied thinker embeddings, one shard)."""
-    return build_tiny_qwen_omni(out, ALT)
+    return build_tiny_qwen2_5_omni(out, ALT)
 
 
 def build_bench(out: str | Path) -> Path:
     """The ``bench-qwen2.5-omni`` preset (spec ``BENCH``: bench-size, one shard, seed 0)."""
-    return build_tiny_qwen_omni(out, BENCH)
+    return build_tiny_qwen2_5_omni(out, BENCH)

@@ -1,4 +1,4 @@
-"""The sizes of the tiny Qwen2.5-Omni checkpoints ``tiny_qwen_omni`` builds: the default
+"""The sizes of the tiny Qwen2.5-Omni checkpoints ``tiny_qwen2_5_omni`` builds: the default
 (the ``tiny-qwen2.5-omni`` preset), an alternative with other head and layer counts, tied
 thinker embeddings and one unsharded file, so tests cover two configurations, and a
 bench-size one (the ``bench-qwen2.5-omni`` preset) for ``omnistage bench``."""

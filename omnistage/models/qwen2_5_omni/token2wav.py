@@ -30,7 +30,7 @@ from torch import nn
 from omnistage.memory import Arena
 from omnistage.models.loader import CheckpointError, load_into, module_targets, shown
 from omnistage.models.meta import move_derived_buffers, parameters_on_meta
-from omnistage.models.qwen2_5_omni import config as qwen_omni
+from omnistage.models.qwen2_5_omni import config as qwen2_5_omni
 from omnistage.models.qwen2_5_omni.voices import SPEAKERS_FILE
 
 logger = logging.getLogger(__name__)
@@ -129,11 +129,11 @@ class Token2WavPipeline:
 
         self.folder = Path(folder)
         self.device = arena.device
-        raw = qwen_omni.read_config(self.folder)
+        raw = qwen2_5_omni.read_config(self.folder)
         if raw is None:
             raise CheckpointError(
                 f"{shown(self.folder)} is not a Qwen2.5-Omni checkpoint "
-                f"(config.json with model_type {qwen_omni.MODEL_TYPE!r})"
+                f"(config.json with model_type {qwen2_5_omni.MODEL_TYPE!r})"
             )
         dit_config, bigvgan_config = token2wav_configs(raw, self.folder / "config.json")
         self.dit: Any = build_empty(Qwen2_5OmniToken2WavDiTModel, dit_config)

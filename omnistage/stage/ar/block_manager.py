@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from omnistage.stage.ar.multi_modal import cache_keys
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 
 
 @dataclass
@@ -50,7 +50,7 @@ def block_hashes(
     return hashes
 
 
-def sequence_hashes(seq: Sequence, block_size: int, num_blocks: int) -> list[bytes]:
+def sequence_hashes(seq: SequenceState, block_size: int, num_blocks: int) -> list[bytes]:
     extra = cache_keys(seq.multi_modal, block_size, num_blocks) if seq.multi_modal else None
     return block_hashes(seq.token_ids, block_size, num_blocks, extra)
 
@@ -82,7 +82,7 @@ class BlockManager:
 
     # -- allocation --------------------------------------------------------------------
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
+    def _prefix_hits(self, seq: SequenceState) -> list[int]:
         """Cached blocks that hold the start of ``seq``'s tokens, in order. The last token is
         never taken from the cache: its logits must be computed."""
         if not (self.enable_prefix_caching and seq.may_use_prefix_cache):
@@ -96,12 +96,12 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def can_allocate(self, seq: Sequence, extra_blocks: int = 0) -> bool:
+    def can_allocate(self, seq: SequenceState, extra_blocks: int = 0) -> bool:
         hits = self._prefix_hits(seq)
         fresh = self.num_blocks_for(seq.num_tokens) - len(hits) + extra_blocks
         return self.num_free_blocks - sum(self.ref_counts[b] == 0 for b in hits) >= fresh
 
-    def allocate(self, seq: Sequence) -> None:
+    def allocate(self, seq: SequenceState) -> None:
         """Give ``seq`` blocks for all its tokens: the cached ones its prefix matches (their
         tokens need no computing: ``seq.num_cached_tokens``), then fresh ones."""
         if seq.block_table:
@@ -120,7 +120,7 @@ class BlockManager:
         if seq.num_prompt_cached_tokens is None:
             seq.num_prompt_cached_tokens = seq.num_cached_tokens
 
-    def share(self, parent: Sequence, child: Sequence, copy_block: int | None) -> None:
+    def share(self, parent: SequenceState, child: SequenceState, copy_block: int | None) -> None:
         """Give ``child`` (a fork of ``parent`` after its prefill) the parent's blocks; the
         last, partly filled one is replaced by ``copy_block``, which the caller fills with a
         copy of it (the two sequences write different tokens there next)."""
@@ -154,7 +154,7 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: SequenceState) -> None:
         # Tail blocks first, so that they are the first evicted: a prefix outlives its tails.
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
@@ -163,7 +163,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
 
-    def computing(self, seq: Sequence) -> set[bytes]:
+    def computing(self, seq: SequenceState) -> set[bytes]:
         """Digests of the full blocks ``seq``'s coming prefill computes (just allocated, not
         cached): what a sequence that starts alike finds cached once that prefill ran."""
         if not (self.enable_prefix_caching and seq.may_use_prefix_cache):
@@ -171,7 +171,7 @@ class BlockManager:
         num_full = (seq.num_tokens - 1) // self.block_size
         return set(sequence_hashes(seq, self.block_size, num_full)[seq.num_hashed_blocks :])
 
-    def waits_for(self, seq: Sequence, computing: set[bytes]) -> bool:
+    def waits_for(self, seq: SequenceState, computing: set[bytes]) -> bool:
         """Whether ``seq``'s first block not cached is among ``computing``: prefilled a step
         later, it computes none of the blocks another prefill of this step computes."""
         if not (computing and self.enable_prefix_caching and seq.may_use_prefix_cache):
@@ -184,20 +184,20 @@ class BlockManager:
 
     # -- decode ------------------------------------------------------------------------
 
-    def can_append(self, seq: Sequence) -> bool:
+    def can_append(self, seq: SequenceState) -> bool:
         """Whether the next decode (which writes the k/v of the last token) fits."""
         return self._needs_block(seq) <= self.num_free_blocks
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq: SequenceState) -> None:
         if self._needs_block(seq):
             seq.block_table.append(self._take_free_block())
 
-    def _needs_block(self, seq: Sequence) -> int:
+    def _needs_block(self, seq: SequenceState) -> int:
         return int(len(seq.block_table) * self.block_size < seq.num_tokens)
 
     # -- registration ------------------------------------------------------------------
 
-    def cache_computed_blocks(self, seq: Sequence) -> None:
+    def cache_computed_blocks(self, seq: SequenceState) -> None:
         """Register ``seq``'s full blocks whose k/v are computed (every token but the last:
         its k/v are written by the next step)."""
         if not (self.enable_prefix_caching and seq.kv_keyed_by_tokens):

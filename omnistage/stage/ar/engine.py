@@ -36,7 +36,7 @@ from omnistage.stage.ar.requests import RequestTable, from_wire
 from omnistage.stage.ar.resolve import resolve_ar_stage
 from omnistage.stage.ar.sampler import Sampler
 from omnistage.stage.ar.scheduler import Scheduler
-from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.sequence import ARRequest, SequenceState
 from omnistage.stage.ar.streamed_input import StreamedInput
 from omnistage.stage.ar.wire import KIND, ARStageInfo
 from omnistage.stage.ar.worker import ARWorker
@@ -99,7 +99,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
             config.logprobs_mode == "processed_logprobs",
             suppressed=self.model_config.suppress_token_ids,
         )
-        self._held: list[Sequence] = []  # arrived while paused; scheduled on resume
+        self._held: list[SequenceState] = []  # arrived while paused; scheduled on resume
         self._awaiting: dict[str, Any] = {}  # streamed requests whose prompt has not come
         self._deferred: dict[str, Any] = {}  # their input that came while the stage slept
         self._queued_outputs: list[StageOutput] = []  # ended from outside (abort)
@@ -177,7 +177,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
                 self._held.remove(seq)
             self._end(seq)
 
-    def _end(self, seq: Sequence, error: Exception | None = None) -> None:
+    def _end(self, seq: SequenceState, error: Exception | None = None) -> None:
         """Report ``seq`` (and the samples still to fork from it) ended from outside."""
         for ended in [seq, *seq.pending_samples]:
             self.requests.forget(ended)
@@ -191,7 +191,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
 
     def has_runnable_work(self) -> bool:
         """Whether a step would make progress even if it answered nothing: sequences that
-        replay their tokens after a recompute (``Sequence.rewind``) step with no output."""
+        replay their tokens after a recompute (``SequenceState.rewind``) step with no output."""
         return self._can_run() and (
             any(seq.is_ready for seq in self.scheduler.running)
             or any(seq.replay for seq in self.scheduler.waiting)
@@ -213,7 +213,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         outputs, self._queued_outputs = self._queued_outputs, []
         return outputs
 
-    def _run(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    def _run(self, seqs: list[SequenceState], is_prefill: bool) -> None:
         if is_prefill:
             self.num_prefill_tokens += sum(s.num_tokens - s.num_cached_tokens for s in seqs)
         try:
@@ -234,7 +234,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
                     self._fail(seq, error)
             return
         drawn = {b: i for i, b in enumerate(drawing)}
-        framed: list[tuple[int, Sequence, StageOutput]] = []  # go on to a multi-code frame
+        framed: list[tuple[int, SequenceState, StageOutput]] = []  # go on to a multi-code frame
         for b, seq in enumerate(batch):
             row = b if rows is None else rows[b]
             if seq.replay:  # the token it generated the first time; nothing to emit again
@@ -279,7 +279,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
             self._predict_frames(result.last_hidden, framed)
 
     def _predict_frames(
-        self, last_hidden: torch.Tensor | None, framed: list[tuple[int, Sequence, StageOutput]]
+        self, last_hidden: torch.Tensor | None, framed: list[tuple[int, SequenceState, StageOutput]]
     ) -> None:
         """A multi-codebook model's other codes of this step's frames: each output then
         carries its step's whole frame (the sampled code first). A sequence whose step ended
@@ -303,7 +303,9 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         for (_, _, output), rest in zip(framed, codes, strict=True):
             output.new_token_ids.extend(rest)
 
-    def _with_forks(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int] | None]:
+    def _with_forks(
+        self, seqs: list[SequenceState]
+    ) -> tuple[list[SequenceState], list[int] | None]:
         """After a prefill: the samples waiting on it fork (sharing its prompt's k/v) and
         join the batch, each sampling from its leader's logits row."""
         if not any(seq.pending_samples for seq in seqs):
@@ -317,7 +319,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
             leader.pending_samples = []
         return batch, rows
 
-    def _fork(self, leader: Sequence, sample: Sequence) -> None:
+    def _fork(self, leader: SequenceState, sample: SequenceState) -> None:
         copy = None
         if leader.num_tokens % self.block_manager.block_size:  # the next token goes there
             copy = self.block_manager.take_block()
@@ -327,7 +329,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         sample.prompt_logprobs = leader.prompt_logprobs
         self.scheduler.add_running(sample)
 
-    def _fail(self, seq: Sequence, error: Exception) -> None:
+    def _fail(self, seq: SequenceState, error: Exception) -> None:
         self.scheduler.remove_sequence(seq)
         self._end(seq, error)
 

@@ -25,7 +25,7 @@ from omnistage.models.tensor_parallel import SINGLE, Shard, TPGroup, rank_heads,
 from omnistage.stage.ar.cuda_graphs import DecodeGraphs
 from omnistage.stage.ar.kv_cache import KVCache, plan_kv_cache, resolved_max_model_len
 from omnistage.stage.ar.multi_modal import EncoderCache
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.resolve import resolve_dtype
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -129,7 +129,7 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+    def _slots(self, seq: SequenceState, start: int, end: int) -> list[int]:
         size = self.block_size
         return [seq.block_table[p // size] * size + p % size for p in range(start, end)]
 
@@ -138,7 +138,9 @@ class ModelRunner:
         with torch.no_grad():
             return self.model.embed(self._tensor(token_ids)).float().cpu()
 
-    def _inputs_embeds(self, seq: Sequence, start: int, token_embeds: torch.Tensor) -> torch.Tensor:
+    def _inputs_embeds(
+        self, seq: SequenceState, start: int, token_embeds: torch.Tensor
+    ) -> torch.Tensor:
         """The model inputs of ``seq``'s positions ``start, start + 1, ...`` (one per row of
         ``token_embeds``, their tokens' embeddings): its prompt embeddings (projected by the
         model), plus the tokens' own from ``token_embeds_from`` on; after the prompt, the
@@ -165,7 +167,7 @@ class ModelRunner:
             out[first - start :] += self.model.project_embeds(seq.decode_embeds[steps])
         return out
 
-    def _positions(self, seq: Sequence, start: int) -> torch.Tensor:
+    def _positions(self, seq: SequenceState, start: int) -> torch.Tensor:
         """Positions of ``seq``'s tokens from ``start`` on: ``[T]``, or ``[3, T]`` (time,
         height, width) for a prompt with multimodal rotary positions; a generated token
         (recomputed after a preemption) sits at its index plus ``position_delta``."""
@@ -177,7 +179,7 @@ class ModelRunner:
         return torch.cat([prompt.to(self.device), later.expand(3, -1)], dim=1)
 
     def _encode_multi_modal(
-        self, seq: Sequence, rows: torch.Tensor
+        self, seq: SequenceState, rows: torch.Tensor
     ) -> list[tuple[int, torch.Tensor]]:
         """The encoder step: each multimodal item's embeddings replace those of its
         placeholder positions among ``rows`` (``seq``'s positions from ``num_cached_tokens``
@@ -198,7 +200,12 @@ class ModelRunner:
         return layer_rows
 
     def _hidden_rows(
-        self, seq: Sequence, hidden: torch.Tensor, embeds: torch.Tensor | None, start: int, end: int
+        self,
+        seq: SequenceState,
+        hidden: torch.Tensor,
+        embeds: torch.Tensor | None,
+        start: int,
+        end: int,
     ) -> torch.Tensor:
         rows = hidden[start:end]
         if seq.hidden_layer is not None:  # that layer's output, the embedding beside it
@@ -220,7 +227,7 @@ class ModelRunner:
         return rows + added
 
     @torch.no_grad()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+    def run(self, seqs: list[SequenceState], is_prefill: bool) -> StepResult:
         layer = next((s.hidden_layer for s in seqs if s.hidden_layer is not None), None)
         if layer is None:
             return self._prefill(seqs) if is_prefill else self._decode(seqs)
@@ -237,7 +244,7 @@ class ModelRunner:
     def _keep_layer(self, module: object, args: object, output: torch.Tensor) -> None:
         self._layer_out = output
 
-    def _prefill(self, seqs: list[Sequence]) -> StepResult:
+    def _prefill(self, seqs: list[SequenceState]) -> StepResult:
         """Compute each sequence's tokens from ``num_cached_tokens`` on (the ones before came
         from the prefix cache)."""
         input_ids: list[int] = []
@@ -292,7 +299,7 @@ class ModelRunner:
             self.model.compute_logits(last_rows), wanted, prompt_logits, self._framed(last_rows)
         )
 
-    def _decode(self, seqs: list[Sequence]) -> StepResult:
+    def _decode(self, seqs: list[SequenceState]) -> StepResult:
         input_ids = self._tensor([seq.last_token_id for seq in seqs])
         positions = self._tensor([seq.num_tokens - 1 + seq.position_delta for seq in seqs])
         slots = self._tensor(
@@ -332,7 +339,7 @@ class ModelRunner:
         self,
         last_hidden: torch.Tensor,
         token_ids: list[int],
-        seqs: list[Sequence],
+        seqs: list[SequenceState],
         generators: list[torch.Generator],
     ) -> list[list[int]]:
         """A multi-codebook model's step, after its first codes (``token_ids``) were sampled:

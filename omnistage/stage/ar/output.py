@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason, StageOutput
 
@@ -23,7 +23,7 @@ def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
 
 
 def append_token(
-    seq: Sequence,
+    seq: SequenceState,
     token_id: int,
     eos_token_ids: Collection[int],
     max_model_len: int,
@@ -79,7 +79,7 @@ def append_token(
     )
 
 
-def final_handoff(seq: Sequence) -> dict[str, Any] | None:
+def final_handoff(seq: SequenceState) -> dict[str, Any] | None:
     payload: dict[str, Any] = {}
     if seq.return_hidden_states and seq.hidden_states:
         payload["hidden_states"] = torch.cat(seq.hidden_states).cpu()
@@ -92,7 +92,7 @@ def final_handoff(seq: Sequence) -> dict[str, Any] | None:
     return payload or None
 
 
-def streamed_rows(seq: Sequence) -> dict[str, Any] | None:
+def streamed_rows(seq: SequenceState) -> dict[str, Any] | None:
     """The hidden-state rows ``seq`` recorded since its last output said (rows a recompute
     records again were said already); the first also says its prompt, as ``final_handoff``."""
     total = sum(len(rows) for rows in seq.hidden_states)
@@ -114,7 +114,7 @@ def streamed_rows(seq: Sequence) -> dict[str, Any] | None:
 
 
 def abort_output(
-    seq: Sequence, reason: FinishReason = "abort", error: Exception | None = None
+    seq: SequenceState, reason: FinishReason = "abort", error: Exception | None = None
 ) -> StageOutput:
     """The final output of a sequence ended from outside (abort, error)."""
     return StageOutput(

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.ar.tp_weights import SyncSlice
 from omnistage.stage.ar.wire import MultiModalItem
 from omnistage.stage.control import Ack, ControlOp
@@ -58,7 +58,7 @@ class SeqView(msgspec.Struct):
         return self.token_ids[-1]
 
     @classmethod
-    def of(cls, seq: Sequence, is_prefill: bool) -> SeqView:
+    def of(cls, seq: SequenceState, is_prefill: bool) -> SeqView:
         return cls(
             # A decode step reads only the last token; a prefill its tokens from the cache on.
             token_ids=list(seq.token_ids) if is_prefill else [seq.last_token_id],

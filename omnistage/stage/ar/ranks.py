@@ -27,8 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +60,7 @@ from omnistage.stage.ar.rank_wire import (
     encode,
 )
 from omnistage.stage.ar.ray_ranks import ActorRank, current_placement, start_rank_actor
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.ar.tp_weights import RankWeights, full_targets, slices_of
 from omnistage.stage.ar.worker import ARWorker
 from omnistage.stage.control import Ack
@@ -306,7 +305,7 @@ class TensorParallelWorker:
 
     # -- every rank --------------------------------------------------------------------------
 
-    def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+    def execute(self, seqs: list[SequenceState], is_prefill: bool) -> StepResult:
         self._check_alive()
         self.ranks.send(RankStep([SeqView.of(s, is_prefill) for s in seqs], is_prefill))
         return self.local.execute(seqs, is_prefill)
@@ -332,7 +331,7 @@ class TensorParallelWorker:
     def encoder_cache_status(self) -> dict[str, int]:
         return self.local.encoder_cache_status()
 
-    def sleep(self, level: int, tags: Seq[str] | None, **metadata: Any) -> Ack:
+    def sleep(self, level: int, tags: Sequence[str] | None, **metadata: Any) -> Ack:
         self._check_alive()
         local = self.local.sleep(level, tags, **metadata)
         op = ops.Sleep(level=level, mode=metadata.get("mode") or "abort", tags=_listed(tags))
@@ -343,7 +342,7 @@ class TensorParallelWorker:
             self._undo(ack, done, ops.WakeUp(tags=_listed(tags), reload=True))
         return ack
 
-    def wake_up(self, tags: Seq[str] | None, reload: bool) -> Ack:
+    def wake_up(self, tags: Sequence[str] | None, reload: bool) -> Ack:
         self._check_alive()
         level = self.local.sleep_control.level
         local = self.local.wake_up(tags, reload)
@@ -387,7 +386,7 @@ def _succeeded(acks: list[Ack]) -> list[int]:
     return [a.rank for a in acks if a.status == "SUCCESS"]
 
 
-def _listed(tags: Seq[str] | None) -> list[str] | None:
+def _listed(tags: Sequence[str] | None) -> list[str] | None:
     return None if tags is None else list(tags)
 
 

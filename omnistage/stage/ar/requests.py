@@ -15,8 +15,8 @@ from omnistage.errors import InvalidRequestError
 from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.multi_modal import EMBEDS, check_items
-from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.sampling_params import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest, SequenceState
 from omnistage.stage.ar.wire import ARStageRequest
 
 
@@ -67,7 +67,7 @@ class RequestTable:
         self.dtype = dtype
         self.emits_text = emits_text  # False: tokens are codes, never detokenized
         self.multi_modal = multi_modal  # the modalities of the items a request may carry
-        self._samples: dict[str, list[Sequence]] = {}
+        self._samples: dict[str, list[SequenceState]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._samples
@@ -75,11 +75,11 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def samples(self, request_id: str) -> list[Sequence]:
+    def samples(self, request_id: str) -> list[SequenceState]:
         """The request's live samples (a copy: ending them changes the table)."""
         return list(self._samples.get(request_id, ()))
 
-    def create(self, request: ARRequest) -> Sequence:
+    def create(self, request: ARRequest) -> SequenceState:
         """Validate ``request`` and register its samples; returns the one to schedule."""
         self.validate(request)
         for name in ("prompt_embeds", "decode_embeds"):  # on the device, in the model's dtype
@@ -95,7 +95,7 @@ class RequestTable:
         self._samples[request.request_id] = samples
         return samples[0]
 
-    def _sample(self, request: ARRequest, index: int) -> Sequence:
+    def _sample(self, request: ARRequest, index: int) -> SequenceState:
         params = request.sampling_params
         seed = params.sample_seed(index)
         generator = None
@@ -108,9 +108,9 @@ class RequestTable:
             if self.emits_text
             else None
         )
-        return Sequence(request, detokenizer, generator, index)
+        return SequenceState(request, detokenizer, generator, index)
 
-    def forget(self, seq: Sequence) -> None:
+    def forget(self, seq: SequenceState) -> None:
         samples = self._samples.get(seq.request_id)
         if samples is not None and seq in samples:
             samples.remove(seq)

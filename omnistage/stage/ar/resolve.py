@@ -37,7 +37,7 @@ def check_generation_config(stage: StageConfig) -> None:
     """``override_generation_config`` holds sampling parameters (``ConfigError`` naming the
     key otherwise)."""
     from omnistage.errors import InvalidRequestError
-    from omnistage.stage.ar.sampling import SamplingParams
+    from omnistage.stage.ar.sampling_params import SamplingParams
 
     key = f"stages.{stage.stage_id}.override_generation_config"
     overrides = stage.override_generation_config

@@ -21,20 +21,19 @@ drawn from (penalties, bans, temperature, min-p, top-k and top-p applied).
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from collections.abc import Sequence as Seq
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sampling_params import SamplingParams
+from omnistage.stage.ar.sequence import SequenceState
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def apply_penalties(
-    logits: torch.Tensor, params: SamplingParams, token_ids: Seq[int], num_prompt_tokens: int
+    logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int], num_prompt_tokens: int
 ) -> torch.Tensor:
     """The repetition, frequency and presence penalties on one row of finite float32 logits,
     given the sequence's tokens (prompt, then output); a new tensor, clamped to finite."""
@@ -100,7 +99,7 @@ class Sampler:
         # Never sampled, whatever the request (a model's start code, say: its family sets them).
         self.suppressed = frozenset(suppressed)
 
-    def _banned_ids(self, seq: Sequence, vocab_size: int) -> list[int]:
+    def _banned_ids(self, seq: SequenceState, vocab_size: int) -> list[int]:
         """Ids that may not come next: the suppressed ones, and those that would end the
         sequence before ``min_tokens``."""
         banned = set(self.suppressed)
@@ -110,7 +109,7 @@ class Sampler:
                 banned.update(self.eos_token_ids)
         return sorted(t for t in banned if t < vocab_size)
 
-    def __call__(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> Sampled:
+    def __call__(self, logits: torch.Tensor, seqs: Sequence[SequenceState]) -> Sampled:
         raw = logits.float()
         finite = torch.isfinite(raw).all(dim=-1).tolist()
         processed = raw

@@ -27,7 +27,7 @@ import time
 from collections import Counter, deque
 
 from omnistage.stage.ar.block_manager import BlockManager
-from omnistage.stage.ar.sequence import Sequence, SequenceStatus
+from omnistage.stage.ar.sequence import SequenceState, SequenceStatus
 
 
 class Scheduler:
@@ -37,19 +37,19 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
-        self.running: deque[Sequence] = deque()
+        self.waiting: deque[SequenceState] = deque()
+        self.running: deque[SequenceState] = deque()
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
+    def schedule(self) -> tuple[list[SequenceState], bool]:
         """The sequences to run now and whether this is a prefill step."""
-        scheduled: list[Sequence] = []
+        scheduled: list[SequenceState] = []
         num_batched_tokens = 0
         num_slots = len(self.running)
         computing: set[bytes] = set()  # prefix blocks this step's prefills compute
@@ -116,7 +116,7 @@ class Scheduler:
             chosen = {id(s) for s in first}
             self.waiting = deque(first + [s for s in self.waiting if id(s) not in chosen])
 
-    def _decode_victim(self, seq: Sequence, scheduled: list[Sequence]) -> Sequence:
+    def _decode_victim(self, seq: SequenceState, scheduled: list[SequenceState]) -> SequenceState:
         """The sequence to preempt when ``seq`` needs a block none is free for: the newest
         not yet scheduled this step of the request holding the most sequences (``seq``
         itself when that is its own request and none of its others is left)."""
@@ -129,12 +129,12 @@ class Scheduler:
                 return seq
         return seq
 
-    def _fits(self, seq: Sequence, slots: int) -> bool:
+    def _fits(self, seq: SequenceState, slots: int) -> bool:
         return len(self.running) + slots <= self.max_num_seqs and self.block_manager.can_allocate(
             seq, slots - 1
         )
 
-    def _preempt_for(self, newcomer: Sequence, slots: int) -> bool:
+    def _preempt_for(self, newcomer: SequenceState, slots: int) -> bool:
         """Make room for ``newcomer`` (``slots`` sequences) from the request holding the most
         running sequences beyond its fair share; True if any was preempted."""
         counts = Counter(s.request_id for s in self.running)
@@ -157,15 +157,15 @@ class Scheduler:
             preempted = True
         return preempted
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: SequenceState) -> None:
         seq.status = SequenceStatus.WAITING
         self.block_manager.free(seq)
         seq.rewind()
         self.num_preemptions += 1
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: SequenceState) -> None:
         """Free ``seq``'s blocks and put it first in line; its next prefill recomputes them
-        (``Sequence.rewind``: step by step where the numbers, not only the tokens, matter)."""
+        (``SequenceState.rewind``: step by step where the numbers, not only the tokens, matter)."""
         self._release(seq)
         self.waiting.appendleft(seq)
 
@@ -176,17 +176,17 @@ class Scheduler:
             self.preempt(self.running.pop())
         return count
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SequenceState) -> None:
         seq.status = SequenceStatus.FINISHED
         self.block_manager.free(seq)
         self.running.remove(seq)
 
-    def add_running(self, seq: Sequence) -> None:
+    def add_running(self, seq: SequenceState) -> None:
         """A sequence that holds its blocks already (a fork) joins the running ones."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def remove_sequence(self, seq: Sequence) -> bool:
+    def remove_sequence(self, seq: SequenceState) -> bool:
         """Take ``seq`` out of the queues (abort), freeing its blocks; False if not there."""
         for queue in (self.waiting, self.running):
             if seq in queue:
@@ -196,7 +196,7 @@ class Scheduler:
                 return True
         return False
 
-    def remove_all(self) -> list[Sequence]:
+    def remove_all(self) -> list[SequenceState]:
         seqs = [*self.running, *self.waiting]
         for seq in seqs:
             self.block_manager.free(seq)

@@ -1,4 +1,4 @@
-"""A request (``ARRequest``) and its life in the engine (``Sequence``)."""
+"""A request (``ARRequest``) and its life in the engine (``SequenceState``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from enum import Enum, auto
 import torch
 
 from omnistage.models.tokenizer import IncrementalDetokenizer
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.wire import MultiModalItem
 from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason
@@ -50,7 +50,7 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-class Sequence:
+class SequenceState:
     """A request's tokens, KV blocks, decoding state and streamed text."""
 
     def __init__(
@@ -89,7 +89,7 @@ class Sequence:
         # ``prompt_tokens_details.cached_tokens``); a recompute after preemption does not count.
         self.num_prompt_cached_tokens: int | None = None
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
-        self.pending_samples: list[Sequence] = []  # forked from this one after its prefill
+        self.pending_samples: list[SequenceState] = []  # forked from this one after its prefill
         # Generated tokens fed back one decode step each after a recompute (``rewind``).
         self.replay: list[int] = []
         self.detokenizer = detokenizer

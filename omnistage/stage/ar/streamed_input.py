@@ -1,7 +1,7 @@
 """Streamed input of an AR stage: a request whose prompt and decode embeddings come while the
 stage before still runs (``AppendInput`` messages, through its processor's stream). Its
 request waits for its prompt; once running, a step whose decode embedding has not come yet
-waits (``Sequence.is_ready``) while the others go on."""
+waits (``SequenceState.is_ready``) while the others go on."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import msgspec
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 
 KIND = "ar"
 

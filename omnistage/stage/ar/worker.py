@@ -8,7 +8,7 @@ control operation reaches all of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import LoadReport, module_targets
 from omnistage.models.tensor_parallel import SINGLE, TPGroup
 from omnistage.stage.ar.model_runner import ModelRunner, StepResult
-from omnistage.stage.ar.sequence import Sequence
+from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.control import Ack
 from omnistage.stage.vocabulary import KV_CACHE
 from omnistage.stage.worker import ArenaWorker
@@ -63,7 +63,7 @@ class ARWorker(ArenaWorker):
     def has_cuda_graphs(self) -> bool:
         return self.runner.has_cuda_graphs
 
-    def execute(self, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+    def execute(self, seqs: list[SequenceState], is_prefill: bool) -> StepResult:
         return self.runner.run(seqs, is_prefill)
 
     def embed_tokens(self, token_ids: list[int]) -> torch.Tensor:
@@ -73,7 +73,7 @@ class ARWorker(ArenaWorker):
         self,
         last_hidden: torch.Tensor,
         token_ids: list[int],
-        seqs: list[Sequence],
+        seqs: list[SequenceState],
         generators: list[torch.Generator],
     ) -> list[list[int]]:
         return self.runner.predict_frames(last_hidden, token_ids, seqs, generators)
@@ -87,12 +87,12 @@ class ARWorker(ArenaWorker):
     def encoder_cache_status(self) -> dict[str, int]:
         return self.runner.encoder_cache.status()
 
-    def sleep(self, level: int, tags: Seq[str] | None, **metadata: Any) -> Ack:
+    def sleep(self, level: int, tags: Sequence[str] | None, **metadata: Any) -> Ack:
         if level >= 1:  # cached encoder outputs are memory a sleep releases too
             self.clear_encoder_cache()
         return super().sleep(level, tags, **metadata)
 
-    def wake_up(self, tags: Seq[str] | None, reload: bool) -> Ack:
+    def wake_up(self, tags: Sequence[str] | None, reload: bool) -> Ack:
         """Memory back (weights reloaded unless ``reload`` is False); a KV cache that comes
         back holds garbage, which nothing reads: the engine resets its block bookkeeping."""
         kv_was_asleep = self.arena.is_asleep(KV_CACHE)

@@ -13,7 +13,7 @@ from omnistage.engine.stage_client import StageClient
 from omnistage.errors import InvalidRequestError, StageDeadError
 from omnistage.pipelines import cache_dir, ensure_models, load_pipeline
 from omnistage.stage import control as ops
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.wire import ARStageRequest
 from omnistage.stage.diffusion.wire import DiffusionStageRequest
 from omnistage.stage.types import StageOutput

@@ -12,7 +12,7 @@ from omnistage.models.attention import ATTENTION_BACKENDS
 from omnistage.models.decoder import CausalLM
 from omnistage.models.loader import load_module
 from omnistage.stage.ar.engine import ARStageEngine
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from tests.unit.models.hf_checkpoints import ARCHS, VOCAB, build_checkpoint
 

@@ -8,12 +8,12 @@ from omnistage.memory import Arena
 from omnistage.models import registry
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.loader import load_module
-from tests.qwen_omni_reference import load_model
+from tests.qwen2_5_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_qwen_omni_folder):
-    return tiny_qwen_omni_folder
+def folder(tiny_qwen2_5_omni_folder):
+    return tiny_qwen2_5_omni_folder
 
 
 def ours(folder, part):

@@ -144,7 +144,7 @@ def omni_rank(folder: str, store: str, rank: int, queue: multiprocessing.Queue) 
     queue.put((rank, {p: tuple(t.numpy() for t in pair) for p, pair in outputs.items()}))
 
 
-def test_qwen_omni_thinker_and_talker_split_over_two_ranks():
+def test_qwen2_5_omni_thinker_and_talker_split_over_two_ranks():
     from omnistage.models.tiny import ensure_preset
     from omnistage.pipelines import cache_dir
 

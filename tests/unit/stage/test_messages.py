@@ -9,7 +9,7 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stage import control as ops
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.wire import ARStageInfo, ARStageRequest, MultiModalItem
 from omnistage.stage.control import make_ack
 from omnistage.stage.diffusion.params import DiffusionParams, ImageOutput, PipelineLimits

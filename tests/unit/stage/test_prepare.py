@@ -8,12 +8,12 @@ from omnistage.errors import ContextLengthError, InvalidRequestError
 from omnistage.models.processors import Wants
 from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
-from omnistage.stage.ar.prepare import ARRequestPreparer
+from omnistage.stage.ar.request_preparer import ARRequestPreparer
 from omnistage.stage.ar.wire import ARStageInfo
 from omnistage.stage.diffusion.params import DiffusionParams, PipelineLimits
-from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
+from omnistage.stage.diffusion.request_preparer import DiffusionRequestPreparer
 from omnistage.stage.diffusion.wire import DiffusionStageInfo
-from omnistage.stage.prepare import RequestOptions, prompt_fields
+from omnistage.stage.request_preparer import RequestOptions, prompt_fields
 
 NOTHING = Wants()
 LIMITS = PipelineLimits(
@@ -211,7 +211,7 @@ def test_max_tokens_none_is_the_stages_default_else_no_limit(ar):
 BUILD_AT_ONCE = """
 import sys, threading
 from omnistage.config import StageConfig
-from omnistage.stage.ar.prepare import ARRequestPreparer
+from omnistage.stage.ar.request_preparer import ARRequestPreparer
 from omnistage.stage.ar.wire import ARStageInfo
 
 config = StageConfig(stage_id=0, kind="ar", model=sys.argv[1], model_stage="thinker")

@@ -157,7 +157,7 @@ def test_a_placeholder_outside_its_framing_is_refused(ours):
 @pytest.mark.parametrize("seconds", [0.05, 0.5, 1.37, 7.0, 31.0])
 def test_min_tokens_never_counts_more_than_the_audio_expands_to(ours, rate, seconds):
     """The bound that refuses an audio too long for the context before it is featurized."""
-    from tests.qwen_omni_media import audio_tokens_and_bound
+    from tests.qwen2_5_omni_media import audio_tokens_and_bound
 
     count, least = audio_tokens_and_bound(ours, rate, seconds)
     assert count - 2 <= least <= count, (least, count)  # close: it refuses what surely won't fit

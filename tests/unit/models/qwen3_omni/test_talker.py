@@ -16,7 +16,7 @@ from omnistage.config import StageConfig
 from omnistage.models.processors import UpstreamResult
 from omnistage.models.qwen3_omni import processors
 from omnistage.stage.ar.engine import ARStageEngine
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from omnistage.stage.ar.wire import MultiModalItem
 from tests.unit.models.qwen3_omni.thinker_helpers import (

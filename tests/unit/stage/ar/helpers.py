@@ -8,7 +8,7 @@ from pathlib import Path
 from omnistage.config import StageConfig
 from omnistage.models.tiny_ar import TinyARSpec, build
 from omnistage.stage.ar.engine import ARStageEngine
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from omnistage.stage.types import StageOutput
 

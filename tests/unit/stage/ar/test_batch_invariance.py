@@ -26,8 +26,8 @@ from omnistage.models.tiny import ensure_preset
 from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.model_runner import ModelRunner, StepResult
-from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.sampling_params import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest, SequenceState
 from tests.unit.stage.ar.helpers import Result, collect, greedy, make_engine
 
 MAX_MODEL_LEN = 512  # as the demo thinker in pipelines/tiny-omni.yaml
@@ -100,7 +100,9 @@ class Recorder:
         self.prefill_tokens: list[int] = []  # tokens of each prefill that held the target
         self.decode_batches: list[tuple[int, int]] = []  # (batch size, widest block table)
 
-    def __call__(self, runner: ModelRunner, seqs: list[Sequence], is_prefill: bool) -> StepResult:
+    def __call__(
+        self, runner: ModelRunner, seqs: list[SequenceState], is_prefill: bool
+    ) -> StepResult:
         if any(seq.request_id == TARGET_ID for seq in seqs):
             if is_prefill:
                 self.prefill_tokens.append(sum(seq.num_tokens for seq in seqs))

@@ -80,8 +80,8 @@ def test_text_deltas_add_up_to_the_decoded_tokens(micro, requests):
 def test_a_preempted_sequence_hands_over_the_same_hidden_states_bit_for_bit(micro, requests):
     """Recomputed in one prefill, the hidden states of generated positions differ from the
     decode steps' in the last bits; a sequence that hands them over recomputes step by step
-    instead (``Sequence.rewind``): bit-equal, and its seeded draws continue as they would."""
-    from omnistage.stage.ar.sampling import SamplingParams
+    instead (``SequenceState.rewind``): bit-equal, and its seeded draws continue as they would."""
+    from omnistage.stage.ar.sampling_params import SamplingParams
     from tests.unit.stage.ar.helpers import collect, run_to_completion
 
     sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True)

@@ -7,7 +7,7 @@ from omnistage.models.tiny_ar import build_tokenizer
 from omnistage.models.tokenizer import IncrementalDetokenizer, Tokenizer
 from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import plan_kv_cache
-from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.sequence import ARRequest, SequenceState
 
 MODEL = ARModelConfig(
     model_type="qwen2",
@@ -52,7 +52,7 @@ def test_cache_smaller_than_one_sequence_is_a_config_error():
 def test_decode_takes_a_new_block_only_at_a_block_boundary():
     manager = BlockManager(num_blocks=3, block_size=4)
     request = ARRequest("s", [1, 2, 3, 4])
-    seq = Sequence(request, IncrementalDetokenizer(Tokenizer(build_tokenizer(300)), []), None)
+    seq = SequenceState(request, IncrementalDetokenizer(Tokenizer(build_tokenizer(300)), []), None)
     manager.allocate(seq)
     assert len(seq.block_table) == 1
     seq.token_ids.append(5)  # the first decode writes position 4: a second block

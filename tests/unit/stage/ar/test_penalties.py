@@ -11,8 +11,8 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.ar import sampler as sampler_module
 from omnistage.stage.ar.sampler import Sampler, apply_penalties, filter_logits
-from omnistage.stage.ar.sampling import SamplingParams
-from omnistage.stage.ar.sequence import ARRequest, Sequence
+from omnistage.stage.ar.sampling_params import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest, SequenceState
 from omnistage.stage.ar.wire import ARStageRequest
 from omnistage.stage.messages import AddRequest, decode_to_stage, encode
 from tests.unit.stage.ar.helpers import build_micro, generate, greedy, make_engine
@@ -30,8 +30,8 @@ def random_case(seed: int) -> tuple[torch.Tensor, list[int], int]:
     return logits, prompt + output, len(prompt)
 
 
-def sequence(params: SamplingParams, prompt: list[int], output: list[int]) -> Sequence:
-    seq = Sequence(ARRequest("r", prompt, params), detokenizer=None, generator=None)  # type: ignore[arg-type]
+def sequence(params: SamplingParams, prompt: list[int], output: list[int]) -> SequenceState:
+    seq = SequenceState(ARRequest("r", prompt, params), detokenizer=None, generator=None)  # type: ignore[arg-type]
     seq.token_ids += output
     return seq
 

@@ -9,7 +9,7 @@ import torch
 
 from omnistage.errors import NonFiniteOutputError, StageInternalError
 from omnistage.stage.ar.sampler import Sampler, filter_logits
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from tests.unit.stage.ar.helpers import build_micro, generate, greedy, make_engine
 
@@ -67,14 +67,14 @@ def test_rows_with_non_finite_logits_get_no_token():
 
 def _seq(i: int):
     from omnistage.models.tokenizer import IncrementalDetokenizer
-    from omnistage.stage.ar.sequence import Sequence
+    from omnistage.stage.ar.sequence import SequenceState
 
     class NoText:
         def decode(self, ids, skip_special_tokens=True):
             return ""
 
     request = ARRequest(f"s{i}", [1, 2], greedy(4))
-    return Sequence(request, IncrementalDetokenizer(NoText(), [1, 2]), None)  # type: ignore[arg-type]
+    return SequenceState(request, IncrementalDetokenizer(NoText(), [1, 2]), None)  # type: ignore[arg-type]
 
 
 def test_non_finite_logits_fail_the_request_and_the_engine_keeps_serving(engine, monkeypatch):

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from omnistage.config import StageConfig
 from omnistage.stage.ar.engine import ARStageEngine
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from omnistage.stage.types import StageOutput
 from tests.unit.models.hf_checkpoints import ARCHS, VOCAB, build_checkpoint

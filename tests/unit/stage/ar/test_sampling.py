@@ -3,7 +3,7 @@ import torch
 
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.ar.sampler import filter_logits
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from tests.unit.stage.ar.helpers import build_micro, generate, greedy, make_engine
 

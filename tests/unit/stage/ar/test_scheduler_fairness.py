@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
 from tests.unit.stage.ar.helpers import build_micro, greedy, make_engine
 

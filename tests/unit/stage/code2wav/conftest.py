@@ -19,9 +19,9 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def omni_folder(tmp_path_factory) -> Path:
     """A tiny Qwen2.5-Omni checkpoint (thinker, talker, token2wav, two voices), sharded."""
-    from omnistage.models.qwen2_5_omni.tiny import build_tiny_qwen_omni
+    from omnistage.models.qwen2_5_omni.tiny import build_tiny_qwen2_5_omni
 
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni"))
+    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("omni"))
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,10 @@ from omnistage.config import StageConfig
 from omnistage.errors import InvalidRequestError
 from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.params import Code2WavLimits, Code2WavParams
-from omnistage.stage.code2wav.prepare import Code2WavRequestPreparer
+from omnistage.stage.code2wav.request_preparer import Code2WavRequestPreparer
 from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
 from omnistage.stage.kinds import stage_kind
-from omnistage.stage.prepare import RequestOptions
+from omnistage.stage.request_preparer import RequestOptions
 
 LIMITS = Code2WavLimits(
     voices=["Chelsie", "Ethan"],
@@ -103,7 +103,7 @@ def test_bad_codes_name_codes(preparer, prompt, match):
 def test_the_preparer_loads_no_model_code():
     script = (
         "import sys\n"
-        "import omnistage.stage.code2wav.prepare\n"
+        "import omnistage.stage.code2wav.request_preparer\n"
         "loaded = [m for m in ('transformers', 'diffusers') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )

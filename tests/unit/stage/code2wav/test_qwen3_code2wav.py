@@ -15,10 +15,10 @@ from omnistage.errors import InvalidRequestError
 from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.engine import Code2WavStageEngine
 from omnistage.stage.code2wav.params import Code2WavParams
-from omnistage.stage.code2wav.prepare import Code2WavRequestPreparer
 from omnistage.stage.code2wav.request import Code2WavRequest
+from omnistage.stage.code2wav.request_preparer import Code2WavRequestPreparer
 from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import RequestOptions
+from omnistage.stage.request_preparer import RequestOptions
 from tests.unit.stage.code2wav.conftest import code2wav_config, run_all, samples_of
 
 GROUPS = 4  # the tiny checkpoint's codebooks (num_quantizers)

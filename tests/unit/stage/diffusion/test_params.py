@@ -95,7 +95,7 @@ def test_a_list_entry_out_of_range_is_named_under_the_entry():
     all-black picture; each value is checked where it was given."""
     from omnistage.config import StageConfig
     from omnistage.engine.stage_params import params_by_field
-    from omnistage.stage.diffusion.prepare import DiffusionRequestPreparer
+    from omnistage.stage.diffusion.request_preparer import DiffusionRequestPreparer
     from omnistage.stage.diffusion.wire import DiffusionStageInfo
 
     limits = PipelineLimits(size_multiple=16, embedding_dim=8, has_text_encoder=True)

@@ -17,7 +17,7 @@ from omnistage.stage.diffusion.params import (
     validate_params,
 )
 from omnistage.stage.diffusion.wire import DiffusionStageInfo, DiffusionStageRequest
-from omnistage.stage.prepare import RequestOptions, check_mapping
+from omnistage.stage.request_preparer import RequestOptions, check_mapping
 
 FIELD = "image_params"
 

@@ -1,4 +1,4 @@
-"""The tiny Qwen2.5-Omni builder, and transformers' generation through tests/qwen_omni_reference.py
+"""The tiny Qwen2.5-Omni builder, and transformers' generation through tests/qwen2_5_omni_reference.py
 (which also checks, position by position, the data flow its docstring describes)."""
 
 import hashlib
@@ -16,9 +16,9 @@ from omnistage.models.qwen2_5_omni.tiny import (
     SPECIAL_TOKENS,
     TINY_QWEN_OMNI_SPECS,
     VOICES,
-    build_tiny_qwen_omni,
+    build_tiny_qwen2_5_omni,
 )
-from tests.qwen_omni_reference import load_model, prompt_ids, reference_generate
+from tests.qwen2_5_omni_reference import load_model, prompt_ids, reference_generate
 
 PROMPTS = ["Hello! How are you today?", "Tell me a story about a robot.", "Paris"]
 
@@ -39,7 +39,8 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-qwen-omni")
     return {
-        name: build_tiny_qwen_omni(root / name, spec) for name, spec in TINY_QWEN_OMNI_SPECS.items()
+        name: build_tiny_qwen2_5_omni(root / name, spec)
+        for name, spec in TINY_QWEN_OMNI_SPECS.items()
     }
 
 
@@ -53,9 +54,9 @@ def test_the_two_specs_differ_where_the_acceptance_tests_need_it():
 
 @pytest.mark.parametrize("name", sorted(TINY_QWEN_OMNI_SPECS))
 def test_same_spec_and_seed_give_identical_bytes(name, folders, tmp_path):
-    again = build_tiny_qwen_omni(tmp_path / "again", TINY_QWEN_OMNI_SPECS[name])
+    again = build_tiny_qwen2_5_omni(tmp_path / "again", TINY_QWEN_OMNI_SPECS[name])
     assert digests(again) == digests(folders[name])
-    other_seed = build_tiny_qwen_omni(tmp_path / "seed1", TINY_QWEN_OMNI_SPECS[name], seed=1)
+    other_seed = build_tiny_qwen2_5_omni(tmp_path / "seed1", TINY_QWEN_OMNI_SPECS[name], seed=1)
     assert tensors(other_seed).keys() == tensors(again).keys()
     assert not torch.equal(
         tensors(other_seed)["talker.codec_head.weight"], tensors(again)["talker.codec_head.weight"]
@@ -154,7 +155,7 @@ def test_chat_prompts_match_omnistages_tokenizer(folders):
 
 
 def _check_data_flow(ref, model):
-    """The docstring of tests/qwen_omni_reference.py, position by position."""
+    """The docstring of tests/qwen2_5_omni_reference.py, position by position."""
     cfg = model.config.talker_config
     thinker_embed = model.thinker.get_input_embeddings().weight.detach()
     codec_embed = model.talker.get_input_embeddings().weight.detach()

@@ -18,12 +18,12 @@ from omnistage.models.loader import load_into, module_targets
 from omnistage.models.media import Audio, MediaItem, Video
 from omnistage.models.qwen2_5_omni import FAMILY
 from omnistage.models.tensor_parallel import shards_of
-from tests.qwen_omni_reference import load_model
+from tests.qwen2_5_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_qwen_omni_folder):
-    return tiny_qwen_omni_folder
+def folder(tiny_qwen2_5_omni_folder):
+    return tiny_qwen2_5_omni_folder
 
 
 def thinker(folder, dtype=torch.float32, device="cpu"):

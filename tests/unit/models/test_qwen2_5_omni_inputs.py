@@ -24,7 +24,7 @@ from omnistage.models.media import Audio, MediaItem, Video
 from omnistage.models.qwen2_5_omni import FAMILY
 from omnistage.models.qwen2_5_omni.inputs import VIDEO_MAX_PIXELS, VIDEO_MIN_PIXELS
 from omnistage.models.qwen2_5_omni.rope_index import chunk_bounds
-from tests.qwen_omni_media import (
+from tests.qwen2_5_omni_media import (
     CASES,
     HAS_TORCHVISION,
     build,
@@ -34,12 +34,12 @@ from tests.qwen_omni_media import (
     noise_audio,
     picture,
 )
-from tests.qwen_omni_reference import load_model
+from tests.qwen2_5_omni_reference import load_model
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_qwen_omni_folder):
-    return tiny_qwen_omni_folder
+def folder(tiny_qwen2_5_omni_folder):
+    return tiny_qwen2_5_omni_folder
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +328,7 @@ def test_audio_features_padded_to_their_reach_equal_the_full_window(ours, second
 @pytest.mark.parametrize("seconds", [0.05, 0.5, 1.37, 7.0, 31.0])
 def test_min_tokens_never_counts_more_than_the_audio_expands_to(ours, rate, seconds):
     """The bound that refuses an audio too long for the context before it is featurized."""
-    from tests.qwen_omni_media import audio_tokens_and_bound
+    from tests.qwen2_5_omni_media import audio_tokens_and_bound
 
     count, least = audio_tokens_and_bound(ours, rate, seconds)
     assert count - 2 <= least <= count, (least, count)  # close: it refuses what surely won't fit

@@ -4,11 +4,11 @@ builds and saves (two configurations, three prompts each): the thinker's token i
 talker's codes and the waveform are the same, also after the three stages slept (levels 2, 1,
 2) and woke; concurrent audio requests give what each gives alone. (Speech is synthesised in
 one piece here, ``stream=False``; the chunked synthesis is tested against it in
-tests/unit/models/test_qwen_omni_streaming.py and over HTTP in tests/e2e/test_speech_streaming.py.)
+tests/unit/models/test_qwen2_5_omni_streaming.py and over HTTP in tests/e2e/test_speech_streaming.py.)
 
 The talker's prefill adds the codec pad/bos embeddings to its last two positions as the
 original Qwen code and transformers 4.x do (transformers 5.x as shipped loses them for an
-unpadded request: see tests/qwen_omni_reference.py, ``codec_prefill_embeds``).
+unpadded request: see tests/qwen2_5_omni_reference.py, ``codec_prefill_embeds``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from omnistage.entrypoints.omni import Omni
-from omnistage.models.qwen2_5_omni import tiny as tiny_qwen_omni
-from tests.qwen_omni_reference import reference_generate
+from omnistage.models.qwen2_5_omni import tiny as tiny_qwen2_5_omni
+from tests.qwen2_5_omni_reference import reference_generate
 
 PROMPTS = ["Hello there", "Tell me a story about a cat", "1 2 3"]
 THINKER_TOKENS, TALKER_TOKENS, STEPS = 8, 24, 4
@@ -29,7 +29,9 @@ TALKER = {"temperature": 0.0, "max_tokens": TALKER_TOKENS}  # rep. penalty 1.05 
 @pytest.fixture(scope="module", params=["default", "alt"])
 def served(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"qwen-omni-{request.param}")
-    tiny_qwen_omni.build_tiny_qwen_omni(folder, tiny_qwen_omni.TINY_QWEN_OMNI_SPECS[request.param])
+    tiny_qwen2_5_omni.build_tiny_qwen2_5_omni(
+        folder, tiny_qwen2_5_omni.TINY_QWEN_OMNI_SPECS[request.param]
+    )
     omni = Omni.from_model(  # speech in one piece, as transformers speaks it
         str(folder), in_process=True, enable_sleep_mode=True, kv_cache_bytes=8 << 20, stream=False
     )

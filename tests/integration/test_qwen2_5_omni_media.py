@@ -1,12 +1,12 @@
 """Qwen2.5-Omni hears and sees: prompts with audio, images and video, served as thinker →
 talker → code2wav, against transformers' ``generate`` fed ``Qwen2_5OmniProcessor``'s outputs
-for the same media (the talker prefill's mask restored, as tests/qwen_omni_reference.py
+for the same media (the talker prefill's mask restored, as tests/qwen2_5_omni_reference.py
 explains): the thinker's ids, the talker's codes and the waveform are the same — alone,
 beside other requests, after the thinker slept at level 2 and woke; the same picture runs
 the encoder once; two pictures behind the same text share no cached block.
 
 The reference's video pixels come from our own frame processing (transformers' video
-processor needs torchvision): tests/unit/models/test_qwen_omni_inputs.py checks them.
+processor needs torchvision): tests/unit/models/test_qwen2_5_omni_inputs.py checks them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.media import MediaItem
-from tests.qwen_omni_media import CASES, build, hf_process, hf_processor, openai_parts, picture
-from tests.qwen_omni_reference import reference_generate
+from tests.qwen2_5_omni_media import CASES, build, hf_process, hf_processor, openai_parts, picture
+from tests.qwen2_5_omni_reference import reference_generate
 
 THINKER_TOKENS, TALKER_TOKENS, STEPS = 6, 16, 4
 GREEDY = {"temperature": 0.0, "max_tokens": THINKER_TOKENS}
@@ -26,8 +26,8 @@ SPEECH = {"voice": "Chelsie", "seed": 7, "num_steps": STEPS}
 
 
 @pytest.fixture(scope="module")
-def folder(tiny_qwen_omni_folder):
-    return str(tiny_qwen_omni_folder)
+def folder(tiny_qwen2_5_omni_folder):
+    return str(tiny_qwen2_5_omni_folder)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from omnistage.models.qwen2_5_omni import FAMILY
-from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen_omni
-from tests.unit.models.test_qwen_omni_encoders import mixed, thinker
+from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen2_5_omni
+from tests.unit.models.test_qwen2_5_omni_encoders import mixed, thinker
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,7 +16,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return build_tiny_qwen_omni(tmp_path_factory.mktemp("omni-encoders-gpu"), DEFAULT)
+    return build_tiny_qwen2_5_omni(tmp_path_factory.mktemp("omni-encoders-gpu"), DEFAULT)
 
 
 @pytest.mark.parametrize("use_audio_in_video", [False, True])

@@ -20,7 +20,7 @@ import pytest
 
 from omnistage.pipelines import load_pipeline
 from tests.e2e.server import running_server
-from tests.qwen_omni_media import openai_parts, png_url
+from tests.qwen2_5_omni_media import openai_parts, png_url
 
 SPEAK = {
     "modalities": ["text", "audio"],
@@ -199,8 +199,8 @@ def test_audio_from_a_pipeline_without_a_speaker_is_400(plain_server):
 
 
 def test_the_openai_client_sends_audio_and_pictures_and_hears_transformers_reply(client, server):
-    from tests.qwen_omni_media import hf_process, hf_processor
-    from tests.qwen_omni_reference import reference_generate
+    from tests.qwen2_5_omni_media import hf_process, hf_processor
+    from tests.qwen2_5_omni_reference import reference_generate
 
     folder = load_pipeline("tiny-qwen2.5-omni").stages[0].model
     parts, messages, options, kw = openai_parts("audio_image")
@@ -264,7 +264,7 @@ def test_bad_media_is_a_400_naming_the_part_and_the_stage_lives_on(server, conte
 def _short_audio_part() -> dict:
     import numpy as np
 
-    from tests.qwen_omni_media import wav_data
+    from tests.qwen2_5_omni_media import wav_data
 
     data = wav_data(np.zeros(1, np.float32))  # one sample: shorter than a feature frame
     return {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
@@ -331,7 +331,7 @@ def test_decoded_media_leave_the_budget_once_their_prompt_is_prepared(server):
 
 
 def test_a_picture_for_a_model_without_a_vision_encoder_is_400(plain_server):
-    from tests.qwen_omni_media import picture
+    from tests.qwen2_5_omni_media import picture
 
     content = [{"type": "image_url", "image_url": {"url": png_url(picture(32, 32))}}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}

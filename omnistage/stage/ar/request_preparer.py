@@ -19,9 +19,9 @@ from omnistage.errors import ContextLengthError, InvalidRequestError
 from omnistage.models.media import MediaItem, PromptProcessor, media_items
 from omnistage.models.processors import Wants
 from omnistage.models.tokenizer import Tokenizer
-from omnistage.stage.ar.sampling import SamplingParams
+from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.wire import ARStageInfo, ARStageRequest, MultiModalItem
-from omnistage.stage.prepare import RequestOptions, check_mapping
+from omnistage.stage.request_preparer import RequestOptions, check_mapping
 
 # Limits a request may give as None, meaning "none asked for": the stage's default
 # (``override_generation_config``, a family's defaults) applies, else no limit.

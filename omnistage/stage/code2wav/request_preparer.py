@@ -12,7 +12,7 @@ from omnistage.models.processors import Wants
 from omnistage.stage.code2wav.params import Code2WavParams
 from omnistage.stage.code2wav.request import check_codes, check_voice
 from omnistage.stage.code2wav.wire import Code2WavStageInfo, Code2WavStageRequest
-from omnistage.stage.prepare import VLLM_SAMPLING_FIELDS, RequestOptions, check_mapping
+from omnistage.stage.request_preparer import VLLM_SAMPLING_FIELDS, RequestOptions, check_mapping
 
 FIELD = "audio_params"
 
