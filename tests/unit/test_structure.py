@@ -317,3 +317,29 @@ def test_no_family_capability_is_probed_by_name():
     assert not found, found
     probe = ast.parse('getattr(family, "prompt_processor", None)').body[0]
     assert _probes_a_family(probe.value)  # type: ignore[attr-defined]
+
+
+def test_every_omni_route_lives_in_omni_control():
+    """A ``/v1/omni/*`` route is declared in ``entrypoints/serve/omni_control/`` and nowhere
+    else (vLLM's names for the same operations are elsewhere, under their own paths)."""
+    home = "omnistage.entrypoints.serve.omni_control"
+    found = []
+    for name, path in modules().items():
+        decorators = [
+            d
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for d in node.decorator_list
+        ]
+        for node in decorators:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "post", "put", "delete", "api_route")
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("/v1/omni")
+                and not name.startswith(home)
+            ):
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found

@@ -117,6 +117,7 @@ def build_app(
     from omnistage.entrypoints.serve import rl_routes, vllm_compat, vllm_dev
     from omnistage.entrypoints.serve.auth import require_api_key
     from omnistage.entrypoints.serve.errors import register_exception_handlers
+    from omnistage.entrypoints.serve.omni_control.rl import router as omni_rl_router
     from omnistage.entrypoints.serve.omni_control.routes import router as omni_control_router
 
     say = progress or logger.info
@@ -166,6 +167,7 @@ def build_app(
     app.include_router(models_router, dependencies=data)
     app.include_router(health_router)
     app.include_router(omni_control_router)
+    app.include_router(omni_rl_router)
     app.include_router(vllm_compat.router)
     app.include_router(rl_routes.router)
     app.include_router(vllm_dev.router)
