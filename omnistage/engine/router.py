@@ -29,7 +29,7 @@ from omnistage.engine import admission as adm
 from omnistage.engine.outputs import OmniRequestOutput
 from omnistage.engine.request_stats import StageTimer, StatsListener
 from omnistage.engine.stage_client import EngineStageClient
-from omnistage.engine.streamed import AudioJoin, run_streamed
+from omnistage.engine.streamed import AudioJoin, StageRun, run_streamed
 from omnistage.errors import InvalidRequestError, StageAsleepError, StageInternalError
 from omnistage.memory.heap import give_back_memory
 from omnistage.models import registry
@@ -287,35 +287,32 @@ class RequestRouter:
         if pending:
             params = {name: dict(value) for name, value in options.params.items()}
             upstream = Upstream(pending[0][1], self._processor_name(first), params)
-        kwargs: dict[str, Any] = {
-            "stage_id": first,
-            "request_id": request_id,
-            "request": request,
-            "bound": bound,
-            "num_samples": num_samples,
-            "forward": len(group) == 1 and first != chain[-1],
-            "upstream": upstream,
-            "on_submit": pending.clear,
-            "request_start": started,
-        }
+        run = StageRun(
+            first,
+            request_id,
+            request,
+            bound,
+            num_samples=num_samples,
+            forward=len(group) == 1 and first != chain[-1],
+            upstream=upstream,
+            on_submit=pending.clear,
+            request_start=started,
+        )
         if len(group) == 1:
-            return self._tagged(first, self._run_stage(**kwargs))
-        stages: list[tuple[int, dict[str, Any]]] = [(first, kwargs)]
+            return self._tagged(first, self._run_stage(run))
+        stages = [run]
         params = {name: dict(value) for name, value in options.params.items()}
         for later in group[1:]:
             stages.append(
-                (
+                StageRun(
                     later,
-                    {
-                        "stage_id": later,
-                        "request_id": request_id,
-                        "request": self._template(later, options, chain),
-                        "bound": bound,
-                        "forward": later == group[-1] and later != chain[-1],
-                        "stream": self._processor_name(later),
-                        "stream_params": params,
-                        "request_start": started,
-                    },
+                    request_id,
+                    self._template(later, options, chain),
+                    bound,
+                    forward=later == group[-1] and later != chain[-1],
+                    stream=self._processor_name(later),
+                    stream_params=params,
+                    request_start=started,
                 )
             )
         clients = [self.clients[later] for later in group[1:]]
@@ -333,29 +330,14 @@ class RequestRouter:
         async for out, ends in outputs:
             yield stage_id, out, ends
 
-    async def _run_stage(
-        self,
-        stage_id: int,
-        request_id: str,
-        request: StageRequest,
-        bound: set[int],
-        num_samples: int = 1,
-        forward: bool = False,
-        upstream: Upstream | None = None,
-        on_submit: Callable[[], None] = lambda: None,
-        stream: str | None = None,
-        request_start: float | None = None,
-        stream_params: dict[str, dict[str, Any]] | None = None,
-    ) -> AsyncIterator[tuple[OutputMessage, bool]]:
-        """Submit to one stage and stream its outputs, each with whether it ends the last of
-        its ``num_samples`` samples; ``bound`` holds the stages this request has still to
-        reach (this one leaves it once admitted). ``forward``: the stage hands its output to
-        the next; ``upstream``: what the stage before handed to this one; ``stream``: its
-        input comes while the stage before produces it, through this processor's stream."""
+    async def _run_stage(self, run: StageRun) -> AsyncIterator[tuple[OutputMessage, bool]]:
+        """Submit ``run`` to its stage and stream the stage's outputs, each with whether it
+        ends the last of the run's samples."""
+        stage_id, request_id, bound = run.stage_id, run.request_id, run.bound
         client = self.clients[stage_id]
         queue: asyncio.Queue[OutputMessage] | None = None
         finished = False
-        unfinished = num_samples
+        unfinished = run.num_samples
         try:
             # The request counts as submitted inside the ``try``: a caller cancelled while
             # admission closes behind it still aborts the stage's work.
@@ -363,16 +345,16 @@ class RequestRouter:
                 bound.discard(stage_id)
                 queue = client.add_request(
                     request_id,
-                    request,
-                    forward=forward,
-                    upstream=upstream,
-                    stream=stream,
-                    params=stream_params,
+                    run.request,
+                    forward=run.forward,
+                    upstream=run.upstream,
+                    stream=run.stream,
+                    params=run.stream_params,
                 )
-                on_submit()  # the stage takes (or refuses) what was handed to it
+                run.on_submit()  # the stage takes (or refuses) what was handed to it
                 self.active[request_id] = stage_id
             timer = StageTimer(
-                request_id, stage_id, client.kind, self.stats_listeners, request_start
+                request_id, stage_id, client.kind, self.stats_listeners, run.request_start
             )
             while True:
                 out = await queue.get()

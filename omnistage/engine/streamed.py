@@ -27,15 +27,44 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from omnistage.stage.media import OmniAudio
-from omnistage.stage.messages import OutputMessage
+from omnistage.stage.messages import OutputMessage, StageRequest, Upstream
 
 Item = tuple[int, OutputMessage, bool]  # stage id, output, whether it ends the stage's work
-RunStage = Callable[..., AsyncIterator[tuple[OutputMessage, bool]]]
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass
+class StageRun:
+    """One stage's part of a request, as the router runs it: ``bound`` holds the stages the
+    request has still to reach (this one leaves it once admitted); ``num_samples`` the samples
+    whose ends end it; ``forward``: the stage hands its output to the next; ``upstream``: what
+    the stage before handed to this one; ``stream``: its input comes while the stage before
+    produces it, through this processor's stream (``stream_params``: the request's
+    parameters, per field); ``on_submit`` runs once the stage took the request."""
+
+    stage_id: int
+    request_id: str
+    request: StageRequest
+    bound: set[int]
+    num_samples: int = 1
+    forward: bool = False
+    upstream: Upstream | None = None
+    on_submit: Callable[[], None] = field(default=_nothing)
+    stream: str | None = None
+    request_start: float | None = None
+    stream_params: dict[str, dict[str, Any]] | None = None
+
+
+RunStage = Callable[[StageRun], AsyncIterator[tuple[OutputMessage, bool]]]
 SendInput = Callable[[list[int], bool, Any], None]  # token ids, final, the hand-off's delta
 ENDED_WELL = ("stop", "length")
 
@@ -65,11 +94,11 @@ class AudioJoin:
 
 async def run_streamed(
     run_stage: RunStage,
-    stages: list[tuple[int, dict[str, Any]]],
+    stages: list[StageRun],
     send_inputs: list[SendInput],
     aborts: list[Callable[[], None]],
 ) -> AsyncIterator[Item]:
-    """Run ``stages`` (``(stage_id, run_stage keyword arguments)``) together, each feeding
+    """Run ``stages`` together, each feeding
     its outputs (token ids, and what they add to its hand-off) to the next through
     ``send_inputs[i]`` (``aborts[i]`` aborts the next one's request); yields ``(stage_id,
     output, ends_stage)`` of all as they come."""
@@ -91,10 +120,10 @@ async def run_streamed(
         held[i].clear()
 
     async def pump(i: int) -> None:
-        stage_id, kwargs = stages[i]
+        stage_id = stages[i].stage_id
         feeds = i + 1 < len(stages)
         try:
-            async for out, ends in run_stage(**kwargs):
+            async for out, ends in run_stage(stages[i]):
                 if feeds and out.error is None:
                     last = ends and out.finish_reason in ENDED_WELL
                     delta = getattr(out, "delta", None)
@@ -108,11 +137,11 @@ async def run_streamed(
         except BaseException as exc:  # handed to the consumer, which raises it
             await merged.put(exc)
 
-    last_stage = stages[-1][0]
+    last_stage = stages[-1].stage_id
     tasks = []
     for i in reversed(range(len(stages))):  # the later ones first: ready for their input
         if i:
-            stages[i][1]["on_submit"] = functools.partial(on_admitted, i)
+            stages[i].on_submit = functools.partial(on_admitted, i)
         tasks.append(asyncio.create_task(pump(i)))
     try:
         while True:
