@@ -1,56 +1,16 @@
 """Qwen3-Omni's code2wav chunk by chunk while the talker still speaks, such that the chunks,
 joined, are the whole decode's waveform (``Code2WavSynthesis``: transformers'
-``chunked_decode``).
+``chunked_decode``). The decoder is causal, so a decode of ``n`` frames makes the
+``n * samples_per_frame - samples_lost`` samples later frames cannot change (``samples_lost``,
+``context_samples``: ``DecoderReach``); a stream follows ``chunked_decode``'s 300-frame windows
+and, inside one, decodes its first frames as soon as they are final — over a multiple of
+``ROW_ALIGN`` frames, only once every convolution runs the kernel it runs in the whole window,
+starting ``context_samples`` before the first sample to hand out. Why each rule is needed,
+what is bit for bit and what is not: ``docs/qwen3-omni.md``, *Code2wav*, *Streamed*.
 
-Why that can hold: the decoder is causal. Its pre-transformer attends to earlier frames only
-(sliding-window attention) and its convolutions pad on the left only; the transposed convs of
-its decoder blocks read one frame ahead, which is why a decode of ``n`` frames makes exactly
-the ``n * samples_per_frame - samples_lost`` samples that frames past ``n`` cannot change.
-So a stream follows ``chunked_decode``'s windows (300 frames, each after the first decoded
-from the 25 frames before it; its samples are ``chunked_decode``'s, not one ``forward``'s over
-the utterance, see ``code2wav``) and, inside a window, decodes its first frames as soon as
-they are in and hands out the samples not handed out yet.
-
-Equal in exact arithmetic is not equal bit for bit: CPU kernels round by the shape they are
-given. What the stream does about it:
-
-- **The pre-transformer runs on the window's frames from its first one**, as the whole decode
-  does: its reach (``num_hidden_layers * (sliding_window - 1)`` frames, 568 in the real model)
-  exceeds any window, and the rotary positions and the attention's key slots are then the
-  whole decode's. It is the cheap half (about 4% of the real model's work per frame).
-- **Rows in steps of ``ROW_ALIGN``.** The CPU attention kernel sums a query's softmax in SIMD
-  steps and takes the last partial step (``kv_length % 16`` keys on AVX-512) with scalar
-  ``exp``: a frame in the last partial 16-row block of a decode rounds differently from the
-  same frame in a longer decode. So an unfinished window is decoded over a multiple of 16 of
-  its frames (counted from its first frame), a finished one (its 300 frames in, or the input
-  ended) over exactly the frames the whole decode has.
-- **The same convolution kernels.** ATen runs a small float32 convolution (at most 20480
-  input elements) with its own im2col + GEMM and a larger one with oneDNN, which round
-  differently. A chunk is decoded only once every convolution of the decode picks the kernel
-  it picks in the whole window (``DecoderReach.conv_backends``, torch's own choice); until
-  then the chunk waits (the real model's decoder has settled after 32 frames, the tiny
-  preset's after 161).
-- **The convolutions start ``context_samples`` before the first sample to hand out** (rounded
-  down to a frame, and further back where a shorter decode would change a kernel): far enough
-  that their zero padding does not reach the kept samples, so a chunk costs the chunk plus
-  about ten frames of convolutions, not the window.
-- **A window spoken in one chunk is decoded exactly as the whole decode decodes it.**
-
-Bit for bit, then, on the tiny preset on the CPU with one torch thread; and for any model and device when every window is spoken in one chunk (``first_chunk``
-and ``chunk`` of 300 or more, or utterances shorter than ``first_chunk``). Beyond that, oneDNN's
-convolutions also block their work by the input's length (a transposed conv of 256 to 128
-channels rounds a sample differently in inputs of 1000 and 2000 samples), as cuDNN and cuBLAS
-pick kernels by shape on a GPU: with the real model's sizes on the CPU the streamed samples
-differ from the whole decode's by up to 2e-6 (measured; the samples are in [-1, 1]); with
-several threads oneDNN also splits a long convolution's work by its length (the tiny preset's
-streams then differ by up to 1.1e-5).
-
-``chunks`` (the stage config's ``stream_chunks``) are counted in frames (talker steps): the
-first chunk is handed out when ``first_chunk`` frames are final, each later one when ``chunk``
-more are, the rest of a window when it is finished; the 16-frame grid rounds a chunk up, so
-multiples of 16 are met exactly. ``left_context`` and ``right_context`` are not used: a
-chunk's context is its window's, and no frame after a chunk is waited for but the one the
-transposed convs read (its samples come with the next chunk).
+``chunks`` (the stage config's ``stream_chunks``) count frames (talker steps): the first chunk
+goes out when ``first_chunk`` frames are final, each later one when ``chunk`` more are, the
+rest of a window when it is finished.
 """
 
 from __future__ import annotations
