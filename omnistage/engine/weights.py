@@ -1,6 +1,6 @@
 """Weight sync without disk through the engine client: vLLM's weight-transfer protocol per
 stage (``init`` once, then ``start`` → ``update``* → ``finish`` per update, one session at a
-time: see ``omnistage.stage.weight_sync``), the stage's weights checksum, and what a finished
+time: see ``omnistage.stage.weights.sync``), the stage's weights checksum, and what a finished
 sync changes here (valid weights, the version responses carry, what a restart must know).
 
 The version responses carry is the one of the weights serving: a finish that applied weights

@@ -20,7 +20,7 @@ from omnistage.rl.bounds import check_weight_version
 from omnistage.rl.protocol import UpdateInfo, dtype_name
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.control import Ack
-from omnistage.stage.weight_checks import check_tensors, copy_checked, copy_into
+from omnistage.stage.weights.checks import check_tensors, copy_checked, copy_into
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 E = TypeVar("E", bound=BaseException)

@@ -33,7 +33,7 @@ from omnistage.memory import Arena
 from omnistage.stage.control import Ack, Pause, Sleep, WakeUp, make_ack
 from omnistage.stage.sleep_control import SleepController
 from omnistage.stage.vocabulary import check_tags
-from omnistage.stage.weight_sync import WeightSync
+from omnistage.stage.weights.sync import WeightSync
 
 
 class StageWorker(Protocol):

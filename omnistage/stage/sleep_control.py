@@ -22,7 +22,7 @@ from omnistage.errors import CheckpointError, InvalidRequestError, WeightsInvali
 from omnistage.memory import Arena, ArenaError, ArenaWakeError, device_used_bytes
 from omnistage.stage.control import SYNC_PREFIX, Ack, make_ack
 from omnistage.stage.vocabulary import KV_CACHE, WEIGHTS, check_tags
-from omnistage.stage.weight_checks import copy_all
+from omnistage.stage.weights.checks import copy_all
 
 __all__ = ["KV_CACHE", "WEIGHTS", "CheckpointSource", "SleepController", "make_ack"]
 

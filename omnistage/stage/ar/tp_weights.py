@@ -23,7 +23,7 @@ from omnistage.models.loader import checkpoint_files, open_files
 from omnistage.rl.protocol import dtype_name, parse_dtype
 from omnistage.stage.control import Ack
 from omnistage.stage.vocabulary import WEIGHTS
-from omnistage.stage.weight_staging import locate, map_segment
+from omnistage.stage.weights.staging import locate, map_segment
 
 
 class SyncSlice(msgspec.Struct):

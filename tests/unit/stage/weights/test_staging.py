@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omnistage.stage.weight_checks import FUSED_BYTES, all_finite, copy_checked, copy_into
-from omnistage.stage.weight_staging import StagingSet, locate, map_segment
+from omnistage.stage.weights.checks import FUSED_BYTES, all_finite, copy_checked, copy_into
+from omnistage.stage.weights.staging import StagingSet, locate, map_segment
 
 BIG = FUSED_BYTES // 4 * 3 + 5  # float32 values over several blocks, the last one partial
 
@@ -58,8 +58,8 @@ def test_short_shared_memory_stages_privately_and_the_trainer_shares_its_own(mon
     from omnistage.rl.protocol import weights_checksum
     from omnistage.stage.background import run_to_answer
     from omnistage.stage.control import make_ack
-    from omnistage.stage.weight_staging import StagingPool
-    from omnistage.stage.weight_sync import WeightSync
+    from omnistage.stage.weights.staging import StagingPool
+    from omnistage.stage.weights.sync import WeightSync
     from tests.unit.stage.shared_tensors import Shared, describe
 
     def full(fd: int, offset: int, size: int) -> None:

@@ -52,17 +52,10 @@ from omnistage.errors import ConflictError, InvalidRequestError, WeightTransferE
 from omnistage.rl.bounds import check_weight_version
 from omnistage.rl.protocol import BACKENDS, InitInfo, UpdateInfo, weights_checksum
 from omnistage.stage.background import Background
-from omnistage.stage.rendezvous import RENDEZVOUS_ERRORS, join_trainer
-from omnistage.stage.weight_checks import (
-    Session,
-    all_finite,
-    check_handles,
-    check_tensors,
-    receive_checked,
-    refuse_nonfinite,
-)
-from omnistage.stage.weight_ipc import SharedSegments, from_ipc_handle
-from omnistage.stage.weight_staging import StagingPool, StagingSet, layout_of
+from omnistage.stage.weights.checks import Session, check_handles, check_tensors
+from omnistage.stage.weights.rendezvous import RENDEZVOUS_ERRORS, join_trainer
+from omnistage.stage.weights.staging import StagingPool, StagingSet, layout_of
+from omnistage.stage.weights.transports import STAGED, Transport, transport_for
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +82,7 @@ class WeightSync:
         self.shared = device.type == "cpu" if shared is None else shared
         pinned = device.type == "cuda" and not self.shared
         self._pool = StagingPool(self.shared, pinned=pinned, required=shared is True)
-        self.backend: str | None = None
-        self._group: Any = None
+        self.transport: Transport | None = None  # set by init_weight_transfer
         self._session: Session | None = None
         self._busy: str | None = None  # "init" or "receive" while its thread runs
         self._live: list[StagingSet] = []  # the sets of the updates a reload replays
@@ -113,9 +105,9 @@ class WeightSync:
         self._check_takeover(abort_open)
         info = InitInfo.from_json(init_info or {}) if backend == "nccl" else None
         self._abort_open()
-        self._group, self.backend = None, None  # the old group is not trusted across an init
+        self.transport = None  # the old group is not trusted across an init
         if info is None:
-            self.backend = backend
+            self.transport = transport_for(backend)
             return {"backend": backend, "rank": 1}
         self._busy = "init"
         return Background(
@@ -143,7 +135,7 @@ class WeightSync:
                 f"could not join the trainer at {info.master_address}:{info.master_port}: "
                 f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             )
-        self._group, self.backend = group, "nccl"
+        self.transport = transport_for("nccl", group)
         return {"backend": "nccl", "rank": info.rank_offset}
 
     # -- sessions ----------------------------------------------------------------------
@@ -161,7 +153,7 @@ class WeightSync:
         An announced update gets its staging set now; a new one is made (its memory
         reserved and faulted in) on the transfer's thread, the stage serving meanwhile."""
         self._check_idle()
-        if self.backend is None:
+        if self.transport is None:
             raise InvalidRequestError(
                 "backend", "call init_weight_transfer (init_weight_transfer_engine) first"
             )
@@ -170,7 +162,7 @@ class WeightSync:
         if update_info is not None:
             info = UpdateInfo.from_json(update_info)
             announced = check_tensors(info, self._targets(), None, gloo=self._gloo)
-            share = info.shared_staging and self.backend == "ipc" and self.shared
+            share = info.shared_staging and self.transport.shares_staging and self.shared
         self._abort_open()
         session = Session(secrets.token_hex(16), require_session, announced, shared=share)
         if announced is None:
@@ -204,8 +196,13 @@ class WeightSync:
         return reply
 
     @property
+    def backend(self) -> str | None:
+        """The transport's name (``nccl``, ``ipc``); None before ``init_weight_transfer``."""
+        return None if self.transport is None else self.transport.name
+
+    @property
     def _gloo(self) -> bool:
-        return self.backend == "nccl" and self.device.type != "cuda"
+        return self.transport is not None and self.transport.uses_gloo(self.device)
 
     def _check_idle(self) -> None:
         """One transfer call at a time (its thread owns the group and the staging)."""
@@ -296,34 +293,24 @@ class WeightSync:
             current.sets.append(staging)
             current.buffers.update(staging.tensors)
         buffers = [current.buffers[name] for name in info.names]
-        group, backend = self._group, "staged" if info.staged else self.backend
+        transport = STAGED if info.staged else self.transport
+        if transport is None:  # a session outlives no init: never, but say so if it did
+            self._end(current)
+            raise InvalidRequestError(
+                "backend", "call init_weight_transfer (init_weight_transfer_engine) first"
+            )
         self._busy = "receive"
         return Background(
             f"stage {self.stage_id}: receive weights",
-            lambda: self._transfer(info, buffers, group, backend),
+            lambda: self._transfer(info, buffers, transport),
             lambda received, error: self._received(current, info, buffers, received, error),
         ).start()
 
-    def _transfer(
-        self, info: UpdateInfo, buffers: list[torch.Tensor], group: Any, backend: str | None
-    ) -> int:
-        """On the transfer's thread: fill ``buffers`` (only they, and the group, are used
-        here) and check them; the bytes received."""
+    def _transfer(self, info: UpdateInfo, buffers: list[torch.Tensor], transport: Transport) -> int:
+        """On the transfer's thread: fill ``buffers`` (only they, and the transport, are
+        used here) and check them; the bytes received."""
         torch.set_num_threads(1)  # this thread's checks; the stage's loop keeps its threads
-        named = list(zip(info.names, buffers, strict=True))
-        if backend == "nccl":
-            receive_checked(group, named, self.device)
-        elif backend == "staged":  # the trainer wrote them into the staging: check in place
-            for name, host in named:
-                refuse_nonfinite(name, all_finite(host))
-        else:
-            segments = SharedSegments()
-            try:
-                for i, (name, host) in enumerate(named):
-                    assert info.ipc_handles is not None  # checked on the loop
-                    refuse_nonfinite(name, from_ipc_handle(info.ipc_handles[i], host, segments))
-            finally:
-                segments.close()
+        transport.receive(list(zip(info.names, buffers, strict=True)), info, self.device)
         return sum(t.numel() * t.element_size() for t in buffers)
 
     def _received(
@@ -345,8 +332,8 @@ class WeightSync:
             raise error
         if isinstance(error, ValueError):
             raise InvalidRequestError("update_info", str(error)) from None
-        if self.backend == "nccl":
-            self._group, self.backend = None, None  # a broken collective cannot be trusted
+        if self.transport is not None and self.transport.lost_on_error:
+            self.transport = None  # a broken collective cannot be trusted
         raise WeightTransferError(
             f"the weight transfer broke: {type(error).__name__}: {error}; the previous weights "
             "keep serving (init the transfer again before the next update)"

@@ -19,8 +19,8 @@ from omnistage.errors import ConflictError, InvalidRequestError, WeightTransferE
 from omnistage.rl.protocol import UpdateInfo, weights_checksum
 from omnistage.stage.background import Background, run_to_answer
 from omnistage.stage.control import make_ack
-from omnistage.stage.weight_checks import check_tensors
-from omnistage.stage.weight_sync import WeightSync
+from omnistage.stage.weights.checks import check_tensors
+from omnistage.stage.weights.sync import WeightSync
 from tests.unit.stage.shared_tensors import Shared, describe
 
 

@@ -1,5 +1,5 @@
 """What a stage checks of a trainer's weight update before any byte moves, and the session
-an update lives in (see ``omnistage.stage.weight_sync``).
+an update lives in (see ``omnistage.stage.weights.sync``).
 
 A chunk's tensors must be weights of the stage with their exact shape and dtype (a dtype
 that differs would be cast silently: only an update that asks, ``convert_dtypes``, may

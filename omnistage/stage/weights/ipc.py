@@ -3,7 +3,7 @@ shared-memory segments on CPU (``{"shm", "offset"}``), CUDA IPC handles on GPU
 (``{"cuda": {...}}``). Everything is copied into the stage's own host buffer, its values
 checked in the same pass, before the call answers, so the trainer may reuse its segment as
 soon as it has the reply. (A trainer that writes into the stage's own shared staging instead
-saves this copy: see ``omnistage.stage.weight_sync``.)
+saves this copy: see ``omnistage.stage.weights.sync``.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from omnistage.errors import InvalidRequestError
-from omnistage.stage.weight_checks import copy_checked
+from omnistage.stage.weights.checks import copy_checked
 
 
 def _copy_out(buffer: memoryview, offset: int, host: torch.Tensor) -> bool:
