@@ -5,7 +5,7 @@ for the tiny folder as the reference processor.
 transformers' video processor needs torchvision, which is not installed here: the reference
 processor then gets a stand-in video processor running our ``video_pixels`` (its own
 placeholder expansion and audio interleaving are still transformers'); see
-tests/unit/models/test_qwen2_5_omni_inputs.py for how our video pixels are checked.
+tests/unit/models/qwen2_5_omni/test_inputs.py for how our video pixels are checked.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ loses (``codec_prefill_embeds``, below). Models and tokenizers are cached per fo
 
 Data flow, as verified against transformers 5.24.0 (``M`` = ``transformers/models/
 qwen2_5_omni/modeling_qwen2_5_omni.py``, ``U`` = ``transformers/generation/utils.py``; the
-tests in tests/unit/models/test_tiny_qwen2_5_omni.py check each point position by position):
+tests in tests/unit/models/qwen2_5_omni/test_tiny.py check each point position by position):
 
 Thinker (``Qwen2_5OmniForConditionalGeneration.generate``, M l. 3805-4070)
     Plain greedy generation of the text decoder with ``output_hidden_states=True`` (M l. 3905,

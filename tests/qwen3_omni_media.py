@@ -10,7 +10,7 @@ folder) with a stand-in video processor running our ``video_pixels``
 takes the frames as given, so only the patching is ours). Audio, images, the placeholder
 expansion, the interleaving of a video with its audio track and ``video_second_per_grid`` go
 through transformers' own code. Our video pixels are compared with the image processor's in
-tests/unit/models/test_qwen2_5_omni_inputs.py (and with torchvision's processor where it loads).
+tests/unit/models/qwen2_5_omni/test_inputs.py (and with torchvision's processor where it loads).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ forward hooks. Models and tokenizers are cached per folder.
 
 Data flow, as verified against transformers 5.24.0 (``M`` = ``transformers/models/
 qwen3_omni_moe/modeling_qwen3_omni_moe.py``, ``U`` = ``transformers/generation/utils.py``, ``C``
-= ``transformers/utils/output_capturing.py``; tests/unit/models/test_tiny_qwen3_omni.py checks
+= ``transformers/utils/output_capturing.py``; tests/unit/models/qwen3_omni/test_tiny.py checks
 each point position by position). ``L`` prompt ids, ``T`` generated thinker ids:
 
 Thinker (M l. 4064-4160)

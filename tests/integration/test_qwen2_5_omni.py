@@ -4,7 +4,7 @@ builds and saves (two configurations, three prompts each): the thinker's token i
 talker's codes and the waveform are the same, also after the three stages slept (levels 2, 1,
 2) and woke; concurrent audio requests give what each gives alone. (Speech is synthesised in
 one piece here, ``stream=False``; the chunked synthesis is tested against it in
-tests/unit/models/test_qwen2_5_omni_streaming.py and over HTTP in tests/e2e/test_speech_streaming.py.)
+tests/unit/stage/code2wav/test_streaming.py and over HTTP in tests/e2e/test_qwen2_5_omni_api.py.)
 
 The talker's prefill adds the codec pad/bos embeddings to its last two positions as the
 original Qwen code and transformers 4.x do (transformers 5.x as shipped loses them for an

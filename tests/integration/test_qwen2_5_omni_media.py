@@ -6,7 +6,7 @@ beside other requests, after the thinker slept at level 2 and woke; the same pic
 the encoder once; two pictures behind the same text share no cached block.
 
 The reference's video pixels come from our own frame processing (transformers' video
-processor needs torchvision): tests/unit/models/test_qwen2_5_omni_inputs.py checks them.
+processor needs torchvision): tests/unit/models/qwen2_5_omni/test_inputs.py checks them.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ processor gets a stand-in video processor running our ``video_pixels``
 (tests/qwen3_omni_media.py), so the pixels are ours on both sides; everything else compared
 (placeholder expansion, interleaving, ``video_second_per_grid``, audio features, positions)
 is transformers' own. Our video pixels are checked against the image processor's in
-tests/unit/models/test_qwen2_5_omni_inputs.py (and against torchvision's processor where it
+tests/unit/models/qwen2_5_omni/test_inputs.py (and against torchvision's processor where it
 loads).
 """
 

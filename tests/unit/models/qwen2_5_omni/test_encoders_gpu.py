@@ -6,7 +6,7 @@ import torch
 
 from omnistage.models.qwen2_5_omni import FAMILY
 from omnistage.models.qwen2_5_omni.tiny import DEFAULT, build_tiny_qwen2_5_omni
-from tests.unit.models.test_qwen2_5_omni_encoders import mixed, thinker
+from tests.unit.models.qwen2_5_omni.test_encoders import mixed, thinker
 
 pytestmark = [
     pytest.mark.gpu,
