@@ -1,16 +1,10 @@
 """``ARStageEngine``: the autoregressive stage — continuous batching over a paged KV cache.
 
-``step()`` is schedule → run → postprocess. The engine owns what runs once per stage (the
-scheduler, block bookkeeping, sampler, the requests); its ``ARWorker`` owns memory (arena,
-weights, KV cache, sleep controller). Control: ``pause(mode)`` decides what happens to
-requests; ``sleep`` pauses (if not paused), resets the KV state and lets the worker release
-memory. After ``wake_up`` the engine stays paused until ``resume()``: the caller decides when
-generation restarts (see ``docs/control-plane.md``).
-
-A failure that belongs to requests (non-finite logits, an error while running a batch) ends
-those requests with an error and the stage keeps serving; a fault of the process itself
-(out of memory, a CUDA error) propagates and ends the process, which the server restarts.
-"""
+``step()`` is schedule → execute → update each sequence → multi-code frames. The engine owns
+what runs once per stage (scheduler, blocks, sampler, requests); its ``ARWorker`` owns memory
+(arena, weights, KV cache, sleep controller). A failure of requests (non-finite logits, a
+failed batch) ends them and the stage serves on; a fault of the process (out of memory, a
+CUDA error) ends the process, which the server restarts (``docs/control-plane.md``)."""
 
 from __future__ import annotations
 
@@ -30,7 +24,7 @@ from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.multi_modal import modalities
-from omnistage.stage.ar.output import abort_output, append_token, streamed_rows
+from omnistage.stage.ar.output import ExecutedStep, abort_output, append_token, streamed_rows
 from omnistage.stage.ar.ranks import TensorParallelWorker, make_worker
 from omnistage.stage.ar.requests import RequestTable, from_wire
 from omnistage.stage.ar.resolve import resolve_ar_stage
@@ -214,6 +208,23 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         return outputs
 
     def _run(self, seqs: list[SequenceState], is_prefill: bool) -> None:
+        """Run the scheduled batch, then update each sequence from its row (its token, or its
+        replayed one), then the batch's multi-code frames."""
+        step = self._execute(seqs, is_prefill)
+        if step is None:
+            return
+        framed: list[tuple[int, SequenceState, StageOutput]] = []  # go on to a multi-code frame
+        for b, seq in enumerate(step.batch):
+            row = b if step.rows is None else step.rows[b]
+            output = self._update(step, b, row, seq)
+            if output is not None and seq.finish_reason is None and step.last_hidden is not None:
+                framed.append((row, seq, output))
+        if framed:
+            self._predict_frames(step.last_hidden, framed)
+
+    def _execute(self, seqs: list[SequenceState], is_prefill: bool) -> ExecutedStep | None:
+        """The model over ``seqs``, the forks a prefill lets join, and the draws of the
+        sequences not replaying; None when the batch failed (its requests end with the error)."""
         if is_prefill:
             self.num_prefill_tokens += sum(s.num_tokens - s.num_cached_tokens for s in seqs)
         try:
@@ -232,51 +243,51 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
             for request_id in dict.fromkeys(seq.request_id for seq in seqs):
                 for seq in self.requests.samples(request_id):
                     self._fail(seq, error)
-            return
+            return None
         drawn = {b: i for i, b in enumerate(drawing)}
-        framed: list[tuple[int, SequenceState, StageOutput]] = []  # go on to a multi-code frame
-        for b, seq in enumerate(batch):
-            row = b if rows is None else rows[b]
-            if seq.replay:  # the token it generated the first time; nothing to emit again
-                if row in result.hidden_states:
-                    seq.record_hidden_states(result.hidden_states[row], is_prefill)
-                seq.token_ids.append(seq.replay.pop(0))
-                self.block_manager.cache_computed_blocks(seq)
-                continue
-            token_id = sampled.token_ids[drawn[b]]
-            if token_id is None:
-                self._fail(seq, NonFiniteOutputError("the model produced NaN or infinite logits"))
-                continue
+        return ExecutedStep(batch, rows, result, sampled, drawn, is_prefill)
+
+    def _update(
+        self, step: ExecutedStep, b: int, row: int, seq: SequenceState
+    ) -> StageOutput | None:
+        """``seq`` (batch position ``b``, logits row ``row``) after the step: its replayed or
+        drawn token (hidden states, logprobs, stops, cached blocks); its output, if any."""
+        result, is_prefill = step.result, step.is_prefill
+        if seq.replay:  # the token it generated the first time; nothing to emit again
             if row in result.hidden_states:
                 seq.record_hidden_states(result.hidden_states[row], is_prefill)
-            if row in result.prompt_logits and seq.prompt_logprobs is None:
-                seq.prompt_logprobs = prompt_logprobs(
-                    result.prompt_logits[row],
-                    seq.token_ids[: seq.num_prompt_tokens],
-                    seq.params.prompt_logprobs or 0,
-                    self.decode_token,
-                )
-            entry = None
-            if drawn[b] in sampled.logprobs:
-                entry = position_logprobs(
-                    sampled.logprobs[drawn[b]],
-                    token_id,
-                    seq.params.logprobs or 0,
-                    self.decode_token,
-                )
-            self.num_generated_tokens += 1
-            output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
-            if seq.stream_hidden_states:
-                output.delta = streamed_rows(seq)
-            self._queued_outputs.append(output)
+            seq.token_ids.append(seq.replay.pop(0))
             self.block_manager.cache_computed_blocks(seq)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
-                self.requests.forget(seq)
-            elif result.last_hidden is not None:
-                framed.append((row, seq, output))
-        if framed:
-            self._predict_frames(result.last_hidden, framed)
+            return None
+        drawn = step.drawn[b]
+        token_id = step.sampled.token_ids[drawn]
+        if token_id is None:
+            self._fail(seq, NonFiniteOutputError("the model produced NaN or infinite logits"))
+            return None
+        if row in result.hidden_states:
+            seq.record_hidden_states(result.hidden_states[row], is_prefill)
+        if row in result.prompt_logits and seq.prompt_logprobs is None:
+            seq.prompt_logprobs = prompt_logprobs(
+                result.prompt_logits[row],
+                seq.token_ids[: seq.num_prompt_tokens],
+                seq.params.prompt_logprobs or 0,
+                self.decode_token,
+            )
+        entry = None
+        if drawn in step.sampled.logprobs:
+            entry = position_logprobs(
+                step.sampled.logprobs[drawn], token_id, seq.params.logprobs or 0, self.decode_token
+            )
+        self.num_generated_tokens += 1
+        output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
+        if seq.stream_hidden_states:
+            output.delta = streamed_rows(seq)
+        self._queued_outputs.append(output)
+        self.block_manager.cache_computed_blocks(seq)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+            self.requests.forget(seq)
+        return output
 
     def _predict_frames(
         self, last_hidden: torch.Tensor | None, framed: list[tuple[int, SequenceState, StageOutput]]

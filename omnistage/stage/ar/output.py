@@ -7,13 +7,18 @@ generation ends, so text that a stop string later cuts away is never streamed.
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from omnistage.stage.ar.sequence import SequenceState
 from omnistage.stage.messages import TokenLogprobs
 from omnistage.stage.types import FinishReason, StageOutput
+
+if TYPE_CHECKING:
+    from omnistage.stage.ar.model_runner import StepResult
+    from omnistage.stage.ar.sampler import Sampled
 
 
 def find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
@@ -126,3 +131,21 @@ def abort_output(
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_output_tokens,
     )
+
+
+@dataclass(frozen=True)
+class ExecutedStep:
+    """A step's model run: the batch (forks a prefill let join after their leaders), each
+    one's logits row (None: its own position), the model's result, the draws and which draw
+    is each drawing sequence's (batch position -> index in ``sampled``)."""
+
+    batch: list[SequenceState]
+    rows: list[int] | None
+    result: StepResult
+    sampled: Sampled
+    drawn: dict[int, int]
+    is_prefill: bool
+
+    @property
+    def last_hidden(self) -> torch.Tensor | None:
+        return self.result.last_hidden
