@@ -147,8 +147,8 @@ class StageConfig(_Frozen):
         default=None,
         gt=0,
         validation_alias=AliasChoices("kv_cache_bytes", "kv_cache_memory"),
-        description="KV cache size in bytes (also spelled kv_cache_memory; units such as "
-        "'512MiB' or '2GB' accepted).",
+        description="AR: KV cache size in bytes, on any device (also spelled kv_cache_memory, "
+        "vLLM's name; units such as '512MiB' or '2GB' accepted).",
     )
     kv_cache_memory_fraction: float = Field(
         default=0.1,
@@ -214,11 +214,13 @@ class StageConfig(_Frozen):
         "model's, under each request's own (vLLM's --override-generation-config), e.g. "
         "{max_tokens: 256} to bound a speech stage's codes.",
     )
-    max_num_batched_tokens: int = Field(default=2048, gt=0, description="Most tokens in one step.")
+    max_num_batched_tokens: int = Field(
+        default=2048, gt=0, description="AR: most tokens in one engine step."
+    )
     max_model_len: int | None = Field(
         default=None,
         gt=0,
-        description="Longest prompt + output, in tokens (default: the checkpoint's "
+        description="AR: longest prompt + output, in tokens (default: the checkpoint's "
         "max_position_embeddings; never above it).",
     )
     max_batch_size: int = Field(

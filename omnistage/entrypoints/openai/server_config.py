@@ -13,7 +13,13 @@ from pydantic import (
     model_validator,
 )
 
-from omnistage.config import AttentionBackendName, ByteCount, DTypeSetting, PipelineConfig
+from omnistage.config import (
+    AttentionBackendName,
+    ByteCount,
+    DTypeSetting,
+    PipelineConfig,
+    StageConfig,
+)
 from omnistage.entrypoints.openai.media_settings import MediaSettings
 from omnistage.pipelines import builtin_pipelines
 
@@ -23,6 +29,36 @@ def _names(value: Any) -> Any:
     if value is None:
         return []
     return [value] if isinstance(value, str) else value
+
+
+# Server flags that set a stage field on every stage: flag -> the stage field it sets.
+STAGE_FLAGS: dict[str, str] = {
+    "device": "device",
+    "dtype": "dtype",
+    "idle_sleep_s": "idle_sleep_s",
+    "max_image_pixels": "max_image_pixels",
+    "max_model_len": "max_model_len",
+    "max_num_seqs": "max_num_seqs",
+    "tensor_parallel_size": "tensor_parallel_size",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "kv_cache_memory": "kv_cache_bytes",
+    "enable_prefix_caching": "enable_prefix_caching",
+    "max_answer_logprobs": "max_answer_logprobs",
+    "max_request_tokens": "max_request_tokens",
+    "attention_backend": "attention_backend",
+    "enforce_eager": "enforce_eager",
+}
+_BOUNDS = ("gt", "ge", "lt", "le")
+
+
+def stage_flag(flag: str, *, note: str = "") -> Any:
+    """The field of a server flag that sets its stage field on every stage: the stage
+    field's bounds and description (with ``note``), default None (each stage keeps its own)."""
+    field = StageConfig.model_fields[STAGE_FLAGS[flag]]
+    bounds = {k: getattr(m, k) for m in field.metadata for k in _BOUNDS if hasattr(m, k)}
+    said = f"{field.description}{note} Set on every stage (unset: each stage keeps its own)."
+    return Field(default=None, description=said, **bounds)
 
 
 class ServerConfig(MediaSettings):
@@ -60,84 +96,26 @@ class ServerConfig(MediaSettings):
     auto_wake: bool = Field(
         default=False, description="Wake an asleep stage when a request needs it (instead of 503)."
     )
-    idle_sleep_s: float | None = Field(
-        default=None,
-        gt=0,
-        description="Put every stage to sleep (level 1) after this many idle seconds.",
-    )
-    device: str | None = Field(
-        default=None, description="Device for every stage ('cpu', 'cuda' or 'cuda:N')."
-    )
-    dtype: DTypeSetting | None = Field(
-        default=None,
-        description="dtype for every stage: auto, float32, float16 (half) or bfloat16 "
-        "(default: each stage's own, 'auto': float32 on CPU, the checkpoint's on CUDA).",
-    )
-    max_model_len: int | None = Field(
-        default=None,
-        gt=0,
-        description="AR stages: longest prompt + output in tokens (default: the checkpoint's "
-        "max_position_embeddings; never above it).",
-    )
-    max_num_seqs: int | None = Field(
-        default=None, gt=0, description="AR stages: most sequences decoded at once."
-    )
+    idle_sleep_s: float | None = stage_flag("idle_sleep_s", note=" Level 1.")
+    device: str | None = stage_flag("device")
+    dtype: DTypeSetting | None = stage_flag("dtype")
+    max_model_len: int | None = stage_flag("max_model_len")
+    max_num_seqs: int | None = stage_flag("max_num_seqs")
     distributed_executor_backend: Literal["mp", "ray"] = Field(
         default="mp",
         description="How stages start: 'mp', processes of this machine; 'ray', Ray actors "
         "(RAY_ADDRESS, a running cluster, or a local one; also chosen by a stage's "
         "'placement').",
     )
-    tensor_parallel_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=64,
-        description="AR stages: ranks each model is split over (a process and memory each).",
-    )
-    max_num_batched_tokens: int | None = Field(
-        default=None, gt=0, description="AR stages: most tokens in one engine step."
-    )
-    gpu_memory_utilization: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="CUDA stages: share of the device's memory a stage may fill; its KV "
-        "cache gets what the weights and everything else on the device leave of it.",
-    )
-    kv_cache_memory: ByteCount | None = Field(
-        default=None,
-        gt=0,
-        description="AR stages: KV cache size in bytes, on every device (units such as "
-        "'512MiB' or '2GB' accepted).",
-    )
-    max_answer_logprobs: int | None = Field(
-        default=None,
-        gt=0,
-        description="AR stages: most logprob entries one request's answer may carry, n x "
-        "(prompt tokens x (prompt_logprobs + 1) + max_tokens x (logprobs + 1)); more is "
-        "refused up front with a 400 (default: 1000000).",
-    )
-    max_request_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        description="AR stages: most tokens one request may ask a stage to hold, n x (prompt "
-        "tokens + max_tokens); more is refused up front with a 400 (default: no bound beyond "
-        "n and max_model_len).",
-    )
-    enable_prefix_caching: bool | None = Field(
-        default=None,
-        description="AR stages: reuse the KV cache of prompts that start alike (on by default).",
-    )
-    enforce_eager: bool | None = Field(
-        default=None,
-        description="AR stages on CUDA: never capture decode steps in CUDA graphs (vLLM's "
-        "--enforce-eager).",
-    )
-    attention_backend: AttentionBackendName | None = Field(
-        default=None,
-        description="AR stages: the attention backend (default: torch_sdpa on CPU, "
-        "torch_sdpa_padded on CUDA).",
-    )
+    tensor_parallel_size: int | None = stage_flag("tensor_parallel_size")
+    max_num_batched_tokens: int | None = stage_flag("max_num_batched_tokens")
+    gpu_memory_utilization: float | None = stage_flag("gpu_memory_utilization")
+    kv_cache_memory: ByteCount | None = stage_flag("kv_cache_memory")
+    max_answer_logprobs: int | None = stage_flag("max_answer_logprobs")
+    max_request_tokens: int | None = stage_flag("max_request_tokens")
+    enable_prefix_caching: bool | None = stage_flag("enable_prefix_caching")
+    enforce_eager: bool | None = stage_flag("enforce_eager")
+    attention_backend: AttentionBackendName | None = stage_flag("attention_backend")
     omni: bool = Field(
         default=False,
         description="Accepted for vLLM-Omni's command line; every omnistage server serves "
@@ -193,12 +171,7 @@ class ServerConfig(MediaSettings):
         description="Largest request body accepted; larger ones get 413 (default: room for "
         "one inline medium of --max-media-bytes, base64, plus 1 MiB).",
     )
-    max_image_pixels: int | None = Field(
-        default=None,
-        gt=0,
-        description="Largest image (width x height) a request may ask of a diffusion stage "
-        "(default: 512x512 on CPU, 2048x2048 on CUDA).",
-    )
+    max_image_pixels: int | None = stage_flag("max_image_pixels")
     max_stage_restarts: int = Field(
         default=3,
         ge=0,
@@ -285,21 +258,7 @@ class ServerConfig(MediaSettings):
     def stage_overrides(self) -> dict[str, object]:
         """Stage settings the flags give every stage (``None``: the stage's own stays)."""
         overrides: dict[str, object] = {
-            "device": self.device,
-            "dtype": self.dtype,
-            "idle_sleep_s": self.idle_sleep_s,
-            "max_image_pixels": self.max_image_pixels,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "tensor_parallel_size": self.tensor_parallel_size,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "kv_cache_bytes": self.kv_cache_memory,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "max_answer_logprobs": self.max_answer_logprobs,
-            "max_request_tokens": self.max_request_tokens,
-            "attention_backend": self.attention_backend,
-            "enforce_eager": self.enforce_eager,
+            field: getattr(self, flag) for flag, field in STAGE_FLAGS.items()
         }
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True

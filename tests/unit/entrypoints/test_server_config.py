@@ -125,3 +125,27 @@ def test_a_pipeline_file_is_served_under_its_own_name(tmp_path):
     assert ServerConfig(config=str(unnamed)).model_name == "mine"
     named = ServerConfig(config=str(example), served_model_name=["other"])
     assert named.model_names == ["other"]
+
+
+def test_the_per_stage_flags_are_the_stage_fields():
+    """Each flag that sets a stage field on every stage is generated from that field: its
+    bounds and description, and ``stage_overrides`` maps it onto the field."""
+    import pydantic
+
+    from omnistage.config import StageConfig
+    from omnistage.entrypoints.openai.server_config import STAGE_FLAGS
+
+    def bounds(info):
+        return sorted(
+            repr(m) for m in info.metadata if type(m).__name__ in ("Gt", "Ge", "Lt", "Le")
+        )
+
+    assert bounds(StageConfig.model_fields["max_num_seqs"]) == ["Gt(gt=0)"]
+    for flag, field in STAGE_FLAGS.items():
+        ours, theirs = ServerConfig.model_fields[flag], StageConfig.model_fields[field]
+        assert ours.description.startswith(theirs.description), flag
+        assert bounds(ours) == bounds(theirs), flag
+    with pytest.raises(pydantic.ValidationError, match="max_num_seqs"):
+        ServerConfig(max_num_seqs=0)
+    overrides = ServerConfig(kv_cache_memory="1MiB", max_num_seqs=3).stage_overrides()
+    assert overrides["kv_cache_bytes"] == 1 << 20 and overrides["max_num_seqs"] == 3
