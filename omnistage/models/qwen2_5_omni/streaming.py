@@ -15,7 +15,7 @@ The BigVGAN is convolutional with a bounded reach (``vocoder_context_frames``): 
 mel is vocoded between up to that many final frames before it and the window's frames after
 it, and only the chunk's own samples are kept.
 
-What this promises (``tests/unit/models/test_qwen2_5_omni_streaming.py``):
+What this promises (``tests/unit/stage/code2wav/test_streaming.py``):
 
 - When ``left_context`` and ``right_context`` cover the ODE's reach (``dit_reach_codes``) and
   the vocoder's, the streamed waveform equals the whole-utterance one up to float rounding

@@ -41,7 +41,7 @@ class Session:
     shared: bool = False  # the trainer writes into the staging itself (``staged`` chunks)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     received_bytes: int = 0
-    sets: list[Any] = field(default_factory=list)  # its staging sets (``weight_staging``)
+    sets: list[Any] = field(default_factory=list)  # its staging sets (``staging``)
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # where each one lands
 
 

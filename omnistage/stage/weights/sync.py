@@ -20,7 +20,7 @@ land, beside the next tensors' receive, or in the same pass as the copy out of a
 segment); only ``finish`` copies them into the live weights, in place, and only when every
 announced tensor arrived. A failed or interrupted update leaves the previous weights (and
 version) serving, and the device never holds the weights twice. The host buffers
-(``weight_staging``: shared memory on a host stage) are reused: the last update's tensors
+(``staging``: shared memory on a host stage) are reused: the last update's tensors
 stay as the level-2 reload source, the ones before them stage the next update (two host
 copies at most, faulted in once).
 

@@ -1,5 +1,5 @@
-"""A stage's host staging of a trainer's update (``weight_staging``) and the checks made in
-the same pass as a copy (``weight_checks``): a NaN or Inf anywhere is found, in every float
+"""A stage's host staging of a trainer's update (``weights.staging``) and the checks made in
+the same pass as a copy (``weights.checks``): a NaN or Inf anywhere is found, in every float
 dtype, and finite values whose sum overflows are not refused."""
 
 from __future__ import annotations
