@@ -257,7 +257,8 @@ def encoder_rows(
 
     ours = thinker_decoder(folder, device)
     family = registry.family_of_folder(str(folder))
-    assert supports_multimodal(family), f"{folder}: {family.name} takes no media"
+    if not supports_multimodal(family):
+        raise ValueError(f"{folder}: a {family.name} model takes no media")
     processor = family.prompt_processor(folder)
     media: list[tuple[str, MediaItem, float | None]] = [
         (f"audio {s:g} s", MediaItem("audio", Audio(clip(s, seed=0), RATE), "a"), s)
