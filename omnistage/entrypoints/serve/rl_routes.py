@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from omnistage.entrypoints.serve.auth import require_control_key
 from omnistage.entrypoints.serve.deps import EngineClientDep
+from omnistage.entrypoints.serve.omni_control import rl as omni_rl
 from omnistage.entrypoints.serve.omni_control.rl import AbortBody, Session, finished
 from omnistage.errors import InvalidRequestError
 from omnistage.stage.kinds import stage_kind
@@ -116,11 +117,9 @@ async def vllm_reset_prefix_cache(
     """vLLM's ``{"success": true}`` (what TRL checks), with omnistage's fields. vLLM's query
     flags are accepted and need nothing here: a reset never has to preempt running requests
     (their blocks just stop being shared prefixes), and there is no external cache."""
-    reset = await engine.reset_prefix_cache(None)
-    return {"success": True, "status": "SUCCESS", "stage_ids": reset}
+    return await omni_rl.reset_prefix_cache(engine)  # every stage with a prefix cache
 
 
 @router.post("/abort_requests")
 async def abort_requests(body: AbortBody, engine: EngineClientDep) -> dict[str, Any]:
-    await engine.abort_requests(body.request_ids)
-    return {"status": "SUCCESS", "request_ids": body.request_ids}
+    return await omni_rl.abort(body, engine)
