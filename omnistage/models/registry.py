@@ -17,6 +17,7 @@ What a family is typed as, and the capability checks: ``omnistage.models.interfa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from dataclasses import dataclass
@@ -189,6 +190,7 @@ def _family_processors() -> dict[str, str]:
     return found
 
 
+@functools.cache  # asked per request and hand-off; a name always means the same processor
 def processor(name: str) -> InputProcessor:
     """The stage-to-stage processor named ``name``: a generic one, a family's
     (``<family>.<short name>``) or an older name of one (``ValueError`` naming the known
