@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from omnistage.models import tiny_ar
+from omnistage.models import omni_tiny, tiny_ar
 from omnistage.models.qwen2_5_omni.tiny_specs import (  # noqa: F401  (re-exported)
     ALT,
     BENCH,
@@ -97,30 +97,13 @@ CHAT_TEMPLATE = (
 # The real folder's preprocessor_config.json (Whisper features, Qwen2-VL images), with
 # max_pixels lowered (50176 = 224 x 224, 64 image tokens) so that test images stay small.
 PREPROCESSOR_CONFIG: dict[str, Any] = {
-    "chunk_length": 300,
-    "dither": 0.0,
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "hop_length": 160,
+    **omni_tiny.PREPROCESSOR_COMMON,
     "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_processor_type": "Qwen2VLImageProcessor",
     "image_std": [0.26862954, 0.26130258, 0.27577711],
     "max_pixels": 224 * 224,
-    "merge_size": 2,
-    "min_pixels": 3136,
-    "n_fft": 400,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
     "patch_size": 14,
     "processor_class": "Qwen2_5OmniProcessor",
-    "return_attention_mask": True,
-    "sampling_rate": 16000,
-    "temporal_patch_size": 2,
 }
-NORM_STD = 0.1
-SMALL_STD = 0.05
 WAVEFORM_GAIN = 0.2  # BigVGAN's last conv: keeps most samples inside its [-1, 1] clamp
 _BIGVGAN_OUT = "token2wav.code2wav_bigvgan_model.conv_post.weight"
 
@@ -134,13 +117,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
 
 def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """Every special token's id (they are the first ids, in ``SPECIAL_TOKENS`` order)."""
-    ids = {}
-    for token in SPECIAL_TOKENS:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"the tokenizer lacks special token {token!r}")
-        ids[token] = int(token_id)
-    return ids
+    return omni_tiny.special_token_ids(tokenizer, SPECIAL_TOKENS)
 
 
 def hf_config(spec: TinyQwenOmniSpec, ids: dict[str, int]) -> Any:
@@ -280,32 +257,13 @@ def hf_config(spec: TinyQwenOmniSpec, ids: dict[str, int]) -> Any:
     return config
 
 
-def _is_norm(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm) or type(
-        module
-    ).__name__.endswith("RMSNorm")
-
-
-@torch.no_grad()
 def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter from a generator seeded with ``seed``, in ``named_parameters`` order
-    (tied parameters once): norm weights N(1, 0.1); matrices and kernels N(0, 1 / fan_in)
-    (signals keep their scale through every part, so the waveform depends on the codes and
-    greedy decoding does not collapse); the rest (biases, SnakeBeta's log-scales)
-    N(0, 0.05^2). BigVGAN's output conv is scaled by ``WAVEFORM_GAIN``."""
-    generator = torch.Generator().manual_seed(seed)
-    norms = {name for name, module in model.named_modules() if _is_norm(module)}
-    for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        noise = torch.randn(param.shape, generator=generator)
-        if owner in norms and leaf == "weight":
-            param.copy_(1.0 + NORM_STD * noise)
-        elif param.ndim >= 2:
-            fan_in = param[0].numel()  # in x kernel (Linear, Conv1d/3d); dim for embeddings
-            gain = WAVEFORM_GAIN if name == _BIGVGAN_OUT else 1.0
-            param.copy_(noise * (gain / fan_in**0.5))
-        else:
-            param.copy_(SMALL_STD * noise)
+    """Every parameter from a generator seeded with ``seed`` (``omni_tiny.randomise``): norm
+    weights N(1, 0.1); matrices and kernels N(0, 1 / fan_in) (signals keep their scale through
+    every part, so the waveform depends on the codes and greedy decoding does not collapse);
+    the rest (biases, SnakeBeta's log-scales) N(0, 0.05^2). BigVGAN's output conv is scaled by
+    ``WAVEFORM_GAIN``."""
+    omni_tiny.randomise(model, seed, {_BIGVGAN_OUT: WAVEFORM_GAIN})
 
 
 def speakers(spec: TinyQwenOmniSpec, ids: dict[str, int], seed: int) -> dict[str, dict[str, Any]]:
@@ -326,32 +284,23 @@ def build_tiny_qwen2_5_omni(
     """Write a complete tiny Qwen2.5-Omni checkpoint for ``spec`` into the folder ``out``."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed)
     ids = token_ids(tokenizer)
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = tiny_ar.tokenizer_config(CHAT_TEMPLATE, spec.max_position_embeddings)
-    tiny_ar.write_json(out / "tokenizer_config.json", config)
-    tiny_ar.save_seeded(
-        lambda: Qwen2_5OmniForConditionalGeneration(hf_config(spec, ids)),
-        randomise,
-        out,
-        seed,
-        spec.max_shard_size,
-    )
     # The thinker's text stops where transformers' thinker stops: its generation config comes
     # from text_config, whose only eos is <|im_end|>.
-    tiny_ar.write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+    out = omni_tiny.write_folder(
+        out,
+        tokenizer,
+        ids,
+        chat_template=CHAT_TEMPLATE,
+        max_len=spec.max_position_embeddings,
+        make=lambda: Qwen2_5OmniForConditionalGeneration(hf_config(spec, ids)),
+        randomise=randomise,
+        seed=seed,
+        max_shard_size=spec.max_shard_size,
+        preprocessor_config=PREPROCESSOR_CONFIG,
     )
     torch.save(speakers(spec, ids, seed), out / "spk_dict.pt")
-    tiny_ar.write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
     return out
 
 

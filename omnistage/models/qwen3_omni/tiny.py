@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from omnistage.models import tiny_ar
+from omnistage.models import omni_tiny, tiny_ar
 from omnistage.models.qwen3_omni.tiny_specs import (  # noqa: F401  (re-exported)
     DEFAULT,
     TINY_QWEN3_OMNI_SPECS,
@@ -95,31 +95,14 @@ CHAT_TEMPLATE = (
 # The real folder's preprocessor_config.json (Whisper features, Qwen2-VL images in 16-pixel
 # patches), with max_pixels lowered (65536 = 256 x 256, at most 64 image tokens).
 PREPROCESSOR_CONFIG: dict[str, Any] = {
-    "chunk_length": 300,
-    "dither": 0.0,
-    "feature_extractor_type": "WhisperFeatureExtractor",
-    "feature_size": 128,
-    "hop_length": 160,
+    **omni_tiny.PREPROCESSOR_COMMON,
     "image_mean": [0.5, 0.5, 0.5],
-    "image_processor_type": "Qwen2VLImageProcessor",
     "image_std": [0.5, 0.5, 0.5],
     "max_pixels": 256 * 256,
-    "merge_size": 2,
-    "min_pixels": 3136,
-    "n_fft": 400,
-    "n_samples": 4800000,
-    "nb_max_frames": 30000,
-    "padding_side": "right",
-    "padding_value": 0.0,
     "patch_size": 16,
     "processor_class": "Qwen3OmniMoeProcessor",
-    "return_attention_mask": True,
-    "sampling_rate": 16000,
-    "temporal_patch_size": 2,
 }
 POSITION_ID_PER_SECONDS = 13  # the real config's (thinker and talker)
-NORM_STD = 0.1
-SMALL_STD = 0.05
 WAVEFORM_GAIN = 0.05  # code2wav's last conv: std ~0.3, most samples inside its [-1, 1] clamp
 # The experts' output matrices (thinker and talker): the top-2 average halves one expert's
 # output, and without x2 the residual stream dominates and greedy thinkers repeat one token
@@ -147,12 +130,7 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
 
 def token_ids(tokenizer: Tokenizer) -> dict[str, int]:
     """The id of every special token and role (specials are the first ids, in order)."""
-    ids = {}
-    for token in SPECIAL_TOKENS:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"the tokenizer lacks special token {token!r}")
-        ids[token] = int(token_id)
+    ids = omni_tiny.special_token_ids(tokenizer, SPECIAL_TOKENS)
     for role in ROLES:
         ids[role] = tokenizer.encode(role).ids[0]
     return ids
@@ -316,36 +294,16 @@ def hf_config(spec: TinyQwen3OmniSpec, ids: dict[str, int]) -> Any:
     return config
 
 
-def _is_norm(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.LayerNorm | torch.nn.GroupNorm) or type(
-        module
-    ).__name__.endswith("RMSNorm")
-
-
-@torch.no_grad()
 def randomise(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter from a generator seeded with ``seed``, in ``named_parameters`` order
-    (tied parameters once): norm weights N(1, 0.1); matrices and kernels N(0, 1 / fan_in)
-    (expert banks [E, out, in]: fan_in = in), so signals keep their scale through every part,
-    the waveform depends on the codes and greedy decoding does not collapse; the rest (biases,
-    layer scales, SnakeBeta's log-scales) N(0, 0.05^2). code2wav's output conv is scaled by
-    ``WAVEFORM_GAIN``, the talker's text and hidden projections' outputs by ``TEXT_GAIN``, the
-    experts' down projections by ``EXPERT_GAIN``."""
-    generator = torch.Generator().manual_seed(seed)
-    norms = {name for name, module in model.named_modules() if _is_norm(module)}
+    """Every parameter from a generator seeded with ``seed`` (``omni_tiny.randomise``): norm
+    weights N(1, 0.1); matrices and kernels N(0, 1 / fan_in) (expert banks [E, out, in]:
+    fan_in = in), so signals keep their scale through every part, the waveform depends on the
+    codes and greedy decoding does not collapse; the rest (biases, layer scales, SnakeBeta's
+    log-scales) N(0, 0.05^2). code2wav's output conv is scaled by ``WAVEFORM_GAIN``, the
+    talker's text and hidden projections' outputs by ``TEXT_GAIN``, the experts' down
+    projections by ``EXPERT_GAIN``."""
     gains = {**GAINS, _last_decoder_conv(model): WAVEFORM_GAIN}
-    for name, param in model.named_parameters():
-        owner, _, leaf = name.rpartition(".")
-        noise = torch.randn(param.shape, generator=generator)
-        if owner in norms and leaf == "weight":
-            param.copy_(1.0 + NORM_STD * noise)
-        elif param.ndim >= 2:
-            experts = owner.endswith(".experts")
-            fan_in = param.shape[-1] if experts else param[0].numel()
-            gain = EXPERT_GAIN if name.endswith("experts.down_proj") else gains.get(name, 1.0)
-            param.copy_(noise * (gain / fan_in**0.5))
-        else:
-            param.copy_(SMALL_STD * noise)
+    omni_tiny.randomise(model, seed, gains, expert_gain=EXPERT_GAIN)
 
 
 def _last_decoder_conv(model: torch.nn.Module) -> str:
@@ -359,34 +317,23 @@ def build_tiny_qwen3_omni(
     """Write a complete tiny Qwen3-Omni checkpoint for ``spec`` into the folder ``out``."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.vocab_size, seed)
     ids = token_ids(tokenizer)
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = tiny_ar.tokenizer_config(
-        CHAT_TEMPLATE, spec.max_position_embeddings, extra_special_tokens=MEDIA_TOKENS
-    )
-    tiny_ar.write_json(out / "tokenizer_config.json", config)
-    tiny_ar.save_seeded(
-        lambda: Qwen3OmniMoeForConditionalGeneration(hf_config(spec, ids)),
-        randomise,
-        out,
-        seed,
-        spec.max_shard_size,
-    )
     # The thinker stops at <|im_end|> (generate's own default, thinker_eos_token_id=151645, is
     # the real vocabulary's id: pass the config's im_end_token_id instead).
-    tiny_ar.write_json(
-        out / "generation_config.json",
-        {
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+    return omni_tiny.write_folder(
+        out,
+        tokenizer,
+        ids,
+        chat_template=CHAT_TEMPLATE,
+        max_len=spec.max_position_embeddings,
+        make=lambda: Qwen3OmniMoeForConditionalGeneration(hf_config(spec, ids)),
+        randomise=randomise,
+        seed=seed,
+        max_shard_size=spec.max_shard_size,
+        preprocessor_config=PREPROCESSOR_CONFIG,
+        extra_special_tokens=MEDIA_TOKENS,
     )
-    tiny_ar.write_json(out / "preprocessor_config.json", PREPROCESSOR_CONFIG)
-    return out
 
 
 def build(out: str | Path) -> Path:
