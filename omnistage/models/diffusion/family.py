@@ -90,6 +90,19 @@ class DiffusionRequestLike(Protocol):
     def params(self) -> DiffusionParamsLike: ...
 
 
+@dataclass(frozen=True)
+class NoiseQuery:
+    """What ``predict_noise`` is asked for one denoising step of a batch: ``latents`` one row
+    per request (already through the scheduler's ``scale_model_input``), ``timestep`` a
+    scalar tensor, ``conditioning`` (what ``encode`` returned) and ``guidance_scales`` one
+    per row."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    conditioning: Sequence[Any]
+    guidance_scales: Sequence[float]
+
+
 @runtime_checkable
 class DiffusionFamily(Protocol):
     """A diffusion model family. ``Conditioning`` (what ``encode`` returns) is the family's
@@ -136,18 +149,10 @@ class DiffusionFamily(Protocol):
         generators), scaled as the family's pipeline does for ``scheduler``."""
         ...
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
-        """The denoiser's prediction for a batch: ``latents`` one row per request (already
-        through the scheduler's ``scale_model_input``), ``timestep`` a scalar tensor,
-        ``conditioning`` and ``guidance_scales`` one per row. Classifier-free guidance runs
-        batched, each row with its own scale. Returns a tensor shaped like ``latents``."""
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
+        """The denoiser's prediction for a batch (see ``NoiseQuery``). Classifier-free
+        guidance runs batched, each row with its own scale. Returns a tensor shaped like
+        ``query.latents``."""
         ...
 
     def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
@@ -156,10 +161,12 @@ class DiffusionFamily(Protocol):
         ...
 
 
-class FamilyBase:
+class FamilyBase(DiffusionFamily):
     """The ``build`` and ``pipeline`` the families share, set by class attributes: the
     components a folder must have, the scheduler classes served (any when empty; else
-    ``CheckpointError`` naming ``label``), and the family's own refusals (``check``)."""
+    ``CheckpointError`` naming ``label``), and the family's own refusals (``check``). A
+    subclass is a ``DiffusionFamily`` by name: mypy checks its methods against the protocol's
+    and refuses to instantiate one that lacks any."""
 
     name: str
     required: tuple[str, ...] = ("transformer", "vae")

@@ -7,7 +7,8 @@ pixels of a decoded image."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -139,19 +140,35 @@ def text_limits(pipeline: LoadedPipeline, **fields: Any) -> DiffusionLimits:
     )
 
 
-def encode_prompts(request: DiffusionRequestLike, encode: Callable[[str], T]) -> tuple[T, T | None]:
+@dataclass
+class Guided(Generic[T]):
+    """A request's conditioning: its conditional input and, when guidance runs, its
+    unconditional one (the negative prompt's, or what the family puts in its place)."""
+
+    cond: T
+    uncond: T | None
+
+
+def encode_prompts(request: DiffusionRequestLike, encode: Callable[[str], T]) -> Guided[T]:
     """The prompt's conditioning and, when guidance runs, the negative prompt's."""
     cond = encode(request.prompt or "")
     uncond = encode(request.params.negative_prompt) if request.params.uses_guidance else None
-    return cond, uncond
+    return Guided(cond, uncond)
 
 
-def unconditional_rows(rows: Sequence[Any]) -> list[Any]:
+def unconditional_rows(rows: Sequence[Guided[T]]) -> list[T]:
     """The rows' unconditional inputs (``uncond``): all of them or none."""
     unconds = [row.uncond for row in rows if row.uncond is not None]
     if unconds and len(unconds) != len(rows):
         raise ValueError("the rows of one batch must agree on guidance (see batch_key)")
     return unconds
+
+
+def guide(uncond: torch.Tensor, cond: torch.Tensor, scales: Sequence[float]) -> torch.Tensor:
+    """Classifier-free guidance, each row with its own scale: ``uncond + scale * (cond -
+    uncond)``, the scales a tensor of the prediction's dtype broadcast over a row."""
+    tensor = torch.tensor(scales, dtype=cond.dtype, device=cond.device)
+    return uncond + tensor.view(-1, *[1] * (cond.ndim - 1)) * (cond - uncond)
 
 
 def decode_shifted(pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:

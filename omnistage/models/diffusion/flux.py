@@ -11,7 +11,7 @@ negative prompt) is not served: a negative prompt is refused by the stage (``lim
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +19,11 @@ import torch
 
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
-    DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
+    NoiseQuery,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
@@ -117,26 +117,19 @@ class FluxFamily(FamilyBase):
         channels = int(pipeline.module("transformer").config.in_channels) // 4
         return flow.draw_latents(pipeline, (1, channels, latent_height, latent_width), seed)
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
         transformer = pipeline.module("transformer")
-        rows: list[FluxConditioning] = list(conditioning)
-        device, num_rows = pipeline.device, latents.shape[0]
-        latent_height, latent_width = latents.shape[-2:]
+        rows: list[FluxConditioning] = list(query.conditioning)
+        device, num_rows = pipeline.device, query.latents.shape[0]
+        latent_height, latent_width = query.latents.shape[-2:]
         guidance = None
         if transformer.config.guidance_embeds:
-            guidance = torch.tensor(guidance_scales, dtype=torch.float32, device=device)
+            guidance = torch.tensor(query.guidance_scales, dtype=torch.float32, device=device)
         embeds = torch.stack([row.embeds for row in rows])
-        packed = flow.pack_latents(latents)
+        packed = flow.pack_latents(query.latents)
         noise = transformer(
             hidden_states=packed,
-            timestep=timestep.to(device).expand(num_rows).to(packed.dtype) / 1000,
+            timestep=query.timestep.to(device).expand(num_rows).to(packed.dtype) / 1000,
             guidance=guidance,
             pooled_projections=torch.stack([row.pooled for row in rows]),
             encoder_hidden_states=embeds,
@@ -150,4 +143,4 @@ class FluxFamily(FamilyBase):
         return flow.decode_shifted(pipeline, latents)
 
 
-FAMILY: DiffusionFamily = FluxFamily()
+FAMILY = FluxFamily()

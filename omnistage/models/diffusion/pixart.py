@@ -12,7 +12,7 @@ of which the first half is the noise.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,11 @@ import torch
 from omnistage.errors import CheckpointError
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
-    DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
+    NoiseQuery,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
@@ -40,14 +40,6 @@ class TextEmbeds:
 
     embeds: torch.Tensor  # [seq, dim]
     mask: torch.Tensor  # [seq]
-
-
-@dataclass
-class PixArtConditioning:
-    """A request's conditional input and, when guidance runs, its unconditional one."""
-
-    cond: TextEmbeds
-    uncond: TextEmbeds | None
 
 
 def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
@@ -159,7 +151,7 @@ class PixArtFamily(FamilyBase):
             max_length = params.max_sequence_length or _default_max_sequence_length(pipeline)
             cond = _encode_text(pipeline, request.prompt or "", max_length)
         if not params.uses_guidance:
-            return PixArtConditioning(cond, None)
+            return flow.Guided(cond, None)
         if request.negative_prompt_embeds is not None:
             uncond = _given(pipeline, request.negative_prompt_embeds)
         elif pipeline.optional_module("text_encoder") is not None:
@@ -167,7 +159,7 @@ class PixArtFamily(FamilyBase):
         else:
             zeros = torch.zeros(1, cond.embeds.shape[1], dtype=pipeline.dtype)
             uncond = _given(pipeline, zeros)
-        return PixArtConditioning(cond, uncond)
+        return flow.Guided(cond, uncond)
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -183,20 +175,14 @@ class PixArtFamily(FamilyBase):
         noise = flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
         return noise * getattr(scheduler, "init_noise_sigma", 1.0)
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
         transformer = pipeline.module("transformer")
-        rows: list[PixArtConditioning] = list(conditioning)
+        rows: list[flow.Guided[TextEmbeds]] = list(query.conditioning)
         unconds = flow.unconditional_rows(rows)
         guided = bool(unconds)
         # diffusers' order: every unconditional row first, then the conditional ones.
         embeds, mask = _stack([*unconds, *(row.cond for row in rows)])
+        latents = query.latents
         model_input = torch.cat([latents] * 2) if guided else latents
         factor = flow.vae_scale_factor(pipeline)
         height, width = latents.shape[-2] * factor, latents.shape[-1] * factor
@@ -204,14 +190,13 @@ class PixArtFamily(FamilyBase):
             model_input,
             encoder_hidden_states=embeds,
             encoder_attention_mask=mask,
-            timestep=timestep[None].to(pipeline.device).expand(model_input.shape[0]),
+            timestep=query.timestep[None].to(pipeline.device).expand(model_input.shape[0]),
             added_cond_kwargs=_micro_conditions(pipeline, height, width, embeds.shape[0]),
             return_dict=False,
         )[0]
         if guided:
             uncond, text = noise_pred.chunk(2)
-            scales = torch.tensor(guidance_scales, dtype=pipeline.dtype, device=pipeline.device)
-            noise_pred = uncond + scales.view(-1, 1, 1, 1) * (text - uncond)
+            noise_pred = flow.guide(uncond, text, query.guidance_scales)
         channels = int(transformer.config.in_channels)
         # A null out_channels means "same as in_channels" (what diffusers saves by default).
         out_channels = int(transformer.config.out_channels or channels)
@@ -225,4 +210,4 @@ class PixArtFamily(FamilyBase):
         return (image[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 0).float().cpu()
 
 
-FAMILY: DiffusionFamily = PixArtFamily()
+FAMILY = PixArtFamily()

@@ -15,8 +15,7 @@ would change the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -24,11 +23,11 @@ import torch
 from omnistage.errors import CheckpointError
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
-    DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
+    NoiseQuery,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
@@ -42,12 +41,6 @@ TOKENIZER_MAX_LENGTH = 1024
 DEFAULT_MAX_SEQUENCE_LENGTH = 512
 DEFAULT_SAMPLE_SIZE = 128
 DEFAULT_GUIDANCE = 4.0  # QwenImagePipeline's true_cfg_scale
-
-
-@dataclass
-class QwenImageConditioning:
-    cond: torch.Tensor  # [tokens, dim]
-    uncond: torch.Tensor | None  # the negative prompt's, when guidance runs
 
 
 def _vae_scale_factor(pipeline: LoadedPipeline) -> int:
@@ -123,9 +116,7 @@ class QwenImageFamily(FamilyBase):
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
         params = request.params
-        return QwenImageConditioning(
-            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, params))
-        )
+        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, params))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -144,21 +135,14 @@ class QwenImageFamily(FamilyBase):
         channels = int(pipeline.module("transformer").config.in_channels) // 4
         return flow.draw_latents(pipeline, (1, channels, latent_height, latent_width), seed)
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
-        rows: list[QwenImageConditioning] = list(conditioning)
-        latent_height, latent_width = latents.shape[-2:]
-        packed = flow.pack_latents(latents)
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
+        rows: list[flow.Guided[torch.Tensor]] = list(query.conditioning)  # [tokens, dim] each
+        latent_height, latent_width = query.latents.shape[-2:]
+        packed = flow.pack_latents(query.latents)
         num_rows = packed.shape[0]
         transformer = pipeline.module("transformer")
         shapes = [[(1, latent_height // 2, latent_width // 2)]] * num_rows
-        timesteps = timestep.to(pipeline.device).expand(num_rows).to(packed.dtype) / 1000
+        timesteps = query.timestep.to(pipeline.device).expand(num_rows).to(packed.dtype) / 1000
 
         def run(states: list[torch.Tensor]) -> torch.Tensor:
             return transformer(
@@ -174,9 +158,7 @@ class QwenImageFamily(FamilyBase):
         noise = run([row.cond for row in rows])
         unconds = flow.unconditional_rows(rows)
         if unconds:
-            negative = run(unconds)
-            scales = torch.tensor(guidance_scales, dtype=noise.dtype, device=noise.device)
-            combined = negative + scales.view(-1, 1, 1) * (noise - negative)
+            combined = flow.guide(run(unconds), noise, query.guidance_scales)
             cond_norm = torch.norm(noise, dim=-1, keepdim=True)
             noise = combined * (cond_norm / torch.norm(combined, dim=-1, keepdim=True))
         return flow.unpack_latents(noise, latent_height, latent_width)
@@ -191,4 +173,4 @@ class QwenImageFamily(FamilyBase):
         return flow.to_pixels(vae.decode(latents, return_dict=False)[0][:, :, 0])
 
 
-FAMILY: DiffusionFamily = QwenImageFamily()
+FAMILY = QwenImageFamily()

@@ -13,7 +13,7 @@ each with its own scale.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +21,11 @@ import torch
 
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
-    DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
+    NoiseQuery,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
@@ -38,12 +38,6 @@ DEFAULT_GUIDANCE = 7.0
 class TextInput:
     embeds: torch.Tensor  # [clip tokens + t5 tokens, joint_attention_dim]
     pooled: torch.Tensor  # [pooled_projection_dim]
-
-
-@dataclass
-class SD3Conditioning:
-    cond: TextInput
-    uncond: TextInput | None  # when guidance runs
 
 
 def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
@@ -115,9 +109,7 @@ class SD3Family(FamilyBase):
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
         length = _max_sequence_length(request.params)
-        return SD3Conditioning(
-            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
-        )
+        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -144,21 +136,15 @@ class SD3Family(FamilyBase):
         channels = int(pipeline.module("transformer").config.in_channels)
         return flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
-        rows: list[SD3Conditioning] = list(conditioning)
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
+        rows: list[flow.Guided[TextInput]] = list(query.conditioning)
         unconds = flow.unconditional_rows(rows)
+        # diffusers' order: every unconditional row first, then the conditional ones.
         inputs = [*unconds, *(row.cond for row in rows)]
-        model_input = torch.cat([latents] * 2) if unconds else latents
+        model_input = torch.cat([query.latents] * 2) if unconds else query.latents
         noise = pipeline.module("transformer")(
             hidden_states=model_input,
-            timestep=timestep.to(pipeline.device).expand(model_input.shape[0]),
+            timestep=query.timestep.to(pipeline.device).expand(model_input.shape[0]),
             encoder_hidden_states=torch.stack([row.embeds for row in inputs]),
             pooled_projections=torch.stack([row.pooled for row in inputs]),
             return_dict=False,
@@ -166,14 +152,13 @@ class SD3Family(FamilyBase):
         if not unconds:
             return noise
         uncond, text = noise.chunk(2)
-        scales = torch.tensor(guidance_scales, dtype=noise.dtype, device=noise.device)
-        return uncond + scales.view(-1, 1, 1, 1) * (text - uncond)
+        return flow.guide(uncond, text, query.guidance_scales)
 
     def decode(self, pipeline: LoadedPipeline, latents: torch.Tensor) -> torch.Tensor:
         return flow.decode_shifted(pipeline, latents)
 
 
-FAMILY: DiffusionFamily = SD3Family()
+FAMILY = SD3Family()
 
 
 def _max_side(config: Any, factor: int) -> int | None:

@@ -20,8 +20,7 @@ step count and text length batch. Wan 2.2's two-transformer folders (``transform
 from __future__ import annotations
 
 import json
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +30,11 @@ from omnistage.errors import CheckpointError
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.components import MODEL_INDEX
 from omnistage.models.diffusion.family import (
-    DiffusionFamily,
     DiffusionLimits,
     DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
+    NoiseQuery,
 )
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
@@ -45,12 +44,6 @@ DEFAULT_HEIGHT, DEFAULT_WIDTH = 480, 832  # WanPipeline.__call__'s defaults
 DEFAULT_FRAMES = 81  # WanPipeline's default and Wan 2.1's training length
 DEFAULT_FPS = 16  # the rate Wan 2.1 is trained at (diffusers' examples export at it)
 DEFAULT_GUIDANCE = 5.0
-
-
-@dataclass
-class WanConditioning:
-    cond: torch.Tensor  # [max_sequence_length, text_dim], zero after the prompt's tokens
-    uncond: torch.Tensor | None  # the negative prompt's, when guidance runs
 
 
 def _scale_factors(pipeline: LoadedPipeline) -> tuple[int, int]:
@@ -164,9 +157,7 @@ class WanFamily(FamilyBase):
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
         length = _max_sequence_length(request.params)
-        return WanConditioning(
-            *flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
-        )
+        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
@@ -185,26 +176,19 @@ class WanFamily(FamilyBase):
         shape = (1, channels, (frames - 1) // temporal + 1, height // spatial, width // spatial)
         return flow.draw_latents(pipeline, shape, seed, dtype=torch.float32)
 
-    def predict_noise(
-        self,
-        pipeline: LoadedPipeline,
-        latents: torch.Tensor,
-        timestep: torch.Tensor,
-        conditioning: Sequence[Any],
-        guidance_scales: Sequence[float],
-    ) -> torch.Tensor:
+    def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
         """One transformer call for the batch: every request's conditional row, then (when
         guidance runs) every unconditional one; each row combined with its own scale as
         ``WanPipeline`` combines it (a Python float times the difference)."""
-        rows: list[WanConditioning] = list(conditioning)
+        rows: list[flow.Guided[torch.Tensor]] = list(query.conditioning)
         unconds = flow.unconditional_rows(rows)
-        model_input = latents.to(pipeline.dtype)
+        model_input = query.latents.to(pipeline.dtype)
         if unconds:
             model_input = torch.cat([model_input, model_input])
         states = torch.stack([row.cond for row in rows] + unconds)
         noise = pipeline.module("transformer")(
             hidden_states=model_input,
-            timestep=timestep.to(pipeline.device).expand(model_input.shape[0]),
+            timestep=query.timestep.to(pipeline.device).expand(model_input.shape[0]),
             encoder_hidden_states=states,
             return_dict=False,
         )[0]
@@ -214,7 +198,7 @@ class WanFamily(FamilyBase):
         return torch.cat(
             [
                 uncond[i : i + 1] + float(scale) * (cond[i : i + 1] - uncond[i : i + 1])
-                for i, scale in enumerate(guidance_scales)
+                for i, scale in enumerate(query.guidance_scales)
             ]
         )
 
@@ -230,4 +214,4 @@ class WanFamily(FamilyBase):
         return (video[0] * 0.5 + 0.5).clamp(0, 1).permute(1, 2, 3, 0).float().cpu()
 
 
-FAMILY: DiffusionFamily = WanFamily()
+FAMILY = WanFamily()

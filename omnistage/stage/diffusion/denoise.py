@@ -27,6 +27,7 @@ import diffusers
 import torch
 from PIL import Image
 
+from omnistage.models.diffusion.family import NoiseQuery
 from omnistage.stage.diffusion.batch_invariance import batch_invariant_kernels
 from omnistage.stage.diffusion.params import (
     SCHEDULER_NAMES,
@@ -138,10 +139,12 @@ class DenoiseJob:
         with batch_invariant_kernels(self.pipeline.device):
             noise_pred = self.family.predict_noise(
                 self.pipeline,
-                latents,
-                t,
-                [item.conditioning for item in self.items],
-                [item.request.params.guidance_scale for item in self.items],
+                NoiseQuery(
+                    latents,
+                    t,
+                    [item.conditioning for item in self.items],
+                    [item.request.params.guidance_scale for item in self.items],
+                ),
             )
         for i, item in enumerate(self.items):
             item.latents = item.scheduler.step(

@@ -11,6 +11,7 @@ import torch
 
 from omnistage.memory import Arena
 from omnistage.models import registry
+from omnistage.models.diffusion.family import NoiseQuery
 from omnistage.models.loader import CheckpointError
 from omnistage.models.tiny_diffusion import IMAGE
 
@@ -94,9 +95,8 @@ def test_the_pixart_adapter_pieces_run_alone(family_and_pipeline):
     assert torch.equal(latents, drawn * getattr(scheduler, "init_noise_sigma", 1.0))
 
     with torch.inference_mode():
-        noise = family.predict_noise(
-            pipeline, latents, scheduler.timesteps[0], [conditioning], [3.0]
-        )
+        query = NoiseQuery(latents, scheduler.timesteps[0], [conditioning], [3.0])
+        noise = family.predict_noise(pipeline, query)
         assert noise.shape == latents.shape and bool(torch.isfinite(noise).all())
         pixels = family.decode(pipeline, latents)
     assert pixels.shape == (64, 64, 3) and pixels.device.type == "cpu"
