@@ -7,6 +7,7 @@ family's image and audio encoders (a video with its audio track: both, interleav
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -104,3 +105,25 @@ class VideoEncoder(nn.Module):
         out[..., mask, :] = video
         out.view(-1, len(mask), video.shape[-1])[0, ~mask] = audio.to(video.dtype)
         return out
+
+
+def thinker_encoders(
+    configs: Mapping[str, Any],
+    dtype: torch.dtype,
+    towers: tuple[Any, Any],
+    audio_encoder: Callable[[nn.Module], nn.Module],
+    image_encoder: Callable[[nn.Module], nn.Module],
+) -> dict[str, nn.Module]:
+    """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
+    (``ARModelConfig.extras``): ``towers``, transformers' audio and vision encoder classes
+    (each built from its ``config_class``, parameters on ``meta`` in ``dtype``), wrapped by
+    the family's ``audio_encoder`` and ``image_encoder``; ``video`` a ``VideoEncoder`` over
+    both."""
+    audio_class, vision_class = towers
+    audio_config = audio_class.config_class.from_dict(dict(configs["audio_config"]))
+    vision_config = vision_class.config_class.from_dict(dict(configs["vision_config"]))
+    audio_tower, visual = build_towers(
+        audio_class, audio_config, vision_class, vision_config, dtype
+    )
+    audio, image = audio_encoder(audio_tower), image_encoder(visual)
+    return {"audio": audio, "image": image, "video": VideoEncoder(image, audio)}

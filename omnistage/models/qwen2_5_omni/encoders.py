@@ -7,11 +7,11 @@ them and its forward merges them.
 They sit in the thinker decoder's ``encoders`` (``thinker_encoders``): ``audio`` and ``image``
 own the audio tower and the vision encoder (``encoders.audio.audio_tower.*``,
 ``encoders.image.visual.*``: the checkpoint's ``thinker.audio_tower.*`` and
-``thinker.visual.*``); ``video`` uses both without registering them, so each is adopted into
-the arena and loaded once. Parameters are built on ``meta`` (the stage adopts and loads
-them); derived buffers (the audio tower's sinusoid table, the vision rotary frequencies) are
-computed for real on the CPU and follow the weights to their device on first use. They hold
-no tensor-parallel layers: every rank runs them whole.
+``thinker.visual.*``); ``video`` (``omni_encoders.VideoEncoder``) uses both without
+registering them, so each is adopted into the arena and loaded once. Parameters are built on
+``meta`` (the stage adopts and loads them); derived buffers (the audio tower's sinusoid
+table, the vision rotary frequencies) are computed for real on the CPU and follow the weights
+to their device on first use. They hold no tensor-parallel layers: every rank runs them whole.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.models.omni_encoders import build_towers, check, checked_grid, follow_weights
+from omnistage.models import omni_encoders
+from omnistage.models.omni_encoders import check, checked_grid, follow_weights
 
 
 def audio_embeddings(tower: Any, input_features: torch.Tensor) -> torch.Tensor:
@@ -80,65 +81,13 @@ class ImageEncoder(nn.Module):
         return vision_embeddings(self.visual, pixel_values, image_grid_thw)
 
 
-class VideoEncoder(nn.Module):
-    """``video`` items: ``pixel_values_videos``, ``video_grid_thw``; a video with its audio
-    track also ``input_features`` and ``is_video`` (bool, per placeholder: video or audio
-    token), whose embeddings come interleaved in that order. Shares the other encoders'
-    modules without registering them."""
-
-    def __init__(self, visual: nn.Module, audio_tower: nn.Module) -> None:
-        super().__init__()
-        self._shared = (visual, audio_tower)  # a tuple: not submodules
-
-    def forward(
-        self,
-        pixel_values_videos: torch.Tensor,
-        video_grid_thw: torch.Tensor,
-        input_features: torch.Tensor | None = None,
-        is_video: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        visual, audio_tower = self._shared
-        video = vision_embeddings(visual, pixel_values_videos, video_grid_thw)
-        if input_features is None and is_video is None:
-            return video
-        check(
-            input_features is not None and is_video is not None,
-            "is_video",
-            "input_features and is_video come together",
-        )
-        assert input_features is not None and is_video is not None
-        audio = audio_embeddings(audio_tower, input_features)
-        mask = is_video.to(device=video.device, dtype=torch.bool).flatten()
-        check(
-            int(mask.sum()) == len(video) and len(mask) == len(video) + len(audio),
-            "is_video",
-            f"must mark {len(video)} video tokens among {len(video) + len(audio)}",
-        )
-        out = video.new_empty(len(mask), video.shape[1])
-        out[mask] = video
-        out[~mask] = audio.to(video.dtype)
-        return out
-
-
 def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
     """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
     (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
-    from transformers.models.qwen2_5_omni.configuration_qwen2_5_omni import (
-        Qwen2_5OmniAudioEncoderConfig,
-        Qwen2_5OmniVisionEncoderConfig,
-    )
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
         Qwen2_5OmniAudioEncoder,
         Qwen2_5OmniVisionEncoder,
     )
 
-    audio_config = Qwen2_5OmniAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
-    vision_config = Qwen2_5OmniVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
-    audio_tower, visual = build_towers(
-        Qwen2_5OmniAudioEncoder, audio_config, Qwen2_5OmniVisionEncoder, vision_config, dtype
-    )
-    return {
-        "audio": AudioEncoder(audio_tower),
-        "image": ImageEncoder(visual),
-        "video": VideoEncoder(visual, audio_tower),
-    }
+    towers = (Qwen2_5OmniAudioEncoder, Qwen2_5OmniVisionEncoder)
+    return omni_encoders.thinker_encoders(configs, dtype, towers, AudioEncoder, ImageEncoder)

@@ -36,13 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from omnistage.models.omni_encoders import (
-    VideoEncoder,
-    build_towers,
-    check,
-    checked_grid,
-    follow_weights,
-)
+from omnistage.models import omni_encoders
+from omnistage.models.omni_encoders import check, checked_grid, follow_weights
 
 
 def audio_output_length(frames: int, n_window: int) -> int:
@@ -111,19 +106,10 @@ class ImageEncoder(nn.Module):
 def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
     """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
     (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
-    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoderConfig,
-        Qwen3OmniMoeVisionEncoderConfig,
-    )
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
         Qwen3OmniMoeAudioEncoder,
         Qwen3OmniMoeVisionEncoder,
     )
 
-    audio_config = Qwen3OmniMoeAudioEncoderConfig.from_dict(dict(configs["audio_config"]))
-    vision_config = Qwen3OmniMoeVisionEncoderConfig.from_dict(dict(configs["vision_config"]))
-    audio_tower, visual = build_towers(
-        Qwen3OmniMoeAudioEncoder, audio_config, Qwen3OmniMoeVisionEncoder, vision_config, dtype
-    )
-    audio, image = AudioEncoder(audio_tower), ImageEncoder(visual)
-    return {"audio": audio, "image": image, "video": VideoEncoder(image, audio)}
+    towers = (Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder)
+    return omni_encoders.thinker_encoders(configs, dtype, towers, AudioEncoder, ImageEncoder)

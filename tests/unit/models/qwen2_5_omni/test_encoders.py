@@ -107,10 +107,7 @@ def test_the_encoders_load_with_transformers_parameters(ours, hf):
             assert buf.device.type == "cpu" and torch.equal(buf, dict(theirs.named_buffers())[name])
     names = [n for n, _ in ours.named_parameters()]
     assert not any(n.startswith("encoders.video") for n in names)  # shared, registered once
-    assert ours.encoders["video"]._shared == (
-        ours.encoders["image"].visual,
-        ours.encoders["audio"].audio_tower,
-    )
+    assert ours.encoders["video"]._shared == (ours.encoders["image"], ours.encoders["audio"])
     assert not any(n.startswith("encoders") for n in shards_of(ours))  # whole on every rank
 
 
