@@ -82,12 +82,8 @@ class ImageEncoder(nn.Module):
 
 
 def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
-    """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
-    (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
-    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        Qwen2_5OmniAudioEncoder,
-        Qwen2_5OmniVisionEncoder,
-    )
+    """The encoders by modality (``omni_encoders.thinker_encoders``) over Qwen2.5-Omni's towers."""
+    from transformers.models.qwen2_5_omni import modeling_qwen2_5_omni as hf
 
-    towers = (Qwen2_5OmniAudioEncoder, Qwen2_5OmniVisionEncoder)
+    towers = (hf.Qwen2_5OmniAudioEncoder, hf.Qwen2_5OmniVisionEncoder)
     return omni_encoders.thinker_encoders(configs, dtype, towers, AudioEncoder, ImageEncoder)

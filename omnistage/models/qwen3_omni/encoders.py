@@ -104,12 +104,8 @@ class ImageEncoder(nn.Module):
 
 
 def thinker_encoders(configs: Mapping[str, Any], dtype: torch.dtype) -> dict[str, nn.Module]:
-    """The encoders by modality, from the thinker's ``audio_config`` and ``vision_config``
-    (``ARModelConfig.extras``), parameters on ``meta`` in ``dtype``."""
-    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-        Qwen3OmniMoeAudioEncoder,
-        Qwen3OmniMoeVisionEncoder,
-    )
+    """The encoders by modality (``omni_encoders.thinker_encoders``) over Qwen3-Omni's towers."""
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-    towers = (Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder)
+    towers = (hf.Qwen3OmniMoeAudioEncoder, hf.Qwen3OmniMoeVisionEncoder)
     return omni_encoders.thinker_encoders(configs, dtype, towers, AudioEncoder, ImageEncoder)
