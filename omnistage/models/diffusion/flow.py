@@ -14,7 +14,11 @@ import numpy as np
 import torch
 
 from omnistage.errors import CheckpointError
-from omnistage.models.diffusion.family import DiffusionLimits, DiffusionRequestLike
+from omnistage.models.diffusion.family import (
+    DiffusionLimits,
+    DiffusionParamsLike,
+    DiffusionRequestLike,
+)
 from omnistage.models.diffusion.pipeline import LoadedPipeline
 
 FLOW_SCHEDULER = "FlowMatchEulerDiscreteScheduler"
@@ -127,6 +131,28 @@ def draw_latents(
     generator = torch.Generator("cpu").manual_seed(seed)
     draw = torch.randn(shape, generator=generator, dtype=dtype or pipeline.dtype)
     return draw.to(pipeline.device)
+
+
+def image_size(
+    pipeline: LoadedPipeline, params: DiffusionParamsLike, sample_size: int | None = None
+) -> tuple[int, int]:
+    """A request's (height, width); where it gives none, diffusers' default: ``sample_size``
+    latent pixels (the transformer's ``sample_size`` unless given) times the VAE's factor."""
+    if sample_size is None:
+        sample_size = int(pipeline.module("transformer").config.sample_size)
+    native = sample_size * vae_scale_factor(pipeline)
+    return params.height or native, params.width or native
+
+
+def draw_image_latents(
+    pipeline: LoadedPipeline, params: DiffusionParamsLike, seed: int
+) -> torch.Tensor:
+    """diffusers' draw for a transformer on unpacked latents: ``[1, C, H / f, W / f]``, its
+    ``in_channels`` at the request's ``image_size`` over the VAE's factor ``f``."""
+    height, width = image_size(pipeline, params)
+    factor = vae_scale_factor(pipeline)
+    channels = int(pipeline.module("transformer").config.in_channels)
+    return draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
 
 
 def text_limits(pipeline: LoadedPipeline, **fields: Any) -> DiffusionLimits:

@@ -41,19 +41,23 @@ class FluxConditioning:
 
 
 def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
-    native = DEFAULT_SAMPLE_SIZE * flow.vae_scale_factor(pipeline)
-    return params.height or native, params.width or native
+    return flow.image_size(pipeline, params, DEFAULT_SAMPLE_SIZE)
 
 
 def _latent_size(pipeline: LoadedPipeline, height: int, width: int) -> tuple[int, int]:
     return flow.packed_latent_size(flow.vae_scale_factor(pipeline), height, width)
 
 
+def _sequence_limit(pipeline: LoadedPipeline) -> int:
+    """The most T5 tokens: FluxPipeline's ceiling, within the tokenizer's length."""
+    limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
+    return min(MAX_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else MAX_SEQUENCE_LENGTH
+
+
 def _max_sequence_length(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> int:
     if params.max_sequence_length is not None:
         return params.max_sequence_length
-    limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
-    return min(MAX_SEQUENCE_LENGTH, limit) if isinstance(limit, int) else MAX_SEQUENCE_LENGTH
+    return _sequence_limit(pipeline)
 
 
 class FluxFamily(FamilyBase):
@@ -65,16 +69,13 @@ class FluxFamily(FamilyBase):
     def limits(self, pipeline: LoadedPipeline) -> DiffusionLimits:
         config = pipeline.module("transformer").config
         factor = flow.vae_scale_factor(pipeline)
-        limit = getattr(pipeline.tokenizers.get("tokenizer_2"), "model_max_length", None)
         return flow.text_limits(
             pipeline,
             size_multiple=factor * 2,
             embedding_dim=int(config.joint_attention_dim),
             native_size=DEFAULT_SAMPLE_SIZE * factor,
             takes_negative_prompt=False,
-            max_sequence_length=min(MAX_SEQUENCE_LENGTH, limit)
-            if isinstance(limit, int)
-            else MAX_SEQUENCE_LENGTH,
+            max_sequence_length=_sequence_limit(pipeline),
             default_guidance_scale=DEFAULT_GUIDANCE,
         )
 

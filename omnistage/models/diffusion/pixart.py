@@ -22,7 +22,6 @@ from omnistage.errors import CheckpointError
 from omnistage.models.diffusion import flow
 from omnistage.models.diffusion.family import (
     DiffusionLimits,
-    DiffusionParamsLike,
     DiffusionRequestLike,
     FamilyBase,
     NoiseQuery,
@@ -40,13 +39,6 @@ class TextEmbeds:
 
     embeds: torch.Tensor  # [seq, dim]
     mask: torch.Tensor  # [seq]
-
-
-def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
-    native = int(pipeline.module("transformer").config.sample_size) * flow.vae_scale_factor(
-        pipeline
-    )
-    return params.height or native, params.width or native
 
 
 def _default_max_sequence_length(pipeline: LoadedPipeline) -> int:
@@ -137,7 +129,7 @@ class PixArtFamily(FamilyBase):
 
     def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
         params = request.params
-        height, width = _image_size(pipeline, params)
+        height, width = flow.image_size(pipeline, params)
         return height, width, params.num_inference_steps, params.uses_guidance
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
@@ -169,10 +161,7 @@ class PixArtFamily(FamilyBase):
     def prepare_latents(
         self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
     ) -> torch.Tensor:
-        height, width = _image_size(pipeline, request.params)
-        factor = flow.vae_scale_factor(pipeline)
-        channels = int(pipeline.module("transformer").config.in_channels)
-        noise = flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
+        noise = flow.draw_image_latents(pipeline, request.params, seed)
         return noise * getattr(scheduler, "init_noise_sigma", 1.0)
 
     def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:

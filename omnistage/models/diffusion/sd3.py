@@ -40,13 +40,6 @@ class TextInput:
     pooled: torch.Tensor  # [pooled_projection_dim]
 
 
-def _image_size(pipeline: LoadedPipeline, params: DiffusionParamsLike) -> tuple[int, int]:
-    native = int(pipeline.module("transformer").config.sample_size) * flow.vae_scale_factor(
-        pipeline
-    )
-    return params.height or native, params.width or native
-
-
 def _max_sequence_length(params: DiffusionParamsLike) -> int:
     return params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
@@ -103,7 +96,7 @@ class SD3Family(FamilyBase):
 
     def batch_key(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Hashable:
         params = request.params
-        height, width = _image_size(pipeline, params)
+        height, width = flow.image_size(pipeline, params)
         steps = params.num_inference_steps
         return height, width, steps, _max_sequence_length(params), params.uses_guidance
 
@@ -118,7 +111,7 @@ class SD3Family(FamilyBase):
         number of image patches (with diffusers' SD3 default ``max_shift`` 1.16)."""
         kwargs = {}
         if pipeline.scheduler_config.get("use_dynamic_shifting"):
-            height, width = _image_size(pipeline, request.params)
+            height, width = flow.image_size(pipeline, request.params)
             factor = flow.vae_scale_factor(pipeline)
             patch = int(pipeline.module("transformer").config.patch_size)
             seq_len = (height // factor // patch) * (width // factor // patch)
@@ -131,10 +124,7 @@ class SD3Family(FamilyBase):
     def prepare_latents(
         self, pipeline: LoadedPipeline, request: DiffusionRequestLike, seed: int, scheduler: Any
     ) -> torch.Tensor:
-        height, width = _image_size(pipeline, request.params)
-        factor = flow.vae_scale_factor(pipeline)
-        channels = int(pipeline.module("transformer").config.in_channels)
-        return flow.draw_latents(pipeline, (1, channels, height // factor, width // factor), seed)
+        return flow.draw_image_latents(pipeline, request.params, seed)
 
     def predict_noise(self, pipeline: LoadedPipeline, query: NoiseQuery) -> torch.Tensor:
         rows: list[flow.Guided[TextInput]] = list(query.conditioning)
