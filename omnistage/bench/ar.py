@@ -146,7 +146,7 @@ def run(out_dir: str, device: str = "cpu", presets: tuple[str, ...] = ("demo", "
             device=device,
             max_num_seqs=NUM_PROMPTS,
             max_model_len=MAX_MODEL_LEN,
-            kv_cache_bytes=NUM_PROMPTS * MAX_MODEL_LEN * _kv_bytes_per_token(path) + 4 * MiB,
+            kv_cache_memory=NUM_PROMPTS * MAX_MODEL_LEN * _kv_bytes_per_token(path) + 4 * MiB,
             enable_sleep_mode=True,  # it measures sleep and wake too
         ) as llm:
             throughput.append(bench_throughput(preset, path, llm))

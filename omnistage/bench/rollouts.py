@@ -23,7 +23,7 @@ import torch
 
 from omnistage.bench.report import write_results
 from omnistage.bench.robustness import Server
-from omnistage.config import StageConfig
+from omnistage.config import AROptions, StageConfig
 from omnistage.pipelines import cache_dir
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling_params import SamplingParams
@@ -59,8 +59,9 @@ def _rollout(caching: bool) -> dict[str, Any]:
 
     model = ensure_preset("demo", cache_dir() / "demo")
     config = StageConfig(
-        stage_id=0, kind=KIND, model=str(model), max_model_len=1024, max_num_seqs=64,
-        kv_cache_bytes=256 << 20, enable_prefix_caching=caching,
+        stage_id=0, kind=KIND, model=str(model),
+        ar=AROptions(max_model_len=1024, max_num_seqs=64, kv_cache_memory=256 << 20,
+                     enable_prefix_caching=caching),
     )  # fmt: skip
     engine = ARStageEngine(config, seed=0)
     generator = torch.Generator().manual_seed(0)

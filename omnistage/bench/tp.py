@@ -72,7 +72,7 @@ def run(
         torch.set_num_threads(threads)
         llm = LLM(
             model, device=device, tensor_parallel_size=tp, torch_threads=threads,
-            kv_cache_bytes=64 * 2**20,
+            kv_cache_memory=64 * 2**20,
         )  # fmt: skip
         try:
             for seqs in batch_sizes:

@@ -142,7 +142,6 @@ class AsyncOmni:
         from omnistage.pipelines import pipeline_from_model
 
         options = {k: overrides.pop(k) for k in _FROM_CONFIG_OPTIONS if k in overrides}
-        overrides = _config_names(overrides)
         return cls.from_config(pipeline_from_model(str(model), **overrides), **options)
 
     @classmethod
@@ -151,7 +150,7 @@ class AsyncOmni:
         from omnistage.pipelines import load_pipeline
 
         options = {k: overrides.pop(k) for k in _FROM_CONFIG_OPTIONS if k in overrides}
-        return cls.from_config(load_pipeline(name, **_config_names(overrides)), **options)
+        return cls.from_config(load_pipeline(name, **overrides), **options)
 
     def _attach(self) -> None:
         """Bind the stage clients to the running loop (stages that died before are reported
@@ -412,18 +411,6 @@ class AsyncOmni:
 
     async def __aexit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _config_names(overrides: dict[str, Any]) -> dict[str, Any]:
-    """Stage settings given by the server's flags' names (``kv_cache_memory``, as
-    ``--kv-cache-memory``) under the config's (``kv_cache_bytes``)."""
-    if "kv_cache_memory" not in overrides:
-        return overrides
-    if "kv_cache_bytes" in overrides:
-        raise TypeError("got kv_cache_memory and kv_cache_bytes (the same setting); give one")
-    overrides = dict(overrides)
-    overrides["kv_cache_bytes"] = overrides.pop("kv_cache_memory")
-    return overrides
 
 
 def _dicts(acks: list[Ack]) -> list[dict[str, Any]]:

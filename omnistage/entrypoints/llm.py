@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, TypeVar
 
-from omnistage.config import ConfigError, offline_stage_config
+from omnistage.config import offline_stage_config
 from omnistage.entrypoints.llm_outputs import CompletionOutput, RequestOutput, add_output
 from omnistage.entrypoints.llm_vllm_args import refuse_call_arguments, vllm_arguments
 from omnistage.entrypoints.llm_weights import InProcessWeights, NamedTensors, reworded
@@ -75,10 +75,8 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         **kwargs: Any,
     ) -> None:
-        if kv_cache_memory is not None:  # the server's flag's name (--kv-cache-memory)
-            if "kv_cache_bytes" in kwargs:
-                raise TypeError("LLM() got kv_cache_memory and kv_cache_bytes; give one")
-            kwargs["kv_cache_bytes"] = kv_cache_memory
+        if kv_cache_memory is not None:
+            kwargs["kv_cache_memory"] = kv_cache_memory
         kwargs = vllm_arguments(model, kwargs)
         config = offline_stage_config(
             "LLM",
@@ -89,11 +87,7 @@ class LLM:
             enable_sleep_mode=enable_sleep_mode,
             **kwargs,
         )
-        try:
-            self.engine = ARStageEngine(config, seed=seed)
-        except ConfigError as exc:  # the KV cache's setting, by this keyword's name
-            message = str(exc).replace("kv_cache_bytes (--kv-cache-memory)", "kv_cache_memory")
-            raise reworded(exc, message) from None
+        self.engine = ARStageEngine(config, seed=seed)
         self.tokenizer: Tokenizer = self.engine.tokenizer
         self._preparer = ARRequestPreparer(self.engine.config, self.engine.info())
         self._weights = InProcessWeights(self.engine)

@@ -19,13 +19,21 @@ from typing import Any
 import yaml
 
 from omnistage.config import (
+    KIND_OPTIONS,
     ConfigError,
     PipelineConfig,
+    StageConfig,
     load_pipeline_config,
+    nest_options,
+    option_kinds,
+    option_name,
     parse_pipeline_config,
+    same_setting_twice,
 )
 from omnistage.stage.kinds import STAGE_KINDS, check_kinds
 
+# The settings given for every stage (server flags, ``Omni``/``AsyncOmni`` keywords): each
+# reaches the stages that take it (a kind's option only that kind's stages).
 _STAGE_OVERRIDES = frozenset(
     {
         "device",
@@ -34,43 +42,57 @@ _STAGE_OVERRIDES = frozenset(
         "torch_threads",
         "tensor_parallel_size",
         "drain_timeout_s",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "max_model_len",
-        "gpu_memory_utilization",
-        "kv_cache_bytes",
-        "enable_prefix_caching",
-        "encoder_cache_mb",
-        "max_answer_logprobs",
-        "max_request_tokens",
-        "attention_backend",
-        "enforce_eager",
         "idle_sleep_s",
         "idle_sleep_level",
-        "max_image_pixels",
-        "max_inference_steps",
         "stream",  # serve --no-stream: every hand-off whole
+        *(name for options in KIND_OPTIONS.values() for name in options.model_fields),
     }
 )
 
 
 # The ways of sizing an AR stage's KV cache: a flag giving one replaces the stage's own.
-_KV_SIZING = ("gpu_memory_utilization", "kv_cache_bytes", "kv_cache_memory")
+_KV_SIZING = ("gpu_memory_utilization", "kv_cache_memory")
+
+
+def check_overrides(overrides: dict[str, Any]) -> None:
+    """Settings for every stage must be known ones (``ConfigError``), each given once by one
+    of its names (``TypeError``, as a Python call refuses a keyword given twice)."""
+    twice = same_setting_twice(overrides)
+    if twice:
+        raise TypeError(f"got {twice[0]} and {twice[1]} (the same setting); give one")
+    unknown = {option_name(k) for k in overrides} - _STAGE_OVERRIDES
+    if unknown:
+        raise ConfigError(
+            f"unknown pipeline overrides {sorted(unknown)}; allowed: {sorted(_STAGE_OVERRIDES)}"
+        )
 
 
 def apply_overrides(stage: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """``stage`` (a stage mapping) with ``overrides`` (flags given for every stage) applied;
-    ``None`` values leave the stage's own setting, and ``tensor_parallel_size`` reaches only
-    the stages whose kind splits over ranks."""
-    given = {k: v for k, v in overrides.items() if v is not None}
-    spec = STAGE_KINDS.get(str(stage.get("kind")))
+    """``stage`` (a stage mapping, its kind's options under its kind's key) with ``overrides``
+    (settings given for every stage, flat) applied; ``None`` values leave the stage's own
+    setting, a kind's option reaches only that kind's stages, and ``tensor_parallel_size``
+    only the stages whose kind splits over ranks."""
+    try:
+        stage = nest_options(stage)
+    except ValueError as exc:
+        raise ConfigError(f"stages.{stage.get('stage_id')}: {exc}") from None
+    kind = str(stage.get("kind"))
+    given = {option_name(k): v for k, v in overrides.items() if v is not None}
+    spec = STAGE_KINDS.get(kind)
     if spec is not None and not spec.tensor_parallel:  # the other kinds run on one rank
         given.pop("tensor_parallel_size", None)
     out = dict(stage)
+    options = dict(out.get(kind) or {}) if kind in KIND_OPTIONS else {}
     if any(k in given for k in _KV_SIZING):
         for key in _KV_SIZING:
-            out.pop(key, None)
-    out.update(given)
+            options.pop(key, None)
+    for key, value in given.items():
+        if key in StageConfig.model_fields:
+            out[key] = value
+        elif kind in option_kinds(key):
+            options[key] = value
+    if options:
+        out[kind] = options
     return out
 
 
@@ -82,6 +104,7 @@ def parse_pipeline(data: Any, source: str) -> PipelineConfig:
 def pipeline_from_file(path: str | Path, **overrides: Any) -> PipelineConfig:
     """A pipeline YAML file with ``overrides`` applied to every stage; its relative model
     paths resolved (``file_model_path``)."""
+    check_overrides(overrides)
     base = load_pipeline_config(path)
     stages = []
     for stage in base.stages:
@@ -132,11 +155,7 @@ def load_pipeline(
     """
     if name not in builtin_pipelines():
         raise ConfigError(f"unknown pipeline {name!r}; built-in pipelines: {builtin_pipelines()}")
-    unknown = set(overrides) - _STAGE_OVERRIDES
-    if unknown:
-        raise ConfigError(
-            f"unknown pipeline overrides {sorted(unknown)}; allowed: {sorted(_STAGE_OVERRIDES)}"
-        )
+    check_overrides(overrides)
     data = yaml.safe_load(resources.files(__package__).joinpath(f"{name}.yaml").read_text())
     cache = cache_dir()
     for stage in data["stages"]:
@@ -172,6 +191,7 @@ def pipeline_from_model(folder: str, name: str | None = None, **overrides: Any) 
     from omnistage.errors import CheckpointError
     from omnistage.models import registry
 
+    check_overrides(overrides)
     try:
         stages = registry.family_of_folder(folder).pipeline()
     except CheckpointError as exc:

@@ -3,6 +3,7 @@ spellings work, flags omnistage lacks are named, and ``--help`` is readable."""
 
 from __future__ import annotations
 
+import operator
 import subprocess
 import sys
 
@@ -22,33 +23,33 @@ def stages_of(*argv: str):
 @pytest.mark.parametrize(
     ("argv", "field", "expected"),
     [
-        (["--max-model-len", "300"], "max_model_len", 300),
-        (["--max-num-seqs", "7"], "max_num_seqs", 7),
-        (["--max-num-batched-tokens", "999"], "max_num_batched_tokens", 999),
+        (["--max-model-len", "300"], "ar.max_model_len", 300),
+        (["--max-num-seqs", "7"], "ar.max_num_seqs", 7),
+        (["--max-num-batched-tokens", "999"], "ar.max_num_batched_tokens", 999),
         (["--dtype", "half"], "dtype", "float16"),
         (["--dtype", "bfloat16"], "dtype", "bfloat16"),
         (["--dtype", "auto"], "dtype", "auto"),
         (["--dtype", "float"], "dtype", "float32"),
-        (["--kv-cache-memory", "12345678"], "kv_cache_bytes", 12345678),
-        (["--kv-cache-memory", "64MiB"], "kv_cache_bytes", 64 << 20),
-        (["--kv-cache-memory-bytes", "2GB"], "kv_cache_bytes", 2 * 10**9),
-        (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
-        (["--enable-prefix-caching"], "enable_prefix_caching", True),
-        (["--device", "cuda:1", "--gpu-memory-utilization", "0.5"], "gpu_memory_utilization", 0.5),
+        (["--kv-cache-memory", "12345678"], "ar.kv_cache_memory", 12345678),
+        (["--kv-cache-memory", "64MiB"], "ar.kv_cache_memory", 64 << 20),
+        (["--kv-cache-memory-bytes", "2GB"], "ar.kv_cache_memory", 2 * 10**9),
+        (["--no-enable-prefix-caching"], "ar.enable_prefix_caching", False),
+        (["--enable-prefix-caching"], "ar.enable_prefix_caching", True),
+        (["--device", "cuda:1", "--gpu-memory-utilization", "0.5"], "ar.gpu_memory_utilization", 0.5),
         (["--enable-sleep-mode", "--idle-sleep-s", "9"], "idle_sleep_s", 9.0),
     ],
 )
 def test_each_flag_reaches_every_stage_config(argv, field, expected):
     stages = stages_of("--pipeline", "tiny-chat", *argv)
-    assert [getattr(s, field) for s in stages] == [expected] * len(stages)
+    assert [operator.attrgetter(field)(s) for s in stages] == [expected] * len(stages)
 
 
 def test_a_kv_sizing_flag_replaces_the_pipelines_own():
-    # tiny-chat sets kv_cache_bytes; --gpu-memory-utilization takes its place, not beside it
+    # tiny-chat sets kv_cache_memory; --gpu-memory-utilization takes its place, not beside it
     (stage,) = stages_of(
         "--pipeline", "tiny-chat", "--device", "cuda", "--gpu-memory-utilization", "0.8"
     )
-    assert stage.kv_cache_bytes is None and stage.gpu_memory_utilization == 0.8
+    assert stage.ar.kv_cache_memory is None and stage.ar.gpu_memory_utilization == 0.8
 
 
 def test_flags_reach_a_yaml_pipeline_given_by_vllm_omnis_flag_name(tmp_path):
@@ -61,13 +62,13 @@ def test_flags_reach_a_yaml_pipeline_given_by_vllm_omnis_flag_name(tmp_path):
         " kv_cache_memory: 32MiB, dtype: half}\n"
     )
     (stage,) = stages_of("--stage-configs-path", str(config), "--max-num-seqs", "3")
-    assert (stage.max_num_seqs, stage.kv_cache_bytes, stage.dtype) == (3, 32 << 20, "float16")
+    assert (stage.ar.max_num_seqs, stage.ar.kv_cache_memory, stage.dtype) == (3, 32 << 20, "float16")
 
 
 def test_the_positional_model_is_the_model(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     (stage,) = stages_of(str(tmp_path), "--max-model-len", "64")
-    assert stage.model == str(tmp_path) and stage.max_model_len == 64
+    assert stage.model == str(tmp_path) and stage.ar.max_model_len == 64
     with pytest.raises(SystemExit, match="differ"):
         stages_of(str(tmp_path), "--model", str(tmp_path / "other"))
 

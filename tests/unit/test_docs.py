@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from omnistage.config import StageConfig, load_pipeline_config
+from omnistage.config import KIND_OPTIONS, StageConfig, load_pipeline_config
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "pipeline.yaml"
@@ -20,12 +20,16 @@ def test_the_readme_shows_the_example_pipeline_verbatim():
 
 def test_the_example_pipeline_names_every_stage_field_and_loads():
     text = EXAMPLE.read_text()
-    keys = set(re.findall(r"^\s*(?:- |# )?([a-z_]+):", text, flags=re.M))
-    aliases = {"kv_cache_bytes": "kv_cache_memory"}  # shown under its other spelling
-    missing = [f for f in StageConfig.model_fields if aliases.get(f, f) not in keys]
+    keys = set(re.findall(r"^\s*(?:- |# )?([a-z0-9_]+):", text, flags=re.M))
+    fields = set(StageConfig.model_fields).union(
+        *(options.model_fields for options in KIND_OPTIONS.values())
+    )
+    missing = sorted(fields - keys)
     assert not missing, missing
     config = load_pipeline_config(EXAMPLE)
     assert [s.kind for s in config.stages] == ["ar", "diffusion"]
+    assert config.stages[0].ar.kv_cache_memory == 32 << 20  # each kind's options, nested
+    assert config.stages[1].diffusion.max_batch_size == 4
 
 
 def test_readme_make_serve_settings_exist_in_the_makefile():
@@ -66,7 +70,8 @@ def test_the_qwen2_5_omni_guide_pipeline_is_valid():
     (block,) = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
     config = parse_pipeline_config(yaml.safe_load(block), "docs/qwen-omni.md")
     assert [s.model_stage for s in config.stages] == ["thinker", "talker", "code2wav"]
-    assert config.stages[1].kv_cache_bytes == 4 << 30
+    assert config.stages[1].ar.kv_cache_memory == 4 << 30
+    assert config.stages[2].code2wav.max_num_seqs == 4
 
 
 def test_the_two_node_example_is_a_valid_pipeline():

@@ -246,7 +246,12 @@ def test_stage_kinds_are_named_only_in_the_kinds_map_and_their_packages():
     from omnistage.stage.kinds import STAGE_KINDS
 
     kinds = set(STAGE_KINDS)
-    homes = ("omnistage.stage.kinds", *(f"omnistage.stage.{kind}" for kind in kinds))
+    # the kinds' own options are configuration, which loads below the stages
+    homes = (
+        "omnistage.stage.kinds",
+        "omnistage.config.options",
+        *(f"omnistage.stage.{kind}" for kind in kinds),
+    )
     found = [
         f"{name}:{line}"
         for name, path in modules().items()

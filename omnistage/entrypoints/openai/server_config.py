@@ -14,11 +14,13 @@ from pydantic import (
 )
 
 from omnistage.config import (
+    KIND_OPTIONS,
     AttentionBackendName,
     ByteCount,
     DTypeSetting,
     PipelineConfig,
     StageConfig,
+    option_kinds,
 )
 from omnistage.entrypoints.openai.media_settings import MediaSettings
 from omnistage.pipelines import builtin_pipelines
@@ -31,33 +33,39 @@ def _names(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
-# Server flags that set a stage field on every stage: flag -> the stage field it sets.
-STAGE_FLAGS: dict[str, str] = {
-    "device": "device",
-    "dtype": "dtype",
-    "idle_sleep_s": "idle_sleep_s",
-    "max_image_pixels": "max_image_pixels",
-    "max_model_len": "max_model_len",
-    "max_num_seqs": "max_num_seqs",
-    "tensor_parallel_size": "tensor_parallel_size",
-    "max_num_batched_tokens": "max_num_batched_tokens",
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "kv_cache_memory": "kv_cache_bytes",
-    "enable_prefix_caching": "enable_prefix_caching",
-    "max_answer_logprobs": "max_answer_logprobs",
-    "max_request_tokens": "max_request_tokens",
-    "attention_backend": "attention_backend",
-    "enforce_eager": "enforce_eager",
-}
+# Server flags that set a stage setting on every stage that takes it (a kind's option, the
+# stages of that kind), named as the setting.
+STAGE_FLAGS = (
+    "device",
+    "dtype",
+    "idle_sleep_s",
+    "max_image_pixels",
+    "max_model_len",
+    "max_num_seqs",
+    "tensor_parallel_size",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "kv_cache_memory",
+    "enable_prefix_caching",
+    "max_answer_logprobs",
+    "max_request_tokens",
+    "attention_backend",
+    "enforce_eager",
+)
 _BOUNDS = ("gt", "ge", "lt", "le")
 
 
 def stage_flag(flag: str, *, note: str = "") -> Any:
-    """The field of a server flag that sets its stage field on every stage: the stage
-    field's bounds and description (with ``note``), default None (each stage keeps its own)."""
-    field = StageConfig.model_fields[STAGE_FLAGS[flag]]
+    """The field of a server flag that sets its stage setting on every stage that takes it:
+    the setting's bounds and description (with ``note``, and the kinds whose option it is),
+    default None (each stage keeps its own)."""
+    kinds = option_kinds(flag)
+    field = (
+        StageConfig.model_fields[flag] if not kinds else KIND_OPTIONS[kinds[0]].model_fields[flag]
+    )
     bounds = {k: getattr(m, k) for m in field.metadata for k in _BOUNDS if hasattr(m, k)}
-    said = f"{field.description}{note} Set on every stage (unset: each stage keeps its own)."
+    stages = "every stage" if not kinds else f"every {' and '.join(kinds)} stage"
+    said = f"{field.description}{note} Set on {stages} (unset: each stage keeps its own)."
     return Field(default=None, description=said, **bounds)
 
 
@@ -257,9 +265,7 @@ class ServerConfig(MediaSettings):
 
     def stage_overrides(self) -> dict[str, object]:
         """Stage settings the flags give every stage (``None``: the stage's own stays)."""
-        overrides: dict[str, object] = {
-            field: getattr(self, flag) for flag, field in STAGE_FLAGS.items()
-        }
+        overrides: dict[str, object] = {flag: getattr(self, flag) for flag in STAGE_FLAGS}
         if self.enable_sleep_mode:
             overrides["enable_sleep_mode"] = True
         if self.stream is False:

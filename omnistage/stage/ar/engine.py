@@ -70,10 +70,10 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         self.tokenizer = Tokenizer.from_pretrained(config.model)
         super().__init__(config, make_worker(config, self.model_config, arena, load_weights))
         self.block_manager = BlockManager(
-            self.worker.num_kv_blocks, config.block_size, config.enable_prefix_caching
+            self.worker.num_kv_blocks, config.ar.block_size, config.ar.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager, config.ar.max_num_seqs, config.ar.max_num_batched_tokens
         )
         # A stage whose tokens are codes stops on the request's stop ids only.
         self.eos_token_ids = (
@@ -90,7 +90,7 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         self.sampler = Sampler(
             self.eos_token_ids,
             generator,
-            config.logprobs_mode == "processed_logprobs",
+            config.ar.logprobs_mode == "processed_logprobs",
             suppressed=self.model_config.suppress_token_ids,
         )
         self._held: list[SequenceState] = []  # arrived while paused; scheduled on resume
@@ -119,13 +119,13 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         the stage's model family sets requests up (``request_setup``)."""
         family = registry.ar_family(self.model_config.family)
         setup = family.request_setup(self.model_config, self.config.model)
-        overrides = self.config.override_generation_config
+        overrides = self.config.ar.override_generation_config
         if overrides:  # the stage's defaults over the model's, under each request's own
             setup["param_defaults"] = {**setup.get("param_defaults", {}), **overrides}
         return ARStageInfo(
             vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
+            max_num_seqs=self.config.ar.max_num_seqs,
             embedding_size=self.embedding_size,
             emits_text=self.model_config.emits_text,
             multi_modal=list(self.requests.multi_modal),

@@ -45,47 +45,49 @@ def kv_cache_budget(config: StageConfig, device: torch.device) -> tuple[int, str
     what remains of that share of the device once everything already on it (this stage's
     weights, other stages, other processes) is counted; else ``kv_cache_memory_fraction``
     of the free memory."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes, "kv_cache_bytes (--kv-cache-memory)"
-    if config.gpu_memory_utilization is not None and device.type == "cuda":
+    if config.ar.kv_cache_memory is not None:
+        return config.ar.kv_cache_memory, "kv_cache_memory"
+    if config.ar.gpu_memory_utilization is not None and device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
-        return max(0, int(total * config.gpu_memory_utilization) - used), "gpu_memory_utilization"
-    fraction = config.kv_cache_memory_fraction
+        return max(
+            0, int(total * config.ar.gpu_memory_utilization) - used
+        ), "gpu_memory_utilization"
+    fraction = config.ar.kv_cache_memory_fraction
     return int(available_memory_bytes(device) * fraction), "kv_cache_memory_fraction"
 
 
 def resolved_max_model_len(config: StageConfig) -> int:
     """``max_model_len`` of a stage config resolved at start-up (``omnistage.stage.resolve``)."""
-    if config.max_model_len is None:
+    if config.ar.max_model_len is None:
         raise ValueError(f"stage {config.stage_id}: max_model_len is not resolved yet")
-    return config.max_model_len
+    return config.ar.max_model_len
 
 
 def plan_kv_cache(
     config: StageConfig, model: ARModelConfig, dtype: torch.dtype, device: torch.device
 ) -> KVCachePlan:
-    """How many blocks to allocate: ``kv_cache_bytes``, else ``kv_cache_memory_fraction`` of
+    """How many blocks to allocate: ``kv_cache_memory``, else ``kv_cache_memory_fraction`` of
     the free memory, capped at what ``max_num_seqs`` sequences of ``max_model_len`` tokens
     can use (more could never be touched). Raises ``ConfigError`` if one full-length
     sequence does not fit, since it could then never finish."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     bytes_per_block = (
-        (2 * model.num_hidden_layers * config.block_size * model.num_key_value_heads)
+        (2 * model.num_hidden_layers * config.ar.block_size * model.num_key_value_heads)
         * model.head_dim
         * itemsize
     )
     max_model_len = resolved_max_model_len(config)
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    blocks_per_seq = -(-max_model_len // config.ar.block_size)
     budget, setting = kv_cache_budget(config, device)
-    num_blocks = min(budget // bytes_per_block - 1, blocks_per_seq * config.max_num_seqs)
+    num_blocks = min(budget // bytes_per_block - 1, blocks_per_seq * config.ar.max_num_seqs)
     if num_blocks < blocks_per_seq:
         raise ConfigError(
-            f"the KV cache ({budget} bytes) holds {max(num_blocks, 0) * config.block_size} tokens, "
+            f"the KV cache ({budget} bytes) holds {max(num_blocks, 0) * config.ar.block_size} tokens, "
             f"fewer than max_model_len={max_model_len}; raise {setting} "
             f"(at least {(blocks_per_seq + 1) * bytes_per_block} bytes) or lower max_model_len"
         )
-    return KVCachePlan(num_blocks, config.block_size, bytes_per_block)
+    return KVCachePlan(num_blocks, config.ar.block_size, bytes_per_block)
 
 
 class KVCache:

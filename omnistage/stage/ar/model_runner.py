@@ -58,12 +58,12 @@ class ModelRunner:
         self.tp = tp
         self.device = torch.device(config.device)
         self.dtype = DTYPES[resolve_dtype(config, model_config.torch_dtype)]
-        self.block_size = config.block_size
+        self.block_size = config.ar.block_size
         self.family = registry.ar_family(model_config.family)
         self.model = self.family.build_decoder(model_config, self.dtype, tp)
-        self.attention = select_backend(self.device, config.attention_backend)
+        self.attention = select_backend(self.device, config.ar.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
-        self.encoder_cache = EncoderCache(config.encoder_cache_mb << 20)
+        self.encoder_cache = EncoderCache(config.ar.encoder_cache_mb << 20)
         self._layer_out: torch.Tensor | None = None  # a kept layer's output (``run``)
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
         if load_weights:  # not for a restart asleep at level 2: released at once, unread
@@ -82,17 +82,17 @@ class ModelRunner:
             self.dtype,
             self.attention,
         )
-        self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.block_size)
+        self.max_blocks_per_seq = -(-resolved_max_model_len(config) // config.ar.block_size)
         self.decode_graphs: DecodeGraphs | None = None
         # Decode graphs are captured with one rank only (a graph would hold the collectives),
         # and only where the attention backend allows it and the stage does not enforce eager.
-        graphs = self.attention.supports_cuda_graphs and not config.enforce_eager
+        graphs = self.attention.supports_cuda_graphs and not config.ar.enforce_eager
         if self.device.type == "cuda" and tp.size == 1 and graphs:
             self.decode_graphs = DecodeGraphs(
                 self.model,
                 self.attention,
                 self.kv_cache.layers,
-                config.max_num_seqs,
+                config.ar.max_num_seqs,
                 self.max_blocks_per_seq,
                 self.kv_cache.scratch_slot,
                 self.device,

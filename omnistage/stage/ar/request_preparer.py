@@ -173,7 +173,7 @@ class ARRequestPreparer:
         }
         counts = {name: tokens * (k + 1) for name, (tokens, k, _) in parts.items() if k is not None}
         entries = params.n * sum(counts.values())
-        limit = self.config.max_answer_logprobs
+        limit = self.config.ar.max_answer_logprobs
         if entries <= limit:
             return
         field = max(counts, key=lambda name: counts[name])
@@ -193,7 +193,7 @@ class ARRequestPreparer:
         stage: its ``n`` samples, each its prompt and ``max_tokens`` (the rest of the
         context without it). The scheduler's fair share keeps other requests served beside
         it; this bounds how long one request may occupy its share."""
-        limit = self.config.max_request_tokens
+        limit = self.config.ar.max_request_tokens
         if limit is None:
             return
         max_tokens = params.max_tokens or self.info.max_model_len - prompt_tokens

@@ -126,9 +126,9 @@ class RequestTable:
         params = request.sampling_params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
-        if params.n > self.config.max_num_seqs:
+        if params.n > self.config.ar.max_num_seqs:
             raise InvalidRequestError(
-                "n", f"{params.n} samples exceed max_num_seqs={self.config.max_num_seqs}"
+                "n", f"{params.n} samples exceed max_num_seqs={self.config.ar.max_num_seqs}"
             )
         ids = request.prompt_token_ids
         if not isinstance(ids, list | tuple) or not ids:

@@ -12,24 +12,22 @@ from omnistage.stage.resolve import resolve_dtype
 
 def resolve_max_model_len(stage: StageConfig, model: ARModelConfig) -> int:
     limit = model.max_position_embeddings
-    if stage.max_model_len is None:
+    if stage.ar.max_model_len is None:
         return limit
-    if stage.max_model_len > limit:
+    if stage.ar.max_model_len > limit:
         raise ConfigError(
-            f"stage {stage.stage_id}: max_model_len ({stage.max_model_len}) is larger than "
+            f"stage {stage.stage_id}: max_model_len ({stage.ar.max_model_len}) is larger than "
             f"the checkpoint's max_position_embeddings ({limit}) in {stage.model}; "
             f"use at most {limit}"
         )
-    return stage.max_model_len
+    return stage.ar.max_model_len
 
 
 def resolve_ar_stage(stage: StageConfig, model: ARModelConfig) -> StageConfig:
     """The AR stage as it runs: dtype and max_model_len resolved."""
+    options = stage.ar.model_copy(update={"max_model_len": resolve_max_model_len(stage, model)})
     return stage.model_copy(
-        update={
-            "dtype": resolve_dtype(stage, model.torch_dtype),
-            "max_model_len": resolve_max_model_len(stage, model),
-        }
+        update={"dtype": resolve_dtype(stage, model.torch_dtype), "ar": options}
     )
 
 
@@ -39,8 +37,8 @@ def check_generation_config(stage: StageConfig) -> None:
     from omnistage.errors import InvalidRequestError
     from omnistage.stage.ar.sampling_params import SamplingParams
 
-    key = f"stages.{stage.stage_id}.override_generation_config"
-    overrides = stage.override_generation_config
+    key = f"stages.{stage.stage_id}.ar.override_generation_config"
+    overrides = stage.ar.override_generation_config
     unknown = sorted(set(overrides) - set(SamplingParams.__struct_fields__))
     if unknown:
         raise ConfigError(
@@ -58,7 +56,7 @@ def check_limits(stage: StageConfig) -> None:
     checkpoint cannot serve or sampling defaults that are not; an unreadable checkpoint is
     left for the stage to report."""
     check_generation_config(stage)
-    if stage.max_model_len is None:
+    if stage.ar.max_model_len is None:
         return
     try:
         model = ARModelConfig.from_pretrained(stage.model, stage.model_stage)

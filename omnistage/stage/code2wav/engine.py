@@ -42,7 +42,7 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
 
     @property
     def max_active_jobs(self) -> int:
-        return self.config.max_num_seqs
+        return self.config.code2wav.max_num_seqs
 
     def info(self) -> Code2WavStageInfo:
         """What the API process needs to validate requests before they reach this stage."""
@@ -98,7 +98,7 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
         if key is None:
             return []
         same = [j for j in runnable if j is not job and getattr(j, "batch_key", None) == key]
-        return same[: self.config.max_num_seqs - 1]
+        return same[: self.config.code2wav.max_num_seqs - 1]
 
     def _advance_together(self, jobs: list[StepJob]) -> None:
         started = time.perf_counter()

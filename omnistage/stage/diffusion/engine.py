@@ -51,8 +51,9 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
             embedding_dim=own.embedding_dim,
             has_text_encoder=own.has_text_encoder,
             native_size=own.native_size,
-            max_inference_steps=min(own.max_inference_steps, config.max_inference_steps),
-            max_image_pixels=config.max_image_pixels or default_max_image_pixels(config.device),
+            max_inference_steps=min(own.max_inference_steps, config.diffusion.max_inference_steps),
+            max_image_pixels=config.diffusion.max_image_pixels
+            or default_max_image_pixels(config.device),
             takes_prompt_embeds=own.takes_prompt_embeds,
             takes_negative_prompt=own.takes_negative_prompt,
             takes_scheduler_override=own.takes_scheduler_override,
@@ -91,15 +92,15 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
 
     @property
     def max_active_jobs(self) -> int:
-        return self.config.max_active_batches
+        return self.config.diffusion.max_active_batches
 
     @property
     def max_job_size(self) -> int:
-        return self.config.max_batch_size
+        return self.config.diffusion.max_batch_size
 
     @property
     def batch_wait_s(self) -> float:
-        return self.config.batch_wait_ms / 1e3
+        return self.config.diffusion.batch_wait_ms / 1e3
 
     def info(self) -> DiffusionStageInfo:
         """What the API process needs to validate requests before they reach this stage."""
@@ -130,7 +131,7 @@ class DiffusionStageEngine(JobEngine[DiffusionWorker, DiffusionRequest]):
         """A batch around the oldest runnable request, of the requests that fit with it."""
         key = batch_key(self.family, self.pipeline, runnable[0])
         batch = [r for r in runnable if batch_key(self.family, self.pipeline, r) == key]
-        return batch[: self.config.max_batch_size]
+        return batch[: self.config.diffusion.max_batch_size]
 
     def _make_job(self, requests: list[DiffusionRequest]) -> StepJob:
         seeds = [

@@ -250,7 +250,7 @@ def test_vllms_arguments_are_taken_or_refused_saying_why(demo, capsys):
         enforce_eager=True, trust_remote_code=True, disable_log_stats=True,
         tokenizer=str(demo), load_format="auto",
     ) as llm:  # fmt: skip
-        assert llm.engine.config.enforce_eager
+        assert llm.engine.config.ar.enforce_eager
         outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=True)
         assert len(outputs) == 3 and "Processed prompts" in capsys.readouterr().err
         assert llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False)

@@ -128,11 +128,12 @@ def test_a_pipeline_file_is_served_under_its_own_name(tmp_path):
 
 
 def test_the_per_stage_flags_are_the_stage_fields():
-    """Each flag that sets a stage field on every stage is generated from that field: its
-    bounds and description, and ``stage_overrides`` maps it onto the field."""
+    """Each flag that sets a stage setting on every stage is generated from that setting (a
+    stage field, or a kind's option): its bounds and description, and ``stage_overrides``
+    gives it by its name."""
     import pydantic
 
-    from omnistage.config import StageConfig
+    from omnistage.config import KIND_OPTIONS, AROptions, StageConfig, option_kinds
     from omnistage.entrypoints.openai.server_config import STAGE_FLAGS
 
     def bounds(info):
@@ -140,12 +141,14 @@ def test_the_per_stage_flags_are_the_stage_fields():
             repr(m) for m in info.metadata if type(m).__name__ in ("Gt", "Ge", "Lt", "Le")
         )
 
-    assert bounds(StageConfig.model_fields["max_num_seqs"]) == ["Gt(gt=0)"]
-    for flag, field in STAGE_FLAGS.items():
-        ours, theirs = ServerConfig.model_fields[flag], StageConfig.model_fields[field]
+    assert bounds(AROptions.model_fields["max_num_seqs"]) == ["Gt(gt=0)"]
+    for flag in STAGE_FLAGS:
+        kinds = option_kinds(flag)
+        fields = KIND_OPTIONS[kinds[0]].model_fields if kinds else StageConfig.model_fields
+        ours, theirs = ServerConfig.model_fields[flag], fields[flag]
         assert ours.description.startswith(theirs.description), flag
         assert bounds(ours) == bounds(theirs), flag
     with pytest.raises(pydantic.ValidationError, match="max_num_seqs"):
         ServerConfig(max_num_seqs=0)
     overrides = ServerConfig(kv_cache_memory="1MiB", max_num_seqs=3).stage_overrides()
-    assert overrides["kv_cache_bytes"] == 1 << 20 and overrides["max_num_seqs"] == 3
+    assert overrides["kv_cache_memory"] == 1 << 20 and overrides["max_num_seqs"] == 3

@@ -74,7 +74,7 @@ def test_a_decoder_folder_is_one_ar_stage_and_an_omni_folder_three(tmp_path):
         ("talker", "ar", "talker", "thinker_to_talker"),
         ("code2wav", "code2wav", "code2wav", "talker_to_code2wav"),
     ]
-    assert all(s.max_num_seqs == 4 and s.model == str(omni) for s in stages)
+    assert all(getattr(s, s.kind).max_num_seqs == 4 and s.model == str(omni) for s in stages)
 
 
 def test_a_diffusers_folder_is_one_diffusion_stage():

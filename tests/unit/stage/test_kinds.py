@@ -44,3 +44,11 @@ def test_tensor_parallelism_reaches_only_kinds_that_split():
             },
             "test",
         )
+
+
+def test_every_kind_has_its_options_section_in_the_stage_config():
+    from omnistage.config import KIND_OPTIONS, StageConfig
+
+    assert set(KIND_OPTIONS) == set(STAGE_KINDS)
+    for kind, options in KIND_OPTIONS.items():
+        assert StageConfig.model_fields[kind].annotation is options, kind

@@ -45,7 +45,7 @@ def test_fraction_of_free_memory_is_used_without_bytes():
 
 
 def test_cache_smaller_than_one_sequence_is_a_config_error():
-    with pytest.raises(ConfigError, match="kv_cache_bytes"):
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
         plan(stage(kv_cache_bytes=3 * BYTES_PER_BLOCK))
 
 
