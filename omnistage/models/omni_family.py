@@ -6,8 +6,10 @@ processor, its vocoder, its hand-offs (``processors``)."""
 
 from __future__ import annotations
 
+import json
 from abc import abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,34 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     from omnistage.models.ar_config import ARModelConfig
 
 VOCODER_PART = "code2wav"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A family's checkpoint folders: ``config.json`` says ``model_type``; ``label`` is the
+    family's name for people (in errors)."""
+
+    model_type: str
+    label: str
+
+    def read_config(self, folder: str | Path) -> dict[str, Any] | None:
+        """The folder's ``config.json`` if it is such a checkpoint, else None."""
+        file = Path(folder) / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(raw, dict) and raw.get("model_type") == self.model_type
+        return raw if ok else None
+
+    def config(
+        self, folder: str | Path, error: type[Exception] = CheckpointError
+    ) -> dict[str, Any]:
+        """The folder's ``config.json`` (``error`` when it is not such a checkpoint)."""
+        raw = self.read_config(folder)
+        if raw is None:
+            raise error(f"{folder} is not a {self.label} checkpoint")
+        return raw
 
 
 class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcessors):

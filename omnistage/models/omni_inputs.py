@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from omnistage.errors import InvalidRequestError
+from omnistage.models.ar_config import read_json_object
 from omnistage.models.media import (
     Audio,
     EncoderInput,
@@ -104,12 +106,12 @@ class Prepared:
 
 
 class OmniPromptProcessor:
-    """The shared part of an omni ``PromptProcessor``; a family's sets ``settings`` (its
-    position settings, with ``audio_token_id``, ``image_token_id`` and ``video_token_id``),
-    ``audio_bos`` / ``audio_eos`` and ``vision_bos`` / ``vision_eos``, ``video_min_pixels`` /
+    """The shared part of an omni ``PromptProcessor``, read from a checkpoint folder; a
+    family's sets, in ``_read_tokens``, ``settings`` (its position settings, with
+    ``audio_token_id``, ``image_token_id`` and ``video_token_id``), ``audio_bos`` /
+    ``audio_eos`` and ``vision_bos`` / ``vision_eos``, and has ``video_min_pixels`` /
     ``video_max_pixels`` (its processor's own video frame bounds), ``rope_index`` (its
-    positions, a staticmethod) and ``prepare_all`` (its media, processed), and calls
-    ``_placeholders`` and ``_media_processors``."""
+    positions, a staticmethod) and ``prepare_all`` (its media, processed)."""
 
     settings: Any
     audio_bos: int
@@ -121,6 +123,17 @@ class OmniPromptProcessor:
     video_min_pixels: int
     video_max_pixels: int
     rope_index: Callable[..., tuple[torch.Tensor, int]]
+
+    def __init__(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        pre = read_json_object(folder / "preprocessor_config.json")
+        self._read_tokens(folder)
+        self._placeholders()
+        self._media_processors(pre)
+
+    def _read_tokens(self, folder: Path) -> None:
+        """Set ``settings`` and the media tokens' bos and eos ids, from the folder's files."""
+        raise NotImplementedError
 
     def _placeholders(self) -> None:
         """``placeholder_ids`` (modality → token) and ``framing`` (token → its start and end

@@ -14,13 +14,12 @@ the ordinary rotary embedding.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.omni_family import Checkpoint
 
 MODEL_TYPE = "qwen2_5_omni"
 FAMILY_NAME = "qwen2_5_omni"
@@ -28,14 +27,8 @@ AR_PARTS = ("thinker", "talker")
 PARTS = ("thinker", "talker", "code2wav")
 
 
-def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """The folder's ``config.json`` if it is a Qwen2.5-Omni checkpoint, else None."""
-    file = Path(folder) / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE else None
+CHECKPOINT = Checkpoint(MODEL_TYPE, "Qwen2.5-Omni")
+read_config = CHECKPOINT.read_config  # the folder's config.json if it is one, else None
 
 
 @dataclass(frozen=True)

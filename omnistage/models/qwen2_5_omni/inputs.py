@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from omnistage.errors import CheckpointError, InvalidRequestError
-from omnistage.models.ar_config import read_json_object
 from omnistage.models.invariant_linear import invariant_width
 from omnistage.models.media import MediaItem
 from omnistage.models.omni_inputs import OmniPromptProcessor, Options, Prepared
-from omnistage.models.qwen2_5_omni.config import read_config
+from omnistage.models.qwen2_5_omni.config import CHECKPOINT
 from omnistage.models.qwen2_5_omni.rope_index import (
     PositionSettings,
     audio_output_length,
@@ -58,13 +57,8 @@ class Qwen25OmniPromptProcessor(OmniPromptProcessor):
     video_max_pixels = VIDEO_MAX_PIXELS
     rope_index = staticmethod(rope_index)
 
-    def __init__(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        pre = read_json_object(folder / "preprocessor_config.json")
-        raw = read_config(folder)
-        if raw is None:
-            raise CheckpointError(f"{folder} is not a Qwen2.5-Omni checkpoint")
-        thinker = raw.get("thinker_config") or {}
+    def _read_tokens(self, folder: Path) -> None:
+        thinker = CHECKPOINT.config(folder).get("thinker_config") or {}
         try:
             self.settings = PositionSettings.from_config(thinker)
             self.audio_bos, self.audio_eos = (
@@ -75,8 +69,6 @@ class Qwen25OmniPromptProcessor(OmniPromptProcessor):
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"thinker_config lacks a valid token id: {exc}") from None
-        self._placeholders()
-        self._media_processors(pre)
 
     # -- media ----------------------------------------------------------------------------
 

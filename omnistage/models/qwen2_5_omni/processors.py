@@ -17,7 +17,7 @@ from omnistage.models.processors import (
     Wants,
     hidden_states_of,
 )
-from omnistage.models.qwen2_5_omni.config import TalkerTokens, read_config
+from omnistage.models.qwen2_5_omni.config import CHECKPOINT, TalkerTokens
 from omnistage.models.qwen2_5_omni.voices import default_voice, voice_bos_tokens
 
 VOICE_FIELD = "audio_params"  # where a request names its voice (the code2wav stage's params)
@@ -26,9 +26,7 @@ VOICE_FIELD = "audio_params"  # where a request names its voice (the code2wav st
 @functools.lru_cache(maxsize=8)
 def checkpoint_tokens(folder: str) -> tuple[TalkerTokens, dict[str, int]]:
     """The talker's special ids and each voice's text bos id, read once per checkpoint."""
-    raw = read_config(folder)
-    if raw is None:
-        raise StageInternalError(f"{folder} is not a Qwen2.5-Omni checkpoint")
+    raw = CHECKPOINT.config(folder, StageInternalError)
     return TalkerTokens.from_config(raw), voice_bos_tokens(folder)
 
 

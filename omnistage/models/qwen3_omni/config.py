@@ -15,27 +15,20 @@ processor and the thinker → talker hand-off need (``OmniTokens``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.omni_family import Checkpoint
 
 MODEL_TYPE = "qwen3_omni_moe"
 FAMILY_NAME = "qwen3_omni"
 ENCODER_CONFIGS = ("audio_config", "vision_config")
 
 
-def read_config(folder: str | Path) -> dict[str, Any] | None:
-    """The folder's ``config.json`` if it is a Qwen3-Omni checkpoint, else None."""
-    file = Path(folder) / "config.json"
-    try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError):
-        return None
-    return raw if isinstance(raw, dict) and raw.get("model_type") == MODEL_TYPE else None
+CHECKPOINT = Checkpoint(MODEL_TYPE, "Qwen3-Omni")
+read_config = CHECKPOINT.read_config  # the folder's config.json if it is one, else None
 
 
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:

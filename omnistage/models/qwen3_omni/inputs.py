@@ -44,10 +44,9 @@ from typing import Any
 import numpy as np
 
 from omnistage.errors import CheckpointError, InvalidRequestError
-from omnistage.models.ar_config import read_json_object
 from omnistage.models.media import MediaItem
 from omnistage.models.omni_inputs import OmniPromptProcessor, Options, Prepared
-from omnistage.models.qwen3_omni.config import OmniTokens, read_config
+from omnistage.models.qwen3_omni.config import CHECKPOINT, OmniTokens
 from omnistage.models.qwen3_omni.encoders import audio_output_length
 from omnistage.models.qwen3_omni.rope_index import (
     PositionSettings,
@@ -87,13 +86,8 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
     video_max_pixels = VIDEO_MAX_PIXELS
     rope_index = staticmethod(rope_index)
 
-    def __init__(self, folder: str | Path) -> None:
-        folder = Path(folder)
-        pre = read_json_object(folder / "preprocessor_config.json")
-        raw = read_config(folder)
-        if raw is None:
-            raise CheckpointError(f"{folder} is not a Qwen3-Omni checkpoint")
-        tokens = OmniTokens.from_config(raw)
+    def _read_tokens(self, folder: Path) -> None:
+        tokens = OmniTokens.from_config(CHECKPOINT.config(folder))
         per_second = tokens.position_id_per_seconds
         if per_second != int(per_second):
             raise CheckpointError(
@@ -110,8 +104,6 @@ class Qwen3OmniPromptProcessor(OmniPromptProcessor):
         self.audio_bos, self.vision_bos = tokens.audio_start, tokens.vision_start
         self.audio_eos = _end_token_id(folder, tokens.audio_end, "audio_end")
         self.vision_eos = _end_token_id(folder, tokens.vision_end, "vision_end")
-        self._placeholders()
-        self._media_processors(pre)
 
     # -- media ----------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from omnistage.models.processors import (
     Wants,
     hidden_states_of,
 )
-from omnistage.models.qwen3_omni.config import OmniTokens, read_config
+from omnistage.models.qwen3_omni.config import CHECKPOINT, OmniTokens
 from omnistage.models.qwen3_omni.talker import TalkerTokens
 
 VOICE_FIELD = "audio_params"  # where a request names its voice (the code2wav stage's params)
@@ -45,9 +45,7 @@ TTS_PADS = 4
 
 @functools.lru_cache(maxsize=8)
 def checkpoint_tokens(folder: str) -> tuple[OmniTokens, TalkerTokens]:
-    raw = read_config(folder)
-    if raw is None:
-        raise StageInternalError(f"{folder} is not a Qwen3-Omni checkpoint")
+    raw = CHECKPOINT.config(folder, StageInternalError)
     return OmniTokens.from_config(raw), TalkerTokens.from_config(raw)
 
 
