@@ -19,10 +19,12 @@ one before it.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,53 +82,82 @@ def median_s(fn: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _params(guidance: float, seed: int, pixels: bool = False) -> DiffusionParams:
+def request_params(seed: int, pixels: bool = False, **fields: Any) -> DiffusionParams:
+    """``STEPS`` steps at ``SIZE`` x ``SIZE`` with ``seed`` and the other ``fields``."""
     return DiffusionParams(
         num_inference_steps=STEPS,
         height=SIZE,
         width=SIZE,
-        guidance_scale=guidance,
         seed=seed,
         return_pixels=pixels,
+        **fields,
     )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds for ``concurrency`` prompts: the stage given them at once, diffusers'
+    pipeline called once per prompt (``sequential_s``) and once with them as a list."""
+
+    concurrency: int
+    ours_s: float
+    sequential_s: float
+    batched_s: float
+
+    def rates(self, unit: str) -> dict[str, float]:
+        """The throughput columns, ``unit`` ("images", "videos") per second."""
+        return {
+            f"{unit}_per_s": self.concurrency / self.ours_s,
+            f"diffusers_{unit}_per_s": self.concurrency / self.sequential_s,
+            f"diffusers_batched_{unit}_per_s": self.concurrency / self.batched_s,
+            "speedup_vs_diffusers": self.sequential_s / self.ours_s,
+        }
+
+
+def compare_with_diffusers(
+    pipe: Diffusion,
+    params: Callable[..., DiffusionParams],
+    reference: Callable[[list[str], list[int]], Any],
+    repeats: int,
+) -> tuple[bool, list[Timing]]:
+    """Whether the stage's output for the first prompt equals diffusers' (max difference
+    under 1e-5), and the timings at concurrency 1 and 4. ``params(seed, pixels=...)`` is a
+    request's params; ``reference(prompts, seeds)`` diffusers' output, one per prompt."""
+    ours = pipe.generate(PROMPTS[0], params(0, pixels=True))[0].pixels
+    theirs = reference(PROMPTS[:1], [0])[0]
+    same = ours is not None and bool(np.abs(ours.numpy() - theirs).max() <= 1e-5)
+    timings = []
+    for concurrency in (1, 4):
+        prompts, seeds = PROMPTS[:concurrency], list(range(concurrency))
+        requests = [params(s) for s in seeds]
+        ours_s = median_s(lambda p=prompts, q=requests: pipe.generate(p, q), repeats)
+
+        def sequential(p: list[str] = prompts, q: list[int] = seeds) -> None:
+            for prompt, seed in zip(p, q, strict=True):
+                reference([prompt], [seed])
+
+        sequential_s = median_s(sequential, repeats)
+        batched_s = median_s(lambda p=prompts, q=seeds: reference(p, q), repeats)
+        timings.append(Timing(concurrency, ours_s, sequential_s, batched_s))
+    return same, timings
 
 
 def _throughput(name: str, folder: Path, pipe: Diffusion, repeats: int) -> list[dict[str, Any]]:
     import diffusers
 
     class_name, fields = PRESETS[name]
-    guidance = fields["guidance_scale"]
     reference = getattr(diffusers, class_name).from_pretrained(folder)
     reference.set_progress_bar_config(disable=True)
-    ours = pipe.generate(PROMPTS[0], _params(guidance, 0, pixels=True))[0].pixels
-    theirs = _reference_call(reference, class_name, PROMPTS[:1], [0])[0]
-    same = ours is not None and bool(np.abs(ours.numpy() - theirs).max() <= 1e-5)
-    rows = []
-    for concurrency in (1, 4):
-        prompts, seeds = PROMPTS[:concurrency], list(range(concurrency))
-        params = [_params(guidance, s) for s in seeds]
-        ours_s = median_s(lambda p=prompts, q=params: pipe.generate(p, q), repeats)
-
-        def sequential(p: list[str] = prompts, q: list[int] = seeds) -> None:
-            for prompt, seed in zip(p, q, strict=True):
-                _reference_call(reference, class_name, [prompt], [seed])
-
-        theirs_s = median_s(sequential, repeats)
-        batched_s = median_s(
-            lambda p=prompts, q=seeds: _reference_call(reference, class_name, p, q), repeats
-        )
-        rows.append(
-            {
-                "model": name,
-                "concurrency": concurrency,
-                "images_per_s": concurrency / ours_s,
-                "diffusers_images_per_s": concurrency / theirs_s,
-                "diffusers_batched_images_per_s": concurrency / batched_s,
-                "speedup_vs_diffusers": theirs_s / ours_s,
-                "same_image": same,
-            }
-        )
-    return rows
+    same, timings = compare_with_diffusers(
+        pipe,
+        functools.partial(request_params, guidance_scale=fields["guidance_scale"]),
+        functools.partial(_reference_call, reference, class_name),
+        repeats,
+    )
+    return [
+        {"model": name, "concurrency": t.concurrency, **t.rates("images"), "same_image": same}
+        for t in timings
+    ]
 
 
 def sleep_wake_rows(
@@ -178,7 +209,7 @@ def run_families(
                 guidance = PRESETS[name][1]["guidance_scale"]
 
                 def make(p: Diffusion = pipe, g: float = guidance) -> bytes:
-                    image = p.generate(PROMPTS[0], _params(g, 1))[0]
+                    image = p.generate(PROMPTS[0], request_params(1, guidance_scale=g))[0]
                     assert isinstance(image, ImageOutput)
                     return image.png
 

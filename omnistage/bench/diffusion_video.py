@@ -16,23 +16,29 @@ after the wake with those before, as float pixels: the MP4's bytes are not bit-s
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import numpy as np
 import torch
 
-from omnistage.bench.diffusion_families import median_s, sleep_wake_rows
+from omnistage.bench.diffusion_families import (
+    PROMPTS,
+    SIZE,
+    STEPS,
+    compare_with_diffusers,
+    request_params,
+    sleep_wake_rows,
+)
 from omnistage.entrypoints.diffusion import Diffusion
 from omnistage.models.tiny import build_preset
 from omnistage.stage.diffusion.params import DiffusionParams
 from omnistage.stage.diffusion.video import VideoOutput
 
 PRESET = "tiny-wan"
-PROMPTS = ["a red cat", "a tan dog", "a big owl", "a wet fox"]
-SIZE, FRAMES, STEPS, GUIDANCE = 64, 9, 4, 5.0
+FRAMES, GUIDANCE = 9, 5.0
 VIDEO_COLUMNS = [
     "model",
     "concurrency",
@@ -46,16 +52,7 @@ VIDEO_COLUMNS = [
 
 
 def _params(seed: int, pixels: bool = False) -> DiffusionParams:
-    return DiffusionParams(
-        video=True,
-        num_frames=FRAMES,
-        num_inference_steps=STEPS,
-        height=SIZE,
-        width=SIZE,
-        guidance_scale=GUIDANCE,
-        seed=seed,
-        return_pixels=pixels,
-    )
+    return request_params(seed, pixels, video=True, num_frames=FRAMES, guidance_scale=GUIDANCE)
 
 
 def load_reference(folder: Path) -> Any:
@@ -87,34 +84,19 @@ def _reference_call(pipe: Any, prompts: list[str], seeds: list[int]) -> Any:
 
 def _throughput(folder: Path, pipe: Diffusion, repeats: int) -> list[dict[str, Any]]:
     reference = load_reference(folder)
-    ours = pipe.generate(PROMPTS[0], _params(0, pixels=True))[0].pixels
-    theirs = _reference_call(reference, PROMPTS[:1], [0])[0]
-    same = ours is not None and bool(np.abs(ours.numpy() - theirs).max() <= 1e-5)
-    rows = []
-    for concurrency in (1, 4):
-        prompts, seeds = PROMPTS[:concurrency], list(range(concurrency))
-        params = [_params(s) for s in seeds]
-        ours_s = median_s(lambda p=prompts, q=params: pipe.generate(p, q), repeats)
-
-        def sequential(p: list[str] = prompts, q: list[int] = seeds) -> None:
-            for prompt, seed in zip(p, q, strict=True):
-                _reference_call(reference, [prompt], [seed])
-
-        theirs_s = median_s(sequential, repeats)
-        batched_s = median_s(lambda p=prompts, q=seeds: _reference_call(reference, p, q), repeats)
-        rows.append(
-            {
-                "model": PRESET,
-                "concurrency": concurrency,
-                "num_frames": FRAMES,
-                "videos_per_s": concurrency / ours_s,
-                "diffusers_videos_per_s": concurrency / theirs_s,
-                "diffusers_batched_videos_per_s": concurrency / batched_s,
-                "speedup_vs_diffusers": theirs_s / ours_s,
-                "same_frames": same,
-            }
-        )
-    return rows
+    same, timings = compare_with_diffusers(
+        pipe, _params, functools.partial(_reference_call, reference), repeats
+    )
+    return [
+        {
+            "model": PRESET,
+            "concurrency": t.concurrency,
+            "num_frames": FRAMES,
+            **t.rates("videos"),
+            "same_frames": same,
+        }
+        for t in timings
+    ]
 
 
 def run_video(
