@@ -175,10 +175,15 @@ class Guided(Generic[T]):
     uncond: T | None
 
 
-def encode_prompts(request: DiffusionRequestLike, encode: Callable[[str], T]) -> Guided[T]:
-    """The prompt's conditioning and, when guidance runs, the negative prompt's."""
-    cond = encode(request.prompt or "")
-    uncond = encode(request.params.negative_prompt) if request.params.uses_guidance else None
+def encode_prompts(
+    request: DiffusionRequestLike, encode: Callable[[str, DiffusionParamsLike], T]
+) -> Guided[T]:
+    """The prompt's conditioning and, when guidance runs, the negative prompt's (diffusers'
+    ``encode_prompt``): ``encode`` is the family's text encoder for one text, under the
+    request's params (its ``max_sequence_length``)."""
+    params = request.params
+    cond = encode(request.prompt or "", params)
+    uncond = encode(params.negative_prompt, params) if params.uses_guidance else None
     return Guided(cond, uncond)
 
 

@@ -15,6 +15,7 @@ would change the numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -115,8 +116,7 @@ class QwenImageFamily(FamilyBase):
         return height, width, params.num_inference_steps, cond, params.uses_guidance and uncond
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
-        params = request.params
-        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, params))
+        return flow.encode_prompts(request, functools.partial(_encode_text, pipeline))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike

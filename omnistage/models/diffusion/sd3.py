@@ -13,6 +13,7 @@ each with its own scale.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -62,11 +63,11 @@ def _t5(pipeline: LoadedPipeline, text: str, length: int) -> torch.Tensor:
     return encoder(ids)[0][0]
 
 
-def _encode_text(pipeline: LoadedPipeline, text: str, length: int) -> TextInput:
+def _encode_text(pipeline: LoadedPipeline, text: str, params: DiffusionParamsLike) -> TextInput:
     """``StableDiffusion3Pipeline.encode_prompt`` for one text (every encoder gets it)."""
     states_1, pooled_1 = _clip(pipeline, "", text)
     states_2, pooled_2 = _clip(pipeline, "_2", text)
-    t5 = _t5(pipeline, text, length)
+    t5 = _t5(pipeline, text, _max_sequence_length(params))
     clip = torch.cat([states_1, states_2], dim=-1)
     clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
     embeds = torch.cat([clip, t5], dim=-2).to(pipeline.dtype)
@@ -101,8 +102,7 @@ class SD3Family(FamilyBase):
         return height, width, steps, _max_sequence_length(params), params.uses_guidance
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
-        length = _max_sequence_length(request.params)
-        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
+        return flow.encode_prompts(request, functools.partial(_encode_text, pipeline))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike

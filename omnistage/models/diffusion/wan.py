@@ -19,6 +19,7 @@ step count and text length batch. Wan 2.2's two-transformer folders (``transform
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Hashable
 from pathlib import Path
@@ -68,11 +69,13 @@ def _max_sequence_length(params: DiffusionParamsLike) -> int:
     return params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
 
 
-def _encode_text(pipeline: LoadedPipeline, text: str, length: int) -> torch.Tensor:
+def _encode_text(pipeline: LoadedPipeline, text: str, params: DiffusionParamsLike) -> torch.Tensor:
     """``WanPipeline._get_t5_prompt_embeds`` for one text: cleaned as diffusers cleans it,
-    padded to ``length``, the states past the prompt's tokens zeroed."""
+    padded to the request's ``max_sequence_length``, the states past the prompt's tokens
+    zeroed."""
     from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
+    length = _max_sequence_length(params)
     tokenizer = flow.required_tokenizer(pipeline, "tokenizer")
     tokens = tokenizer(
         [prompt_clean(text)],
@@ -156,8 +159,7 @@ class WanFamily(FamilyBase):
         )
 
     def encode(self, pipeline: LoadedPipeline, request: DiffusionRequestLike) -> Any:
-        length = _max_sequence_length(request.params)
-        return flow.encode_prompts(request, lambda text: _encode_text(pipeline, text, length))
+        return flow.encode_prompts(request, functools.partial(_encode_text, pipeline))
 
     def set_timesteps(
         self, pipeline: LoadedPipeline, scheduler: Any, request: DiffusionRequestLike
