@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from omnistage.models import omni_rope
+
 
 @dataclass(frozen=True)
 class PositionSettings:
@@ -125,22 +127,11 @@ def video_times(grid_t: int, seconds_per_grid: float, settings: PositionSettings
     return (torch.arange(grid_t) * seconds * settings.position_id_per_seconds).long()
 
 
-class _Pieces:
-    """Position pieces in prompt order; ``next`` is one past the last piece's maximum."""
-
-    def __init__(self) -> None:
-        self.pieces: list[torch.Tensor] = []
-        self.next = 0
-
-    def add(self, piece: torch.Tensor, times: int = 1) -> None:
-        self.pieces.extend([piece] * times)
-        self.next = int(piece.max()) + 1
-
-    def counting(self, count: int, times: int = 1) -> None:
-        """``count`` positions counting up from ``next`` in all three rows (``times`` copies of
-        them: the shared position of an interleaved run's two bos or eos tokens)."""
-        if count > 0:
-            self.add(torch.arange(count).expand(3, count) + self.next, times)
+class _Pieces(omni_rope.Pieces):
+    def framing(self, count: int) -> None:
+        """The start (or end) tokens around a run: one position for both of an interleaved
+        run's two bos or eos tokens."""
+        self.counting(1, times=count)
 
 
 def rope_index(
@@ -169,56 +160,36 @@ def rope_index(
         iter(zip(video_grid_thw, video_seconds_per_grid, strict=True)),
     )
     audios = iter(audio_frames)
-    placeholders = {settings.audio_token_id, settings.image_token_id, settings.video_token_id}
     out = _Pieces()
-    cursor = 0
-    while True:
-        start = next((i for i in range(cursor, n) if token_ids[i] in placeholders), None)
-        if start is None:
-            break
-        token = token_ids[start]
-        interleaved = use_audio_in_video and token == settings.video_token_id
-        framing = 2 if interleaved else 1  # bos (and eos) tokens around the run
-        out.counting(start - cursor - framing)  # the text before the run's bos
-        out.counting(1, times=framing)
-        try:
-            if token == settings.audio_token_id:
-                length = audio_output_length(next(audios))
-                out.counting(length)
-            elif token == settings.image_token_id:
-                t, h, w = (int(v) for v in next(images))
-                time = torch.arange(t) * 1 * settings.position_id_per_seconds
-                out.add(vision_positions(out.next, time.long(), h, w, merge))
-                length = t * h * w // merge**2
+
+    def place(token: int, start: int, interleaved: bool) -> int:
+        if token == settings.audio_token_id:
+            length = audio_output_length(next(audios))
+            out.counting(length)
+        elif token == settings.image_token_id:
+            t, h, w = (int(v) for v in next(images))
+            time = torch.arange(t) * 1 * settings.position_id_per_seconds
+            out.add(vision_positions(out.next, time.long(), h, w, merge))
+            length = t * h * w // merge**2
+        else:
+            (t, h, w), seconds = next(videos)
+            time = video_times(int(t), seconds, settings)
+            video = vision_positions(out.next, time, int(h), int(w), merge)
+            length = video.shape[1]
+            if not interleaved:
+                out.add(video)
             else:
-                (t, h, w), seconds = next(videos)
-                time = video_times(int(t), seconds, settings)
-                video = vision_positions(out.next, time, int(h), int(w), merge)
-                length = video.shape[1]
-                if not interleaved:
-                    out.add(video)
-                else:
-                    audio_len = audio_output_length(next(audios))
-                    audio = torch.arange(audio_len).expand(3, audio_len) + out.next
-                    per = settings.tokens_per_chunk
-                    v_chunks = chunk_bounds((video[0] - out.next).tolist(), per)
-                    a_chunks = chunk_bounds((audio[0] - out.next).tolist(), per)
-                    for j in range(max(len(v_chunks), len(a_chunks))):
-                        if j < len(v_chunks):
-                            out.add(video[:, v_chunks[j][0] : v_chunks[j][1]])
-                        if j < len(a_chunks):
-                            out.add(audio[:, a_chunks[j][0] : a_chunks[j][1]])
-                    length += audio_len
-        except StopIteration:
-            raise ValueError(
-                f"the prompt has more placeholder runs than inputs (at {start})"
-            ) from None
-        out.counting(1, times=framing)
-        cursor = start + length + framing
-    out.counting(n - cursor)
-    positions = torch.cat(out.pieces, dim=1) if out.pieces else torch.zeros(3, 0, dtype=torch.long)
-    if positions.shape[1] != n:
-        raise ValueError(
-            f"the placeholder runs do not fit the prompt ({positions.shape[1]} != {n})"
-        )
-    return positions, int(positions.max()) + 1 - n if n else 0
+                audio_len = audio_output_length(next(audios))
+                audio = torch.arange(audio_len).expand(3, audio_len) + out.next
+                per = settings.tokens_per_chunk
+                v_chunks = chunk_bounds((video[0] - out.next).tolist(), per)
+                a_chunks = chunk_bounds((audio[0] - out.next).tolist(), per)
+                for j in range(max(len(v_chunks), len(a_chunks))):
+                    if j < len(v_chunks):
+                        out.add(video[:, v_chunks[j][0] : v_chunks[j][1]])
+                    if j < len(a_chunks):
+                        out.add(audio[:, a_chunks[j][0] : a_chunks[j][1]])
+                length += audio_len
+        return length
+
+    return omni_rope.walk_runs(token_ids, settings, use_audio_in_video, out, place)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.models import omni_rope
 from omnistage.models.qwen3_omni.encoders import audio_output_length
 
 
@@ -93,22 +94,7 @@ def vision_positions(
     return torch.stack([t_rows, h_rows, w_rows]) + start
 
 
-class _Pieces:
-    """Position pieces in prompt order; ``next`` is one past the last piece's maximum."""
-
-    def __init__(self) -> None:
-        self.pieces: list[torch.Tensor] = []
-        self.next = 0
-
-    def add(self, piece: torch.Tensor) -> None:
-        self.pieces.append(piece)
-        self.next = int(piece.max()) + 1
-
-    def counting(self, count: int) -> None:
-        """``count`` positions counting up from ``next`` in all three rows."""
-        if count > 0:
-            self.add(torch.arange(count).expand(3, count) + self.next)
-
+class _Pieces(omni_rope.Pieces):
     def interleaved(self, video: torch.Tensor, audio: torch.Tensor) -> None:
         """A video's and its audio track's positions merged by time (row 0); the last
         piece is the tail, the stream left over when the other ran out."""
@@ -147,51 +133,31 @@ def rope_index(
         return torch.arange(n).expand(3, n).clone(), 0
     images, audios = iter(image_grid_thw), iter(audio_frames)
     videos = iter(zip(video_grid_thw, video_seconds_per_grid, strict=True))
-    placeholders = {settings.audio_token_id, settings.image_token_id, settings.video_token_id}
     merge = settings.spatial_merge_size
     out = _Pieces()
-    cursor = 0
-    while True:
-        start = next((i for i in range(cursor, n) if token_ids[i] in placeholders), None)
-        if start is None:
-            break
-        token = token_ids[start]
-        interleaved = use_audio_in_video and token == settings.video_token_id
-        framing = 2 if interleaved else 1  # start (and end) tokens around the run
-        out.counting(start - cursor - framing)  # the text before the run's start token(s)
-        out.counting(framing)
-        try:
-            if token == settings.audio_token_id:
-                length = audio_output_length(next(audios), settings.audio_n_window)
-                out.counting(length)
-            elif token == settings.image_token_id:
-                grid = next(images)
-                time = torch.arange(int(grid[0])) * settings.position_id_per_seconds
-                out.add(vision_positions(out.next, time, grid, merge))
-                length = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge**2
+
+    def place(token: int, start: int, interleaved: bool) -> int:
+        if token == settings.audio_token_id:
+            length = audio_output_length(next(audios), settings.audio_n_window)
+            out.counting(length)
+        elif token == settings.image_token_id:
+            grid = next(images)
+            time = torch.arange(int(grid[0])) * settings.position_id_per_seconds
+            out.add(vision_positions(out.next, time, grid, merge))
+            length = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge**2
+        else:
+            grid, seconds = next(videos)
+            times = video_times(int(grid[0]), seconds, settings)
+            if not torch.equal(times, times.round()):
+                raise ValueError(f"the video at {start} has fractional time positions")
+            video = vision_positions(out.next, times.long(), grid, merge)
+            length = video.shape[1]
+            if not interleaved:
+                out.add(video)
             else:
-                grid, seconds = next(videos)
-                times = video_times(int(grid[0]), seconds, settings)
-                if not torch.equal(times, times.round()):
-                    raise ValueError(f"the video at {start} has fractional time positions")
-                video = vision_positions(out.next, times.long(), grid, merge)
-                length = video.shape[1]
-                if not interleaved:
-                    out.add(video)
-                else:
-                    count = audio_output_length(next(audios), settings.audio_n_window)
-                    out.interleaved(video, torch.arange(count).expand(3, count) + out.next)
-                    length += count
-        except StopIteration:
-            raise ValueError(
-                f"the prompt has more placeholder runs than inputs (at {start})"
-            ) from None
-        out.counting(framing)
-        cursor = start + length + framing
-    out.counting(n - cursor)
-    positions = torch.cat(out.pieces, dim=1) if out.pieces else torch.zeros(3, 0, dtype=torch.long)
-    if positions.shape[1] != n:
-        raise ValueError(
-            f"the placeholder runs do not fit the prompt ({positions.shape[1]} != {n})"
-        )
-    return positions, int(positions.max()) + 1 - n if n else 0
+                count = audio_output_length(next(audios), settings.audio_n_window)
+                out.interleaved(video, torch.arange(count).expand(3, count) + out.next)
+                length += count
+        return length
+
+    return omni_rope.walk_runs(token_ids, settings, use_audio_in_video, out, place)
