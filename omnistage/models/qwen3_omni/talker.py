@@ -30,6 +30,7 @@ from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.decoder import CausalLM
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, predictor_config
+from omnistage.models.qwen3_omni.weights import prefix_rename
 from omnistage.models.tensor_parallel import SINGLE, TPGroup
 
 PARAMS_FIELD = "talker_params"
@@ -171,14 +172,7 @@ TALKER_PREFIXES = {
 }
 
 
-def talker_rename(name: str) -> str | None:
-    if not name.startswith("talker.") or name.endswith("inv_freq"):
-        return None
-    rest = name[len("talker.") :]
-    for src, dst in TALKER_PREFIXES.items():
-        if rest.startswith(src):
-            return dst + rest[len(src) :]
-    return None
+talker_rename = prefix_rename("talker", TALKER_PREFIXES, "inv_freq")
 
 
 def request_setup(folder: str) -> dict[str, Any]:

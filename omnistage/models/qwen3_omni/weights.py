@@ -25,15 +25,26 @@ THINKER_PREFIXES = {
 }
 
 
-def thinker_rename(name: str) -> str | None:
-    """A checkpoint name → the thinker decoder module's name (None: not the thinker's)."""
-    if not name.startswith("thinker.") or name.endswith("rotary_emb.inv_freq"):
+def prefix_rename(part: str, prefixes: dict[str, str], skipped: str) -> Rename:
+    """``part``'s rename: ``part.<src>...`` → ``<dst>...`` for the first of ``prefixes``
+    (``src`` → ``dst``) that matches; None for other parts' names, names ending in ``skipped``
+    (derived buffers) and names no prefix matches."""
+    head = f"{part}."
+
+    def rename(name: str) -> str | None:
+        if not name.startswith(head) or name.endswith(skipped):
+            return None
+        rest = name[len(head) :]
+        for src, dst in prefixes.items():
+            if rest.startswith(src):
+                return dst + rest[len(src) :]
         return None
-    rest = name[len("thinker.") :]
-    for src, dst in THINKER_PREFIXES.items():
-        if rest.startswith(src):
-            return dst + rest[len(src) :]
-    return None
+
+    return rename
+
+
+# A checkpoint name → the thinker decoder module's name (None: not the thinker's).
+thinker_rename = prefix_rename("thinker", THINKER_PREFIXES, "rotary_emb.inv_freq")
 
 
 PART_RENAMES: dict[str, Rename] = {"thinker": thinker_rename}
