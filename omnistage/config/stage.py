@@ -10,16 +10,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from omnistage.config.options import (
-    KIND_OPTIONS,
-    OLD_OPTION_NAMES,
-    AROptions,
-    Code2WavOptions,
-    DiffusionOptions,
-    option_kinds,
-    option_name,
-    same_setting_twice,
-)
+from omnistage.config import options
 from omnistage.config.values import ConfigError, DTypeSetting, Frozen
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
@@ -68,20 +59,20 @@ def nest_options(data: Any) -> Any:
         if key in StageConfig.model_fields:
             out[key] = value
             continue
-        kinds = option_kinds(key)
+        kinds = options.option_kinds(key)
         if not kinds:
             out[key] = value  # an unknown key: refused, named, by the model
-        elif not isinstance(kind, str) or kind not in KIND_OPTIONS:
+        elif not isinstance(kind, str) or kind not in options.KIND_OPTIONS:
             raise ValueError(
-                f"kind: unknown stage kind {kind!r}; known kinds: {list(KIND_OPTIONS)}"
+                f"kind: unknown stage kind {kind!r}; known kinds: {list(options.KIND_OPTIONS)}"
             )
         elif kind in kinds:
-            name = option_name(key)
+            name = options.option_name(key)
             if name in nested:
                 raise ValueError(f"{key} and {name} are the same setting; give one")
             nested[name] = value
         else:
-            where = " or ".join(f"{k}.{option_name(key)}" for k in kinds)
+            where = " or ".join(f"{k}.{options.option_name(key)}" for k in kinds)
             raise ValueError(
                 f"{key}: an option of {' and '.join(repr(k) for k in kinds)} stages "
                 f"({where}); a {kind!r} stage does not take it"
@@ -105,7 +96,7 @@ class StageConfig(Frozen):
     """One stage of a pipeline: what every stage has (what it runs, where, which stage feeds
     it, its sleep) and, under the key named as its kind, what only that kind takes
     (``ar``: ``AROptions``, ``diffusion``: ``DiffusionOptions``, ``code2wav``:
-    ``Code2WavOptions``). A kind's options may also be given at the top, the flat shape of
+    ``Code2WavOptions``, in ``omnistage.config.options``). A kind's options may also be given at the top, the flat shape of
     earlier pipeline files and of Python keywords (``kv_cache_memory=...``)."""
 
     stage_id: int = Field(ge=0, description="Position of the stage in the pipeline (0-based).")
@@ -181,12 +172,14 @@ class StageConfig(Frozen):
     )
     idle_sleep_level: Literal[1, 2] = Field(default=1, description="Level of an idle sleep.")
     # -- each kind's own ---------------------------------------------------------------------
-    ar: AROptions = Field(default_factory=AROptions, description="An AR stage's options.")
-    diffusion: DiffusionOptions = Field(
-        default_factory=DiffusionOptions, description="A diffusion stage's options."
+    ar: options.AROptions = Field(
+        default_factory=options.AROptions, description="An AR stage's options."
     )
-    code2wav: Code2WavOptions = Field(
-        default_factory=Code2WavOptions, description="A code2wav stage's options."
+    diffusion: options.DiffusionOptions = Field(
+        default_factory=options.DiffusionOptions, description="A diffusion stage's options."
+    )
+    code2wav: options.Code2WavOptions = Field(
+        default_factory=options.Code2WavOptions, description="A code2wav stage's options."
     )
 
     @model_validator(mode="before")
@@ -213,8 +206,8 @@ class StageConfig(Frozen):
             raise ValueError("stream needs input_from: the stage whose output it streams")
         if self.idle_sleep_s is not None and not self.enable_sleep_mode:
             raise ValueError("idle_sleep_s needs enable_sleep_mode: true")
-        for kind, options in KIND_OPTIONS.items():
-            if kind != self.kind and getattr(self, kind) != options():
+        for kind, section in options.KIND_OPTIONS.items():
+            if kind != self.kind and getattr(self, kind) != section():
                 raise ValueError(f"{kind}: a {self.kind!r} stage takes no {kind!r} options")
         if self.ar.gpu_memory_utilization is not None and not self.device.startswith("cuda"):
             raise ValueError(
@@ -271,7 +264,7 @@ def load_pipeline_config(path: str | Path) -> PipelineConfig:
     return parse_pipeline_config(data, source=str(p))
 
 
-_OFFLINE_FIXED_FIELDS = frozenset({"stage_id", "kind", "model", *KIND_OPTIONS})
+_OFFLINE_FIXED_FIELDS = frozenset({"stage_id", "kind", "model", *options.KIND_OPTIONS})
 
 
 def offline_stage_config(caller: str, kind: str, model: str, **fields: Any) -> StageConfig:
@@ -282,10 +275,10 @@ def offline_stage_config(caller: str, kind: str, model: str, **fields: Any) -> S
     call would), a bad value ``ConfigError`` naming the key.
     """
     allowed = (set(StageConfig.model_fields) - _OFFLINE_FIXED_FIELDS) | set(
-        KIND_OPTIONS[kind].model_fields
+        options.KIND_OPTIONS[kind].model_fields
     )
-    unknown = sorted(set(fields) - allowed - set(OLD_OPTION_NAMES))
-    twice = same_setting_twice(fields)
+    unknown = sorted(set(fields) - allowed - set(options.OLD_OPTION_NAMES))
+    twice = options.same_setting_twice(fields)
     if twice:
         raise TypeError(f"{caller}() got {twice[0]} and {twice[1]} (the same setting); give one")
     if unknown:

@@ -27,7 +27,12 @@ from omnistage.errors import InvalidRequestError
 from omnistage.stage import control as ops
 from omnistage.stage.background import Background
 from omnistage.stage.control import Ack
-from omnistage.stage.handoff import Handoffs, SharedMemoryTransport, Transport
+from omnistage.stage.handoff import (
+    Handoffs,
+    SharedMemoryTransport,
+    Transport,
+    as_upstream_result,
+)
 from omnistage.stage.messages import (
     AbortRequest,
     AddRequest,
@@ -136,18 +141,7 @@ def to_output_message(out: StageOutput, handoff: HandoffRef | None = None) -> Ou
 def upstream_update(msg: AppendInput) -> Any:
     """What an ``EmbedStream`` takes of one ``AppendInput``: the stage before's new token ids
     and what its output added to the hand-off."""
-    from omnistage.models.processors import UpstreamResult
-
-    delta = msg.delta or Handoff()
-    return UpstreamResult(
-        token_ids=list(msg.token_ids),
-        hidden_states=delta.hidden_states,
-        token_embeddings=delta.token_embeddings,
-        num_prompt_tokens=delta.num_prompt_tokens,
-        positions=delta.positions,
-        position_delta=delta.position_delta,
-        prompt_token_ids=list(delta.prompt_token_ids),
-    )
+    return as_upstream_result(msg.delta or Handoff(), token_ids=list(msg.token_ids), text="")
 
 
 def error_result(call_id: int, exc: BaseException) -> ControlResult:

@@ -241,23 +241,9 @@ class Handoffs:
         """``request`` with its prompt filled from what the stage before handed over, by the
         pipeline's processor (``InvalidRequestError`` and the like fail the request)."""
         from omnistage.models import registry
-        from omnistage.models.processors import UpstreamResult
 
-        payload = take(upstream.ref)
-        fields = registry.processor(upstream.processor).convert(
-            UpstreamResult(
-                text=payload.text,
-                token_ids=list(payload.token_ids),
-                hidden_states=payload.hidden_states,
-                token_embeddings=payload.token_embeddings,
-                num_prompt_tokens=payload.num_prompt_tokens,
-                positions=payload.positions,
-                position_delta=payload.position_delta,
-                prompt_token_ids=list(payload.prompt_token_ids),
-                params=upstream.params,
-            ),
-            self.folder,
-        )
+        payload = as_upstream_result(take(upstream.ref), params=upstream.params)
+        fields = registry.processor(upstream.processor).convert(payload, self.folder)
         try:
             return msgspec.structs.replace(request, **fields)
         except TypeError as exc:
@@ -271,3 +257,13 @@ class Handoffs:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def as_upstream_result(handoff: Handoff, **fields: Any) -> Any:
+    """A hand-off as the next stage's processor takes it (a ``UpstreamResult``), ``fields``
+    over its own; its lists are copies."""
+    from omnistage.models.processors import UpstreamResult
+
+    own = msgspec.structs.asdict(handoff)
+    own.update(token_ids=list(handoff.token_ids), prompt_token_ids=list(handoff.prompt_token_ids))
+    return UpstreamResult(**{**own, **fields})
