@@ -24,23 +24,27 @@ def _ms(value: float) -> float:
     return round(value, 3)
 
 
+def _fields(stage: str, ack: Ack, trigger: str, elapsed_ms: float) -> dict[str, Any]:
+    """What a sleep's and a wake's log lines both carry."""
+    return {
+        "stage_id": ack.stage_id,
+        "stage": stage,
+        "status": ack.status,
+        "sleep_level": ack.metadata.level,
+        "tags": ack.metadata.tags,
+        "latency_ms": _ms(ack.metadata.latency_ms),
+        "elapsed_ms": _ms(elapsed_ms),
+        "trigger": trigger,
+    }
+
+
 def log_sleep(
     logger: logging.Logger, stage: str, ack: Ack, *, trigger: str, elapsed_ms: float
 ) -> None:
     m = ack.metadata
     name = f"stage {ack.stage_id} ({stage})"
-    fields: dict[str, Any] = {
-        "stage_id": ack.stage_id,
-        "stage": stage,
-        "status": ack.status,
-        "sleep_level": m.level,
-        "mode": m.mode,
-        "tags": m.tags,
-        "freed_bytes": ack.freed_bytes,
-        "latency_ms": _ms(m.latency_ms),
-        "elapsed_ms": _ms(elapsed_ms),
-        "trigger": trigger,
-    }
+    fields = _fields(stage, ack, trigger, elapsed_ms)
+    fields.update(mode=m.mode, freed_bytes=ack.freed_bytes)
     if m.host_backup_bytes:
         fields["host_backup_bytes"] = m.host_backup_bytes
     if m.gbps:
@@ -62,20 +66,10 @@ def log_wake(
 ) -> None:
     m = ack.metadata
     name = f"stage {ack.stage_id} ({stage})"
-    fields: dict[str, Any] = {
-        "stage_id": ack.stage_id,
-        "stage": stage,
-        "status": ack.status,
-        "sleep_level": m.level,  # the level it woke from
-        "tags": m.tags,
-        "restored_bytes": m.restored_bytes,
-        "latency_ms": _ms(m.latency_ms),
-        "gbps": m.gbps,
-        "elapsed_ms": _ms(elapsed_ms),
-        "reload": reload,
-        "weights_valid": m.weights_valid,
-        "trigger": trigger,
-    }
+    fields = _fields(stage, ack, trigger, elapsed_ms)  # sleep_level: the level it woke from
+    fields.update(
+        restored_bytes=m.restored_bytes, gbps=m.gbps, reload=reload, weights_valid=m.weights_valid
+    )
     if m.reload_gbps:
         fields["reload_gbps"] = m.reload_gbps
     done = f"{name} is awake (from level {m.level})"
