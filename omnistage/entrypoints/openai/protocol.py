@@ -11,9 +11,9 @@ do. Known fields are validated and a bad one is named in the 400.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from omnistage.stage.ar.sampling_params import MAX_LOGPROBS, MAX_N
@@ -115,26 +115,29 @@ class _SamplingFields(_RequestBody):
         return {k: v for k, v in params.items() if v is not None}
 
 
+def _checked_size(size: str | None) -> str | None:
+    if size is not None:
+        parse_size(size)
+    return size
+
+
+# An image's or video's ``size`` field, ``"WIDTHxHEIGHT"`` (checked by ``parse_size``).
+Size = Annotated[str | None, AfterValidator(_checked_size)]
+
+
 class ImageFields(_Strict):
     """vLLM-Omni's image extras, accepted on chat and image requests: the size as ``size``
     (``"WIDTHxHEIGHT"``) or ``width`` and ``height``; ``true_cfg_scale`` where the family's
     pipeline names its classifier-free guidance so (the family's ``param_aliases``; other
     pipelines refuse it, naming themselves)."""
 
-    size: str | None = None
+    size: Size = None
     width: int | None = Field(default=None, ge=1)
     height: int | None = Field(default=None, ge=1)
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     true_cfg_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = None
-
-    @field_validator("size")
-    @classmethod
-    def _check_size(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_size(v)
-        return v
 
     @model_validator(mode="after")
     def _one_size(self) -> ImageFields:

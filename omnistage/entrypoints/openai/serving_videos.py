@@ -30,11 +30,11 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, Response
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError
 from starlette.datastructures import UploadFile
 
 from omnistage.entrypoints.openai.disconnect import unless_disconnected
-from omnistage.entrypoints.openai.protocol import _RequestBody, parse_size
+from omnistage.entrypoints.openai.protocol import Size, _RequestBody, parse_size
 from omnistage.entrypoints.openai.replies import new_id
 from omnistage.entrypoints.openai.request_log import RequestLog
 from omnistage.entrypoints.openai.served import check_model, ended_without
@@ -55,7 +55,7 @@ class VideoGenerationRequest(_RequestBody):
     prompt: str = Field(min_length=1)
     model: str | None = None
     user: str | None = None  # the caller's end-user id: accepted, not used
-    size: str | None = None
+    size: Size = None
     width: int | None = Field(default=None, ge=1)
     height: int | None = Field(default=None, ge=1)
     num_frames: int | None = Field(default=None, ge=1)
@@ -70,13 +70,6 @@ class VideoGenerationRequest(_RequestBody):
     guidance_scale_2: float | None = Field(default=None, ge=0, le=100)
     boundary_ratio: float | None = Field(default=None, ge=0, le=1)
     true_cfg_scale: float | None = Field(default=None, ge=0, le=100)
-
-    @field_validator("size")
-    @classmethod
-    def _check_size(cls, v: str | None) -> str | None:
-        if v is not None:
-            parse_size(v)
-        return v
 
     def image_params(self) -> dict[str, Any]:
         """The diffusion stage's parameters (``DiffusionParams``)."""
