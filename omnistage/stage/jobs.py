@@ -1,35 +1,15 @@
 """Step-scheduled stage engines: requests run as jobs that advance one step per engine step.
 
 Shared by the stage kinds that keep no KV cache: a diffusion stage (a job is a batch of images
-denoised a step at a time) and a code2wav stage (a job is one utterance, solved an ODE step at
-a time). A kind says how waiting requests form a job (``_take_job``, ``_make_job``), checks its
-own requests (``_check_request``) and names its payload; everything else lives here, the same
-for every kind:
-
-Scheduling: requests wait in arrival order; while fewer than ``max_active_jobs`` jobs are in
-flight, each engine step starts one around the oldest runnable request. The jobs take turns,
-one step each per engine step, so a small request arriving behind a large one starts at once
-and finishes in about its own time times the number of jobs in flight — no request waits for
-another's whole run. With ``step_threads`` > 1 an engine step advances that many groups of
-jobs at once, each on a thread of its own (torch releases the GIL in its kernels, and each
-job's arithmetic is what it is alone, so its results do not change): a kind that keeps one
-core busy per step can use more without a second torch thread per kernel. Aborts are handled
-between steps: an aborted request leaves its job at the next step, the others of the job
-carry on.
-
-Control is every engine's (``omnistage.stage.engine_base``); here pausing gates scheduling
-only and nothing lives in the memory a sleep releases but the weights, so with "keep" queued
-and running jobs survive a sleep and continue after wake. These stages resume by themselves
-after a wake. Weights discarded and not reloaded: ``add_request`` raises
-``WeightsInvalidError`` and ``step()`` never runs the model; queued requests wait for
-``update_weights``.
-
-A job that fails fails its requests, not the stage; a process fault (out of memory, a CUDA
-error) propagates and ends the process, which the server restarts.
-
-Streamed input (a kind that takes it implements ``_append``): a job may wait for input
-(``is_ready`` False: it is skipped until ``append_input`` brings more) and may hand out results
-before it is done (``take_partial``: unfinished outputs, delivered by the next step).
+denoised a step at a time) and a code2wav stage (a job is one utterance, solved a step at a
+time). A kind says how waiting requests form a job (``_take_job``, ``_make_job``), checks its
+own requests (``_check_request``) and names its payload; the rest lives here: requests wait in
+arrival order, up to ``max_active_jobs`` jobs take turns a step each (a small request behind a
+large one starts at once), ``step_threads`` groups of jobs step at once on threads of their
+own, aborts leave a job between steps, a failing job fails its requests and not the stage, and
+a streamed job may wait for input (``is_ready``) and hand out results early
+(``take_partial``). Control is every engine's (``engine_base``): with "keep", queued and
+running jobs survive a sleep. The why of each rule: ``docs/design.md``.
 """
 
 from __future__ import annotations

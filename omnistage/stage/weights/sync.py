@@ -1,41 +1,13 @@
 """Weights pushed by a trainer without disk — vLLM's weight-transfer protocol, for one worker.
 
-``init_weight_transfer(backend, init_info)`` once: backend ``nccl`` joins a process group with
-the trainer (NCCL on CUDA, gloo on CPU) as rank ``rank_offset`` of ``world_size``, the trainer
-being rank 0; ``ipc`` (same host) needs nothing: tensors arrive as shared-memory segments on
-CPU, CUDA IPC handles on GPU. Then per update ``start_weight_update`` → ``receive_weights``
-(one or more chunks, described by names, dtypes and shapes) → ``finish_weight_update``.
-
-An update is a *session* with an owner, so that two trainers can never mix their tensors
-under one version: ``start`` answers a session id, ``update`` and ``finish`` name it. While
-one is open, a second ``start`` (or ``init``) is a conflict (``ConflictError``, 409) unless
-it says ``abort_open``, and an ``update``/``finish`` naming another session is one too. A
-session started without ``require_session`` (vLLM's clients know no ids) may be continued
-without its id; one started with it may not. Any failed ``update`` or ``finish`` ends the
-session (start again), as does its owner's ``abort``; a refused conflict never touches it.
-
-Tensors are staged in host memory as they arrive and checked (names, shapes and dtypes
-against the live weights and what ``start`` announced, finite values — checked as they
-land, beside the next tensors' receive, or in the same pass as the copy out of a trainer's
-segment); only ``finish`` copies them into the live weights, in place, and only when every
-announced tensor arrived. A failed or interrupted update leaves the previous weights (and
-version) serving, and the device never holds the weights twice. The host buffers
-(``staging``: shared memory on a host stage) are reused: the last update's tensors
-stay as the level-2 reload source, the ones before them stage the next update (two host
-copies at most, faulted in once).
-
-``ipc`` with shared staging (``start`` announcing every tensor with ``shared_staging``):
-the stage answers where each tensor goes in its staging, the trainer writes each one there
-once and calls ``update`` (``staged``) per chunk written; the stage checks it in place. So
-trainer to live weights is two copies, the trainer's write and ``finish``'s, which the
-all-or-nothing rule keeps apart (nothing is live before every tensor arrived and was
-checked; the stage serves on the old weights meanwhile); the staging is then the reload
-source without a copy.
-
-The blocking parts — the ``nccl`` rendezvous of ``init``, a new staging set at ``start``, and
-every chunk's receive — run on a thread of the stage process (a ``Background`` the stage loop answers when it is done), so
-the stage keeps serving on the old weights meanwhile; one runs at a time, and every wait
-is bounded by the transfer's ``timeout_s``. ``finish`` (the in-place copy) runs on the loop.
+``init_weight_transfer(backend, init_info)`` once (``nccl``: a process group with the trainer,
+NCCL on CUDA, gloo on CPU; ``ipc``: shared-memory segments or CUDA IPC handles, same host), then
+per update ``start_weight_update`` → ``receive_weights`` (chunks) → ``finish_weight_update``.
+An update is a session with an owner; tensors are staged in host memory and checked as they
+arrive, and only ``finish`` copies them into the live weights, all or nothing; the blocking
+parts run on the stage's ``Background`` thread while it serves on the old weights. The rules
+(sessions and their 409s, the checks, shared staging, the reload source) are in
+``docs/rl.md``, "Weight sync without disk".
 """
 
 from __future__ import annotations
