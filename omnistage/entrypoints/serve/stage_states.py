@@ -20,15 +20,15 @@ from typing import Any, Protocol
 
 from omnistage.stage.vocabulary import MEMORY_TAGS
 
+# The ACKs of one control operation, one per stage rank.
+Acks = Sequence[Mapping[str, Any]]
+
 
 class StageStates(Protocol):
     def sleeping_stage_ids(self) -> set[int]: ...
-    def record_sleep(self, stage_ids: Sequence[int], acks: Sequence[Mapping[str, Any]]) -> None: ...
+    def record_sleep(self, stage_ids: Sequence[int], acks: Acks) -> None: ...
     def record_wake(
-        self,
-        stage_ids: Sequence[int],
-        acks: Sequence[Mapping[str, Any]],
-        tags: Sequence[str] | None,
+        self, stage_ids: Sequence[int], acks: Acks, tags: Sequence[str] | None
     ) -> None: ...
 
 
@@ -55,15 +55,10 @@ class EngineStates:
             mirror.update(truth)
         return truth
 
-    def record_sleep(self, stage_ids: Sequence[int], acks: Sequence[Mapping[str, Any]]) -> None:
+    def record_sleep(self, stage_ids: Sequence[int], acks: Acks) -> None:
         self.sleeping_stage_ids()
 
-    def record_wake(
-        self,
-        stage_ids: Sequence[int],
-        acks: Sequence[Mapping[str, Any]],
-        tags: Sequence[str] | None,
-    ) -> None:
+    def record_wake(self, stage_ids: Sequence[int], acks: Acks, tags: Sequence[str] | None) -> None:
         self.sleeping_stage_ids()
 
 
@@ -86,16 +81,11 @@ class RecordedStates:
     def sleeping_stage_ids(self) -> set[int]:
         return set(sleeping_set(self.state))
 
-    def record_sleep(self, stage_ids: Sequence[int], acks: Sequence[Mapping[str, Any]]) -> None:
+    def record_sleep(self, stage_ids: Sequence[int], acks: Acks) -> None:
         failed = failed_stage_ids(acks)
         sleeping_set(self.state).update(sid for sid in stage_ids if sid not in failed)
 
-    def record_wake(
-        self,
-        stage_ids: Sequence[int],
-        acks: Sequence[Mapping[str, Any]],
-        tags: Sequence[str] | None,
-    ) -> None:
+    def record_wake(self, stage_ids: Sequence[int], acks: Acks, tags: Sequence[str] | None) -> None:
         """A stage leaves the record when it really slept, its ACK is not ERROR and the wake
         covered all its memory: after ``tags=["weights"]`` its KV cache still sleeps."""
         if tags is not None and not set(tags) >= set(MEMORY_TAGS):
