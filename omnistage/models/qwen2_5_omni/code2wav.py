@@ -94,25 +94,16 @@ class Token2WavSynthesis:
     def _velocity(self, t: torch.Tensor, y: torch.Tensor) -> Any:
         """``sample()``'s ``ode_function``."""
         dit, guidance = self.pipeline.dit, self.guidance_scale
+        inputs = {
+            "hidden_states": y,
+            "speaker_embedding": self.speaker,
+            "condition_vector": self.ref_mel,
+            "quantized_code": self.codes,
+            "time_step": t,
+        }
         if guidance < NO_GUIDANCE_BELOW:
-            return dit(
-                hidden_states=y,
-                speaker_embedding=self.speaker,
-                condition_vector=self.ref_mel,
-                quantized_code=self.codes,
-                time_step=t,
-                drop_audio_conditioning=False,
-                drop_code=False,
-                apply_cfg=False,
-            )
-        output = dit(
-            hidden_states=y,
-            quantized_code=self.codes,
-            speaker_embedding=self.speaker,
-            condition_vector=self.ref_mel,
-            time_step=t,
-            apply_cfg=True,
-        )
+            return dit(**inputs, drop_audio_conditioning=False, drop_code=False, apply_cfg=False)
+        output = dit(**inputs, apply_cfg=True)
         guided, null = torch.chunk(output, 2, dim=0)
         return guided + (guided - null) * guidance
 

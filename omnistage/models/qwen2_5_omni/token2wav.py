@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from omnistage.memory import Arena
-from omnistage.models.loader import CheckpointError, load_into, module_targets, shown
+from omnistage.models.loader import CheckpointError, module_targets, shown
 from omnistage.models.meta import move_derived_buffers, parameters_on_meta
+from omnistage.models.omni_vocoder import VocoderWeights
 from omnistage.models.qwen2_5_omni import config as qwen2_5_omni
 from omnistage.models.qwen2_5_omni.voices import SPEAKERS_FILE
 
@@ -118,8 +119,11 @@ def load_voices(
     return voices
 
 
-class Token2WavPipeline:
+class Token2WavPipeline(VocoderWeights):
     """The DiT, the BigVGAN and the voices of one Qwen2.5-Omni checkpoint folder."""
+
+    part = PART
+    names_hint = _NAMES_HINT
 
     def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
@@ -143,6 +147,7 @@ class Token2WavPipeline:
         )
         self.weight_bytes = 0
         self._derived: set[str] = set()  # non-persistent buffers: never read from a source
+        self._parts = tuple(f"{m}." for m in MODULES)
         for name, module in self.modules.items():
             self.weight_bytes += arena.adopt(module)
             self._derived |= {f"{name}.{key}" for key in move_derived_buffers(module, self.device)}
@@ -201,34 +206,6 @@ class Token2WavPipeline:
             for name, module in self.modules.items()
             for key, tensor in module_targets(module).items()
         }
-
-    def rename(self, name: str) -> str | None:
-        """A source tensor's target name; None (not read) for other parts' tensors and for
-        derived buffers a source may hold."""
-        rest = name.removeprefix(PART)
-        if rest == name and not rest.startswith(tuple(f"{m}." for m in MODULES)):
-            return None  # thinker.*, talker.*, anything not token2wav's
-        return None if rest in self._derived else PART + rest
-
-    def load_weights(
-        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
-    ) -> int:
-        """Copy a weight source (see the module docstring) into the adopted tensors in place.
-
-        Every name and shape (and with ``check_finite`` every value) is checked before any
-        byte is copied, so a bad source leaves the weights untouched. Unknown token2wav
-        tensors raise ``CheckpointError``; missing ones only with ``strict``. Returns the
-        bytes copied.
-        """
-        report = load_into(
-            self.weight_targets(),
-            path,
-            rename=self.rename,
-            strict=strict,
-            check_finite=check_finite,
-            hint=_NAMES_HINT,
-        )
-        return report.num_bytes
 
 
 def section_value(raw: dict[str, Any], key: str) -> Any:

@@ -42,8 +42,9 @@ from torch import nn
 
 from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
-from omnistage.models.loader import load_into, module_targets, shown
+from omnistage.models.loader import module_targets, shown
 from omnistage.models.meta import move_derived_buffers, parameters_on_meta
+from omnistage.models.omni_vocoder import VocoderWeights
 from omnistage.models.qwen3_omni.config import MODEL_TYPE, read_config
 
 PART = "code2wav."
@@ -116,8 +117,11 @@ def voices_of(raw: dict[str, Any]) -> list[str]:
     return sorted(str(name) for name in speakers) or [DEFAULT_VOICE]
 
 
-class Code2WavVocoder:
+class Code2WavVocoder(VocoderWeights):
     """The causal decoder of one Qwen3-Omni checkpoint folder, in ``arena``."""
+
+    part = PART
+    names_hint = _NAMES_HINT
 
     def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
         self.folder = Path(folder)
@@ -218,32 +222,6 @@ class Code2WavVocoder:
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """The live weights by checkpoint name (``code2wav.<tensor>``)."""
         return {f"{PART}{key}": t for key, t in module_targets(self.module).items()}
-
-    def rename(self, name: str) -> str | None:
-        """A source tensor's target name; None (not read) for other parts' tensors and for
-        derived buffers a source may hold. Also takes the names a lone
-        ``Qwen3OmniMoeCode2Wav`` saves (without ``code2wav.``)."""
-        rest = name.removeprefix(PART)
-        if rest == name and not rest.startswith(self._parts):
-            return None  # thinker.*, talker.*, anything not code2wav's
-        return None if rest in self._derived else PART + rest
-
-    def load_weights(
-        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
-    ) -> int:
-        """Copy a weight source (the checkpoint folder, or a safetensors file or folder for
-        ``update_weights``) into the adopted tensors in place. Every name and shape (and with
-        ``check_finite`` every value) is checked before any byte is copied, so a bad source
-        leaves the weights untouched. Returns the bytes copied."""
-        report = load_into(
-            self.weight_targets(),
-            path,
-            rename=self.rename,
-            strict=strict,
-            check_finite=check_finite,
-            hint=_NAMES_HINT,
-        )
-        return report.num_bytes
 
 
 class Code2WavSynthesis:
