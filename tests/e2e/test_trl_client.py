@@ -263,6 +263,10 @@ def test_server_info_as_trl_reads_it(client):
     assert info["parallel_config"]["world_size"] == 1
     assert info["model_config"]["served_model_name"] == NAME
     assert info["model_config"]["max_model_len"] == 512
+    # the text stage's own settings (the defaults: no flag sets them here)
+    assert info["model_config"]["logprobs_mode"] == "raw_logprobs"
+    assert info["cache_config"] == {"block_size": 16, "enable_prefix_caching": True}
+    assert info["scheduler_config"] == {"max_num_seqs": 32, "max_num_batched_tokens": 2048}
 
 
 def test_vllm_status_codes(server, checkpoint):

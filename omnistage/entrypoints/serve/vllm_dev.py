@@ -15,6 +15,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from omnistage import __version__
+from omnistage.config import StageConfig
 from omnistage.entrypoints.serve.auth import require_control_key
 from omnistage.entrypoints.serve.deps import EngineClientDep, StageStatesDep
 from omnistage.entrypoints.serve.omni_control.operations import (
@@ -48,23 +49,23 @@ def _max_model_len(engine: Any, stage_id: int) -> int | None:
     clients = getattr(engine, "clients", None)
     info = getattr(clients[stage_id], "info", None) if clients else None
     limit = getattr(info, "max_model_len", None)
-    return limit if limit is not None else engine.config.stages[stage_id].max_model_len
+    return limit if limit is not None else engine.config.stages[stage_id].ar.max_model_len
 
 
 def server_config(request: Request, engine: Any) -> dict[str, Any]:
     """vLLM's ``VllmConfig`` in part: the fields RL clients read, of the text stage."""
     sid = text_stage_id(engine)
-    stage = engine.config.stages[sid]
+    stage: StageConfig = engine.config.stages[sid]
     ranks = _ranks(engine, sid)
     return {
         "model_config": {
             "model": str(stage.model),
             "served_model_name": request.app.state.served_model_name,
             "max_model_len": _max_model_len(engine, sid),
-            "dtype": getattr(stage, "dtype", None),
+            "dtype": stage.dtype,
             "max_logprobs": MAX_LOGPROBS,
-            "logprobs_mode": getattr(stage, "logprobs_mode", None),
-            "enable_sleep_mode": bool(getattr(stage, "enable_sleep_mode", False)),
+            "logprobs_mode": stage.ar.logprobs_mode,
+            "enable_sleep_mode": stage.enable_sleep_mode,
         },
         "parallel_config": {
             "tensor_parallel_size": ranks,
@@ -73,12 +74,12 @@ def server_config(request: Request, engine: Any) -> dict[str, Any]:
             "world_size": ranks,
         },
         "cache_config": {
-            "block_size": getattr(stage, "block_size", None),
-            "enable_prefix_caching": getattr(stage, "enable_prefix_caching", None),
+            "block_size": stage.ar.block_size,
+            "enable_prefix_caching": stage.ar.enable_prefix_caching,
         },
         "scheduler_config": {
-            "max_num_seqs": getattr(stage, "max_num_seqs", None),
-            "max_num_batched_tokens": getattr(stage, "max_num_batched_tokens", None),
+            "max_num_seqs": stage.ar.max_num_seqs,
+            "max_num_batched_tokens": stage.ar.max_num_batched_tokens,
         },
         # Every text stage takes weight syncs (nccl: gloo on CPU; ipc on the same host).
         "weight_transfer_config": {"backend": "nccl"},
