@@ -156,8 +156,9 @@ def test_options_in_the_wrong_place_are_refused_naming_the_key(stage, message):
 
 
 def test_the_built_in_pipelines_use_the_shape_by_kind():
-    import yaml
     from importlib import resources
+
+    import yaml
 
     from omnistage.config import KIND_OPTIONS, option_kinds
     from omnistage.pipelines import builtin_pipelines
