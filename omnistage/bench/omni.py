@@ -141,11 +141,7 @@ def throughput_row(engine: str, concurrency: int, run: Timed, baseline_s: float)
     row: dict[str, Any] = {
         "engine": engine,
         "concurrency": concurrency,
-        "requests": len(run.speech),
-        "audio_s": audio_s,
-        "seconds": run.seconds,
-        "requests_per_s": len(run.speech) / run.seconds,
-        "rtf": run.seconds / audio_s if audio_s else None,
+        **media.speech_rate(len(run.speech), audio_s, run.seconds),
         "speedup_vs_transformers": baseline_s / run.seconds,
     }
     for stage in (*STAGE_NAMES, "processor"):

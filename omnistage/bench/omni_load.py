@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from omnistage.bench.omni_stream import REQUESTS, speech_load
+from omnistage.bench.omni_stream import REQUESTS, load_columns, speech_load
 from omnistage.bench.report import write_results
 from omnistage.bench.serve import ServeBenchConfig, bench
 from omnistage.bench.served import Served
@@ -166,7 +166,6 @@ def transformers_rate(pipeline: str, s: LoadSettings, device: str) -> float:
 def rows(pipeline: str, runs: dict[tuple[str, int], Any], baseline: float) -> list[dict]:
     out = []
     for (variant, concurrency), run in runs.items():
-        rate = float(run["summary"]["request_throughput"])
         alone = runs[variant, 1]  # every variant runs at concurrency 1
         # the audio to match: the variant's own at concurrency 1 (whole), else the first
         # streamed variant's (any thread count must give the same bytes)
@@ -181,12 +180,7 @@ def rows(pipeline: str, runs: dict[tuple[str, int], Any], baseline: float) -> li
                 "pipeline": pipeline,
                 "variant": variant,
                 "concurrency": concurrency,
-                "requests": len(run["audio"]),
-                "ttfa_ms": run["ttfa_ms"],
-                "e2e_ms": run["e2e_ms"],
-                "requests_per_s": rate,
-                "vs_concurrency_1": rate / float(alone["summary"]["request_throughput"]),
-                "vs_transformers": rate / baseline,
+                **load_columns(run, alone, baseline),
                 "ttfa_vs_whole": run["ttfa_ms"] / whole["e2e_ms"]
                 if whole and run["ttfa_ms"]
                 else None,

@@ -192,6 +192,18 @@ class AudioRequests:
         return ids[0].tolist(), dict(out)
 
 
+def speech_rate(requests: int, audio_s: float, seconds: float) -> dict[str, Any]:
+    """The columns every speech throughput table has: ``requests`` that gave ``audio_s`` of
+    audio in ``seconds``, their rate and real-time factor."""
+    return {
+        "requests": requests,
+        "audio_s": audio_s,
+        "seconds": seconds,
+        "requests_per_s": requests / seconds,
+        "rtf": seconds / audio_s if audio_s else None,
+    }
+
+
 def throughput_rows(
     row: Callable[[str, int, Any, float], dict[str, Any]], baseline: Any, runs: dict[int, Any]
 ) -> list[dict[str, Any]]:

@@ -87,25 +87,34 @@ def measure(settings: Any, device: str) -> dict[tuple[str, int], dict[str, Any]]
     return runs
 
 
+def load_columns(
+    run: dict[str, Any], alone: dict[str, Any], transformers_requests_per_s: float
+) -> dict[str, Any]:
+    """A run's requests, its times and rate, and the rate over ``alone``'s (the same mode at
+    concurrency 1) and over transformers'."""
+    rate = float(run["summary"]["request_throughput"])
+    return {
+        "requests": len(run["audio"]),
+        "ttfa_ms": run["ttfa_ms"],
+        "e2e_ms": run["e2e_ms"],
+        "requests_per_s": rate,
+        "vs_concurrency_1": rate / float(alone["summary"]["request_throughput"]),
+        "vs_transformers": rate / transformers_requests_per_s,
+    }
+
+
 def rows(
     runs: dict[tuple[str, int], dict[str, Any]], transformers_requests_per_s: float
 ) -> list[dict[str, Any]]:
     out = []
     for (mode, concurrency), run in runs.items():
-        rate = float(run["summary"]["request_throughput"])
-        alone = runs[mode, 1]
         base = runs[mode, 1]["audio"]  # the same prompts come first in every run
         same = sum(a == b for a, b in zip(run["audio"], base, strict=False))
         out.append(
             {
                 "mode": mode,
                 "concurrency": concurrency,
-                "requests": len(run["audio"]),
-                "ttfa_ms": run["ttfa_ms"],
-                "e2e_ms": run["e2e_ms"],
-                "requests_per_s": rate,
-                "vs_concurrency_1": rate / float(alone["summary"]["request_throughput"]),
-                "vs_transformers": rate / transformers_requests_per_s,
+                **load_columns(run, runs[mode, 1], transformers_requests_per_s),
                 "ttfa_vs_whole": run["ttfa_ms"] / runs["whole", concurrency]["e2e_ms"],
                 "audio_as_alone": f"{same}/{len(base)}",
             }
