@@ -143,47 +143,48 @@ def _weights_cell(status: dict[str, Any]) -> str:
     return "ok" if status.get("weights_valid", True) else "INVALID"
 
 
+def _texts(item: dict[str, Any], *keys: str) -> list[str]:
+    return [str(item.get(key)) for key in keys]
+
+
+STAGE_HEADER = ["STAGE", "KIND", "STATE", "LEVEL", "PAUSED", "IN-FLIGHT", "WEIGHTS", "RESIDENT MiB"]
+
+
+def _stage_row(s: dict[str, Any]) -> list[str]:
+    return [
+        *_texts(s, "stage_id", "kind", "state"),
+        "-" if s.get("level") is None else str(s.get("level")),
+        *_texts(s, "paused", "in_flight"),
+        _weights_cell(s),
+        _mib((s.get("memory") or {}).get("resident_bytes")),
+    ]
+
+
+ACK_HEADER = ["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "GB/s", "TAGS", "ERROR"]
+
+
+def _ack_row(a: dict[str, Any]) -> list[str]:
+    meta = a.get("metadata") or {}
+    return [
+        *_texts(a, "stage_id", "status"),
+        _mib(a.get("freed_bytes")),
+        f"{float(meta.get('latency_ms') or 0):.1f}",
+        f"{float(meta.get('gbps') or 0):.2f}" if meta.get("gbps") else "-",
+        ",".join(meta.get("tags") or []) or "-",
+        a.get("error_msg") or "",
+    ]
+
+
 def format_response(op: str, data: Any) -> str:
     if op == "status":
         stages = data.get("stages", data) if isinstance(data, dict) else data
-        rows = [
-            ["STAGE", "KIND", "STATE", "LEVEL", "PAUSED", "IN-FLIGHT", "WEIGHTS", "RESIDENT MiB"]
-        ]
-        for s in stages:
-            memory = s.get("memory") or {}
-            rows.append(
-                [
-                    str(s.get("stage_id")),
-                    str(s.get("kind")),
-                    str(s.get("state")),
-                    "-" if s.get("level") is None else str(s.get("level")),
-                    str(s.get("paused")),
-                    str(s.get("in_flight")),
-                    _weights_cell(s),
-                    _mib(memory.get("resident_bytes")),
-                ]
-            )
-        return table(rows)
+        return table([STAGE_HEADER, *map(_stage_row, stages)])
     lines = [
         f"status: {data.get('status')}" + (f" ({data['reason']})" if data.get("reason") else "")
     ]
     acks = data.get("acks") or []
     if acks:
-        rows = [["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "GB/s", "TAGS", "ERROR"]]
-        for a in acks:
-            meta = a.get("metadata") or {}
-            rows.append(
-                [
-                    str(a.get("stage_id")),
-                    str(a.get("status")),
-                    _mib(a.get("freed_bytes")),
-                    f"{float(meta.get('latency_ms') or 0):.1f}",
-                    f"{float(meta.get('gbps') or 0):.2f}" if meta.get("gbps") else "-",
-                    ",".join(meta.get("tags") or []) or "-",
-                    a.get("error_msg") or "",
-                ]
-            )
-        lines.append(table(rows))
+        lines.append(table([ACK_HEADER, *map(_ack_row, acks)]))
     return "\n".join(lines)
 
 
