@@ -6,8 +6,8 @@ processor, its vocoder, its hand-offs (``processors``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
-from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +24,7 @@ from omnistage.models.interfaces import (
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     from omnistage.models.ar_config import ARModelConfig
+    from omnistage.models.media import PromptProcessor
 
 VOCODER_PART = "code2wav"
 
@@ -58,18 +59,33 @@ class Checkpoint:
 
 class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcessors):
     """``label``: the family's name for people (in errors); ``package``: where its
-    ``pipeline.yaml`` is; ``processors``: its hand-offs by short name."""
+    ``pipeline.yaml`` is; ``processors``: its hand-offs by short name. Where its code is
+    (``module:name``, imported when first asked): ``prompt_processor_class`` (the thinker's
+    prompt processor, built from the folder), ``talker_setup`` (the function of the folder
+    that says what the talker asks of its requests: its voices and codec ids) and
+    ``vocoder_class`` (the code2wav part's module, built from the folder and an arena)."""
 
     name: str
     label: str
     package: str
     processors: Mapping[str, str] = {}
+    prompt_processor_class: str
+    talker_setup: str
+    vocoder_class: str
 
     def pipeline(self) -> list[dict[str, Any]]:
         return load_template(self.package, "pipeline.yaml")
 
     def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
-        return self.talker_request_setup(folder) if config.part == "talker" else {}
+        if config.part != "talker":
+            return {}
+        setup: dict[str, Any] = _load(self.talker_setup)(folder)
+        return setup
+
+    def prompt_processor(self, folder: str | Path) -> PromptProcessor:
+        """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
+        processor: PromptProcessor = _load(self.prompt_processor_class)(folder)
+        return processor
 
     def vocoder(
         self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
@@ -79,12 +95,9 @@ class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcesso
             raise CheckpointError(
                 f"model_stage: a {self.label} vocoder stage runs {VOCODER_PART!r}, got {part!r}"
             )
-        return self.build_vocoder(folder, arena, load=load)
+        return _load(self.vocoder_class)(folder, arena, load=load)
 
-    @abstractmethod
-    def talker_request_setup(self, folder: str) -> dict[str, Any]:
-        """What the talker asks of its requests (its voices and codec ids)."""
 
-    @abstractmethod
-    def build_vocoder(self, folder: str | Path, arena: Any, *, load: bool) -> Any:
-        """The code2wav part's module in ``arena``."""
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -11,7 +11,6 @@ transformers' own classes).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.models.ar_config import ARModelConfig
@@ -24,7 +23,6 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
 
     from omnistage.models.decoder import CausalLM
-    from omnistage.models.qwen2_5_omni.inputs import Qwen25OmniPromptProcessor
     from omnistage.models.tensor_parallel import TPGroup
 
 __all__ = ["FAMILY", "VOCODER_PART", "Qwen25OmniFamily"]
@@ -38,6 +36,9 @@ class Qwen25OmniFamily(OmniFamily):
         "thinker_to_talker": f"{__name__}.processors:THINKER_TO_TALKER",
         "talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV",
     }
+    prompt_processor_class = f"{__name__}.inputs:Qwen25OmniPromptProcessor"
+    talker_setup = f"{__name__}.talker:request_setup"
+    vocoder_class = f"{__name__}.token2wav:Token2WavPipeline"  # its DiT, BigVGAN and voices
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         return decoder_config(raw, part)
@@ -56,23 +57,6 @@ class Qwen25OmniFamily(OmniFamily):
 
     def rename(self, part: str | None = None) -> Rename:
         return decoder_rename(part or "thinker")
-
-    def prompt_processor(self, folder: str | Path) -> Qwen25OmniPromptProcessor:
-        """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
-        from omnistage.models.qwen2_5_omni.inputs import Qwen25OmniPromptProcessor
-
-        return Qwen25OmniPromptProcessor(folder)
-
-    def talker_request_setup(self, folder: str) -> dict[str, Any]:
-        from omnistage.models.qwen2_5_omni.talker import request_setup
-
-        return request_setup(folder)
-
-    def build_vocoder(self, folder: str | Path, arena: Any, *, load: bool) -> Any:
-        """Its DiT, BigVGAN and voices."""
-        from omnistage.models.qwen2_5_omni.token2wav import Token2WavPipeline
-
-        return Token2WavPipeline(folder, arena, load=load)
 
 
 FAMILY = Qwen25OmniFamily()

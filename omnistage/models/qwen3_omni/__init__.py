@@ -11,7 +11,6 @@ checkpoints built with transformers' own classes).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
@@ -24,7 +23,6 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
 
     from omnistage.models.decoder import CausalLM
-    from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
     from omnistage.models.tensor_parallel import TPGroup
 
 __all__ = ["DECODER_PARTS", "FAMILY", "VOCODER_PART", "Qwen3OmniFamily"]
@@ -40,6 +38,9 @@ class Qwen3OmniFamily(OmniFamily):
         "thinker_to_talker": f"{__name__}.processors:THINKER_TO_TALKER",
         "talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV",
     }
+    prompt_processor_class = f"{__name__}.inputs:Qwen3OmniPromptProcessor"
+    talker_setup = f"{__name__}.talker:request_setup"
+    vocoder_class = f"{__name__}.code2wav:Code2WavVocoder"  # its causal decoder
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         part = part or "thinker"
@@ -79,23 +80,6 @@ class Qwen3OmniFamily(OmniFamily):
         from omnistage.models.qwen3_omni.weights import decoder_rename
 
         return decoder_rename(part or "thinker")
-
-    def prompt_processor(self, folder: str | Path) -> Qwen3OmniPromptProcessor:
-        """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
-        from omnistage.models.qwen3_omni.inputs import Qwen3OmniPromptProcessor
-
-        return Qwen3OmniPromptProcessor(folder)
-
-    def talker_request_setup(self, folder: str) -> dict[str, Any]:
-        from omnistage.models.qwen3_omni.talker import request_setup
-
-        return request_setup(folder)
-
-    def build_vocoder(self, folder: str | Path, arena: Any, *, load: bool) -> Any:
-        """Its causal decoder."""
-        from omnistage.models.qwen3_omni.code2wav import Code2WavVocoder
-
-        return Code2WavVocoder(folder, arena, load=load)
 
 
 FAMILY = Qwen3OmniFamily()
