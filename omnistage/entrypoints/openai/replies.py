@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel
 
@@ -57,6 +57,21 @@ class AssistantMessage(BaseModel):
     audio: AudioReply | None = None
 
 
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class _Completion(BaseModel, Generic[ChoiceT]):
+    """A chat or text completion reply; each kind has its own ``object`` and choices."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[ChoiceT]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
@@ -66,14 +81,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None  # with return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Completion[ChatChoice]):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids
 
 
@@ -87,14 +96,8 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(_Completion[CompletionChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
 
 
 class ImageData(BaseModel):
