@@ -53,3 +53,24 @@ class VocoderWeights:
             hint=self.names_hint,
         )
         return report.num_bytes
+
+
+class CodeStream:
+    """The shared part of a vocoder's stream (one utterance spoken chunk by chunk): its
+    ``codes`` so far, until ``end_input``; its samples, finished and kept until
+    ``take_audio``."""
+
+    def __init__(self) -> None:
+        self.codes: list[int] = []
+        self.ended = False
+        self._audio: list[torch.Tensor] = []
+
+    def end_input(self) -> None:
+        self.ended = True
+
+    def take_audio(self) -> torch.Tensor | None:
+        """The samples finished since the last call (1-D float32 on the CPU), or None."""
+        if not self._audio:
+            return None
+        audio, self._audio = torch.cat(self._audio), []
+        return audio

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from omnistage.models.omni_vocoder import CodeStream
 from omnistage.models.qwen2_5_omni.code2wav import NO_GUIDANCE_BELOW, Token2WavSynthesis
 
 ACTIVATION_REACH = 6  # samples either side of an anti-aliased activation (12-tap filters at 2x)
@@ -69,7 +70,7 @@ def dit_reach_codes(dit_config: Any, num_steps: int) -> tuple[int, int]:
     return math.ceil(behind / repeats), math.ceil(ahead / repeats)
 
 
-class Token2WavStream:
+class Token2WavStream(CodeStream):
     """One utterance spoken chunk by chunk. ``add_codes`` as the talker produces them,
     ``end_input`` after the last; ``advance()`` is one ODE step of the current window (the
     engine interleaves it with other utterances' steps) and runs only when ``is_ready``;
@@ -77,6 +78,7 @@ class Token2WavStream:
     ``first_chunk``, ``chunk``, ``left_context`` and ``right_context`` in codes."""
 
     def __init__(self, pipeline: Any, params: Any, seed: int, chunks: Any) -> None:
+        super().__init__()
         self.pipeline = pipeline
         self.params = params
         self.voice = params.voice or pipeline.default_voice
@@ -87,15 +89,12 @@ class Token2WavStream:
         self.unit = math.lcm(block, self.repeats) // self.repeats  # codes per aligned step
         self.context_frames = vocoder_context_frames(pipeline.vocoder.config)
         self.hop = math.prod(int(r) for r in pipeline.vocoder.config.upsample_rates)
-        self.codes: list[int] = []
-        self.ended = False
         self._generator = torch.Generator("cpu").manual_seed(seed)
         self._noise = torch.empty([1, 0, pipeline.mel_dim])
         self.done_codes = 0  # codes whose samples are out
         self._window: Token2WavSynthesis | None = None
         self._span = (0, 0, 0, 0)  # the window's codes: start, chunk start, chunk end, end
         self._tail = torch.empty([1, 0, pipeline.mel_dim], device=pipeline.device)
-        self._audio: list[torch.Tensor] = []
         self.num_windows = 0
 
     def add_codes(self, codes: list[int]) -> None:
@@ -109,9 +108,6 @@ class Token2WavStream:
             [1, frames, self.pipeline.mel_dim], generator=self._generator, dtype=torch.float32
         )
         self._noise = torch.cat([self._noise, draw], dim=1)
-
-    def end_input(self) -> None:
-        self.ended = True
 
     def _next_span(self) -> tuple[int, int, int, int] | None:
         start, available = self.done_codes, len(self.codes)
@@ -194,10 +190,3 @@ class Token2WavStream:
         self._audio.append(samples[keep].clone())
         self._tail = torch.cat([behind, chunk], dim=1)[:, -self.context_frames :]
         self.done_codes = end
-
-    def take_audio(self) -> torch.Tensor | None:
-        """The samples finished since the last call (1-D float32 on the CPU), or None."""
-        if not self._audio:
-            return None
-        audio, self._audio = torch.cat(self._audio), []
-        return audio

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from omnistage.errors import CheckpointError
+from omnistage.models.omni_vocoder import CodeStream
 
 ROW_ALIGN = 16  # AVX-512's float lanes; a multiple of AVX2's 8 and NEON's 4
 
@@ -147,7 +148,7 @@ class DecoderReach:
         return self._backends[key]
 
 
-class Code2WavStream:
+class Code2WavStream(CodeStream):
     """One utterance spoken chunk by chunk. ``add_codes`` as the talker produces frames (flat,
     whole frames), ``end_input`` after the last; ``advance()`` decodes the next chunk when
     ``is_ready``; ``take_audio()`` returns the samples finished since the last call."""
@@ -155,18 +156,16 @@ class Code2WavStream:
     batch_key = None  # never shares a forward (see ``code2wav``)
 
     def __init__(self, vocoder: Any, params: Any, chunks: Any) -> None:
+        super().__init__()
         self.vocoder = vocoder
         self.voice = getattr(params, "voice", None) or vocoder.default_voice
         self.first_chunk = max(1, int(chunks.first_chunk))
         self.chunk = max(1, int(chunks.chunk))
         self.groups = int(vocoder.codes_per_frame)
         self.reach = vocoder.reach
-        self.codes: list[int] = []
-        self.ended = False
         self.window_index = 0  # the window being spoken
         self._handed = 0  # samples of that window handed out, counted from its first frame
         self.frames_out = 0  # frames up to the last chunk's end
-        self._audio: list[torch.Tensor] = []
         self.num_decodes = 0
 
     @property
@@ -179,9 +178,6 @@ class Code2WavStream:
         if len(codes) % self.groups:
             raise ValueError(f"{len(codes)} codes are not whole frames of {self.groups} codes")
         self.codes.extend(codes)
-
-    def end_input(self) -> None:
-        self.ended = True
 
     def _next(self) -> tuple[int, int, int, bool] | None:
         """The next decode: ``(first, start, rows, finished)`` — frames ``[first, first +
@@ -253,10 +249,3 @@ class Code2WavStream:
             self._handed = 0
         else:
             self._handed = stop
-
-    def take_audio(self) -> torch.Tensor | None:
-        """The samples finished since the last call (1-D float32 on the CPU), or None."""
-        if not self._audio:
-            return None
-        audio, self._audio = torch.cat(self._audio), []
-        return audio
