@@ -14,7 +14,7 @@ The table of every family is in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,6 +41,101 @@ _RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 
 _CONTROL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # vLLM's engine_sleep_state values for the levels.
 SLEEP_STATES = {0: "awake", 1: "weights_offloaded", 2: "discard_all"}
+
+
+def _kv_usage(row: dict[str, Any]) -> float | None:
+    blocks = row.get("num_kv_blocks")
+    return 1.0 - row["num_free_kv_blocks"] / blocks if blocks else None
+
+
+def _part(part: str, key: str) -> Callable[[dict[str, Any]], Any]:
+    """A stage row's ``part[key]`` (0 if missing), for a row whose ``part`` is a dict."""
+
+    def value(row: dict[str, Any]) -> Any:
+        section = row.get(part)
+        return section.get(key, 0) if isinstance(section, dict) else None
+
+    return value
+
+
+_Family = type[GaugeMetricFamily] | type[CounterMetricFamily]
+# The stage series with one number per stage: family, name, help, and the number of a stage's
+# row (None: the stage has none).
+STAGE_SERIES: tuple[tuple[_Family, str, str, Callable[[dict[str, Any]], Any]], ...] = (
+    (
+        GaugeMetricFamily,
+        "num_requests_running",
+        "Requests a stage is running now.",
+        lambda row: row.get("num_running"),
+    ),
+    (
+        GaugeMetricFamily,
+        "num_requests_waiting",
+        "Requests waiting in a stage's queue.",
+        lambda row: row.get("num_waiting"),
+    ),
+    (
+        GaugeMetricFamily,
+        "stage_in_flight_requests",
+        "Requests the server has in flight at a stage.",
+        lambda row: row["in_flight"],
+    ),
+    (
+        GaugeMetricFamily,
+        "kv_cache_usage_perc",
+        "Share of an AR stage's KV cache blocks in use (0 to 1).",
+        _kv_usage,
+    ),
+    (
+        GaugeMetricFamily,
+        "stage_resident_bytes",
+        "Memory a stage holds now (its arena).",
+        _part("memory", "resident_bytes"),
+    ),
+    (
+        GaugeMetricFamily,
+        "stage_released_bytes",
+        "Memory a stage's sleeps gave back: the reserved bytes not resident of its asleep "
+        "tags (0 for an awake stage).",
+        _part("memory", "released_bytes"),
+    ),
+    (
+        CounterMetricFamily,
+        "stage_restarts",
+        "Times the server restarted a stage's process.",
+        lambda row: row["restarts"],
+    ),
+    (
+        CounterMetricFamily,
+        "num_preemptions",
+        "Sequences an AR stage preempted (KV cache full), as vLLM's.",
+        lambda row: row.get("num_preemptions"),
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_queries",
+        "Prompt tokens looked up in an AR stage's prefix cache.",
+        _part("prefix_cache", "queried_tokens"),
+    ),
+    (
+        CounterMetricFamily,
+        "prefix_cache_hits",
+        "Prompt tokens found in an AR stage's prefix cache.",
+        _part("prefix_cache", "hit_tokens"),
+    ),
+    (
+        CounterMetricFamily,
+        "encoder_cache_queries",
+        "Media items (audio, images, video) an AR stage looked up in its encoder cache.",
+        _part("encoder_cache", "queries"),
+    ),
+    (
+        CounterMetricFamily,
+        "encoder_cache_hits",
+        "Media items found in an AR stage's encoder cache (not encoded).",
+        _part("encoder_cache", "hits"),
+    ),
+)
 
 
 class ServerMetrics:
@@ -212,76 +307,28 @@ class StageStateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["model_name", "stage"]
-
-        def gauge(name: str, doc: str, extra: list[str] | None = None) -> GaugeMetricFamily:
-            return GaugeMetricFamily(PREFIX + name, doc, labels=[*labels, *(extra or [])])
-
-        def counter(name: str, doc: str) -> CounterMetricFamily:
-            return CounterMetricFamily(PREFIX + name, doc, labels=labels)
-
-        state = gauge("stage_state", "1 for the state each stage is in.", ["state"])
-        sleep = gauge(
-            "engine_sleep_state",
+        state = GaugeMetricFamily(
+            PREFIX + "stage_state", "1 for the state each stage is in.", labels=[*labels, "state"]
+        )
+        sleep = GaugeMetricFamily(
+            PREFIX + "engine_sleep_state",
             "1 for each stage's sleep state (awake, weights_offloaded: level 1, "
             "discard_all: level 2), as vLLM's engine_sleep_state.",
-            ["sleep_state"],
+            labels=[*labels, "sleep_state"],
         )
-        running = gauge("num_requests_running", "Requests a stage is running now.")
-        waiting = gauge("num_requests_waiting", "Requests waiting in a stage's queue.")
-        in_flight = gauge(
-            "stage_in_flight_requests", "Requests the server has in flight at a stage."
-        )
-        kv_usage = gauge(
-            "kv_cache_usage_perc", "Share of an AR stage's KV cache blocks in use (0 to 1)."
-        )
-        resident = gauge("stage_resident_bytes", "Memory a stage holds now (its arena).")
-        released = gauge(
-            "stage_released_bytes",
-            "Memory a stage's sleeps gave back: the reserved bytes not resident of its asleep "
-            "tags (0 for an awake stage).",
-        )
-        restarts = counter("stage_restarts", "Times the server restarted a stage's process.")
-        preemptions = counter(
-            "num_preemptions", "Sequences an AR stage preempted (KV cache full), as vLLM's."
-        )
-        queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in an AR stage's prefix cache."
-        )
-        hits = counter("prefix_cache_hits", "Prompt tokens found in an AR stage's prefix cache.")
-        encoder_queries = counter(
-            "encoder_cache_queries",
-            "Media items (audio, images, video) an AR stage looked up in its encoder cache.",
-        )
-        encoder_hits = counter(
-            "encoder_cache_hits", "Media items found in an AR stage's encoder cache (not encoded)."
-        )
+        families = [
+            (family(PREFIX + name, doc, labels=labels), value)
+            for family, name, doc, value in STAGE_SERIES
+        ]
         for row in self.rows:
             ids = [self.model_name, str(row["stage_id"])]
             for name in STATES:
                 state.add_metric([*ids, name], 1.0 if row["state"] == name else 0.0)
             for level, name in SLEEP_STATES.items():
                 sleep.add_metric([*ids, name], 1.0 if row["sleep_level"] == level else 0.0)
-            in_flight.add_metric(ids, row["in_flight"])
-            restarts.add_metric(ids, row["restarts"])
-            if "num_running" in row:
-                running.add_metric(ids, row["num_running"])
-                waiting.add_metric(ids, row["num_waiting"])
-            if "num_preemptions" in row:
-                preemptions.add_metric(ids, row["num_preemptions"])
-            blocks = row.get("num_kv_blocks")
-            if blocks:
-                kv_usage.add_metric(ids, 1.0 - row["num_free_kv_blocks"] / blocks)
-            memory = row.get("memory")
-            if isinstance(memory, dict):
-                resident.add_metric(ids, memory.get("resident_bytes", 0))
-                released.add_metric(ids, memory.get("released_bytes", 0))
-            cache = row.get("prefix_cache")
-            if isinstance(cache, dict):
-                queries.add_metric(ids, cache.get("queried_tokens", 0))
-                hits.add_metric(ids, cache.get("hit_tokens", 0))
-            encoders = row.get("encoder_cache")
-            if isinstance(encoders, dict):
-                encoder_queries.add_metric(ids, encoders.get("queries", 0))
-                encoder_hits.add_metric(ids, encoders.get("hits", 0))
-        yield from (state, sleep, running, waiting, in_flight, kv_usage, resident, released)
-        yield from (restarts, preemptions, queries, hits, encoder_queries, encoder_hits)
+            for metric, value in families:
+                number = value(row)
+                if number is not None:
+                    metric.add_metric(ids, number)
+        yield from (state, sleep)
+        yield from (metric for metric, _ in families)
