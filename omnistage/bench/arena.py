@@ -171,30 +171,39 @@ def _measure(
         "copy_in": [timed(lambda: data.copy_(other), sync, clock) for _ in range(repeats)],
     }
 
+    def cycles(
+        sleep: Callable[[], Any], after_wake: Callable[[], Any]
+    ) -> tuple[list[float], list[float], list[int], list[Any]]:
+        """``repeats`` timed sleeps and wakes: their seconds, the bytes each sleep freed and
+        what ``after_wake`` (not timed) gave after each wake."""
+        sleep_s, wake_s, freed, after = [], [], [], []
+        for _ in range(repeats):
+            before = ops.used_bytes()
+            sleep_s.append(timed(sleep, sync, clock))
+            freed.append(before - ops.used_bytes())
+            wake_s.append(timed(arena.wake, sync, clock))
+            after.append(after_wake())
+        return sleep_s, wake_s, freed, after
+
     # Level 1: offload and restore. The warm-up cycle allocates the host backup.
     raw["first_sleep"] = timed(lambda: arena.sleep(offload=["weights"]), sync, clock)
     arena.wake()
     sync()
     bit_exact = bool(torch.equal(data, reference))
-    sleep_s, wake_s, freed = [], [], []
-    for _ in range(repeats):
-        before = ops.used_bytes()
-        sleep_s.append(timed(lambda: arena.sleep(offload=["weights"]), sync, clock))
-        freed.append(before - ops.used_bytes())
-        wake_s.append(timed(arena.wake, sync, clock))
-        bit_exact = bit_exact and bool(torch.equal(data, reference))
-    raw.update(sleep=sleep_s, wake=wake_s, freed=freed, bit_exact=bit_exact)
+    sleep_s, wake_s, freed, exact = cycles(
+        lambda: arena.sleep(offload=["weights"]), lambda: bool(torch.equal(data, reference))
+    )
+    raw.update(sleep=sleep_s, wake=wake_s, freed=freed, bit_exact=bit_exact and all(exact))
 
     # Level 2: discard and map fresh memory.
-    discard_sleep, discard_wake, discard_freed = [], [], []
-    for _ in range(repeats):
-        before = ops.used_bytes()
-        discard_sleep.append(timed(lambda: arena.sleep(discard=["weights"]), sync, clock))
-        discard_freed.append(before - ops.used_bytes())
-        discard_wake.append(timed(arena.wake, sync, clock))
+    def reload() -> None:
         data.fill_(1)  # what a reload would do: touch the memory again (not timed)
         sync()
         arena.mark_valid("weights")
+
+    discard_sleep, discard_wake, discard_freed, _ = cycles(
+        lambda: arena.sleep(discard=["weights"]), reload
+    )
     raw.update(discard_sleep=discard_sleep, discard_wake=discard_wake, discard_freed=discard_freed)
     return raw
 
