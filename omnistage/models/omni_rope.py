@@ -2,24 +2,35 @@
 ``qwen3_omni.rope_index``) share: the walk over a prompt's placeholder runs, as transformers'
 ``get_rope_index`` walks them for one unpadded prompt. Text counts up in all three rows, one
 more than the piece before it; each run sits between its start and end token(s) (two of each
-around a video with its audio track); the family places a run's own positions."""
+around a video with its audio track); the family places a run's own positions (its
+``Pieces``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# A run's positions, added to the pieces: (its placeholder token, where it starts, whether it
-# is a video interleaved with its audio track) -> its length in tokens.
-PlaceRun = Callable[[int, int, bool], int]
+
+@dataclass
+class Media:
+    """A prompt's media, in prompt order, taken one per placeholder run: image grids,
+    video grids with their seconds per temporal patch, audio mel frame counts."""
+
+    images: Iterator[Sequence[int]]
+    videos: Iterator[tuple[Sequence[int], float]]
+    audios: Iterator[int]
 
 
 class Pieces:
-    """Position pieces in prompt order; ``next`` is one past the last piece's maximum."""
+    """Position pieces in prompt order; ``next`` is one past the last piece's maximum. A
+    family's places each placeholder run (``place``), taking its inputs from ``media``."""
 
-    def __init__(self) -> None:
+    def __init__(self, settings: Any, media: Media) -> None:
+        self.settings = settings
+        self.media = media
         self.pieces: list[torch.Tensor] = []
         self.next = 0
 
@@ -37,6 +48,11 @@ class Pieces:
         """The ``count`` start (or end) tokens around a run: one position each."""
         self.counting(count)
 
+    def place(self, token: int, start: int, interleaved: bool) -> int:
+        """Add the positions of the run of placeholder ``token`` at ``start`` (``interleaved``:
+        a video with its audio track); returns its length in tokens."""
+        raise NotImplementedError
+
     def positions(self, n: int) -> tuple[torch.Tensor, int]:
         """The pieces as positions ``[3, n]`` and their delta (``ValueError`` when they are
         not ``n`` long)."""
@@ -50,18 +66,31 @@ class Pieces:
         return positions, int(positions.max()) + 1 - n if n else 0
 
 
-def walk_runs(
+def rope_index(
     token_ids: Sequence[int],
     settings: Any,
-    use_audio_in_video: bool,
-    out: Pieces,
-    place: PlaceRun,
+    *,
+    pieces: Callable[[Any, Media], Pieces],
+    image_grid_thw: Sequence[Sequence[int]] = (),
+    video_grid_thw: Sequence[Sequence[int]] = (),
+    video_seconds_per_grid: Sequence[float] = (),
+    audio_frames: Sequence[int] = (),
+    use_audio_in_video: bool = False,
 ) -> tuple[torch.Tensor, int]:
-    """Positions ``[3, n]`` of a prompt and its delta: text counting up, each placeholder
-    run (of ``settings``' ``audio_token_id``, ``image_token_id`` or ``video_token_id``) framed
-    by ``out.framing`` and placed by ``place`` (a ``StopIteration`` from it: more runs than
-    inputs, a ``ValueError``)."""
+    """Positions ``[3, n]`` (long) of an expanded prompt and its delta (``max + 1 - n``: a
+    generated token's position is its index plus the delta), its runs placed by the family's
+    ``pieces``.
+
+    Grids, seconds per temporal patch and audio mel frame counts come in prompt order; with
+    ``use_audio_in_video`` every video's audio is the next audio in ``audio_frames``, at the
+    video's place. Each placeholder run (of ``settings``' ``audio_token_id``,
+    ``image_token_id`` or ``video_token_id``) must sit between its start and end token(s), as
+    the chat template puts it (``ValueError`` when the runs do not fit the prompt)."""
     n = len(token_ids)
+    if not image_grid_thw and not video_grid_thw:  # transformers' 1-D branch, audio or not
+        return torch.arange(n).expand(3, n).clone(), 0
+    videos = zip(video_grid_thw, video_seconds_per_grid, strict=True)
+    out = pieces(settings, Media(iter(image_grid_thw), iter(videos), iter(audio_frames)))
     placeholders = {settings.audio_token_id, settings.image_token_id, settings.video_token_id}
     cursor = 0
     while True:
@@ -74,7 +103,7 @@ def walk_runs(
         out.counting(start - cursor - framing)  # the text before the run's start token(s)
         out.framing(framing)
         try:
-            length = place(token, start, interleaved)
+            length = out.place(token, start, interleaved)
         except StopIteration:
             raise ValueError(
                 f"the prompt has more placeholder runs than inputs (at {start})"

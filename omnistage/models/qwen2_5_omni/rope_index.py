@@ -27,6 +27,7 @@ transformers' quirks, kept so that the positions equal its own:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -128,68 +129,45 @@ def video_times(grid_t: int, seconds_per_grid: float, settings: PositionSettings
 
 
 class _Pieces(omni_rope.Pieces):
+    settings: PositionSettings
+
     def framing(self, count: int) -> None:
         """The start (or end) tokens around a run: one position for both of an interleaved
         run's two bos or eos tokens."""
         self.counting(1, times=count)
 
-
-def rope_index(
-    token_ids: Sequence[int],
-    settings: PositionSettings,
-    *,
-    image_grid_thw: Sequence[Sequence[int]] = (),
-    video_grid_thw: Sequence[Sequence[int]] = (),
-    video_seconds_per_grid: Sequence[float] = (),
-    audio_frames: Sequence[int] = (),
-    use_audio_in_video: bool = False,
-) -> tuple[torch.Tensor, int]:
-    """Positions ``[3, n]`` (long) of an expanded prompt and its delta (``max + 1 - n``: a
-    generated token's position is its index plus the delta).
-
-    Grids, seconds per temporal patch and audio mel frame counts come in prompt order; with
-    ``use_audio_in_video`` every video's audio is the next audio in ``audio_frames``, at the
-    video's place. Each placeholder run must sit between its bos and eos token(s), as the chat
-    template puts it (``ValueError`` when the runs do not fit the prompt)."""
-    n = len(token_ids)
-    if not image_grid_thw and not video_grid_thw:  # transformers' 1-D branch, audio or not
-        return torch.arange(n).expand(3, n).clone(), 0
-    merge = settings.spatial_merge_size
-    images, videos = (
-        iter(image_grid_thw),
-        iter(zip(video_grid_thw, video_seconds_per_grid, strict=True)),
-    )
-    audios = iter(audio_frames)
-    out = _Pieces()
-
-    def place(token: int, start: int, interleaved: bool) -> int:
+    def place(self, token: int, start: int, interleaved: bool) -> int:
+        settings, media = self.settings, self.media
+        merge = settings.spatial_merge_size
         if token == settings.audio_token_id:
-            length = audio_output_length(next(audios))
-            out.counting(length)
+            length = audio_output_length(next(media.audios))
+            self.counting(length)
         elif token == settings.image_token_id:
-            t, h, w = (int(v) for v in next(images))
+            t, h, w = (int(v) for v in next(media.images))
             time = torch.arange(t) * 1 * settings.position_id_per_seconds
-            out.add(vision_positions(out.next, time.long(), h, w, merge))
+            self.add(vision_positions(self.next, time.long(), h, w, merge))
             length = t * h * w // merge**2
         else:
-            (t, h, w), seconds = next(videos)
+            (t, h, w), seconds = next(media.videos)
             time = video_times(int(t), seconds, settings)
-            video = vision_positions(out.next, time, int(h), int(w), merge)
+            video = vision_positions(self.next, time, int(h), int(w), merge)
             length = video.shape[1]
             if not interleaved:
-                out.add(video)
+                self.add(video)
             else:
-                audio_len = audio_output_length(next(audios))
-                audio = torch.arange(audio_len).expand(3, audio_len) + out.next
+                audio_len = audio_output_length(next(media.audios))
+                audio = torch.arange(audio_len).expand(3, audio_len) + self.next
                 per = settings.tokens_per_chunk
-                v_chunks = chunk_bounds((video[0] - out.next).tolist(), per)
-                a_chunks = chunk_bounds((audio[0] - out.next).tolist(), per)
+                v_chunks = chunk_bounds((video[0] - self.next).tolist(), per)
+                a_chunks = chunk_bounds((audio[0] - self.next).tolist(), per)
                 for j in range(max(len(v_chunks), len(a_chunks))):
                     if j < len(v_chunks):
-                        out.add(video[:, v_chunks[j][0] : v_chunks[j][1]])
+                        self.add(video[:, v_chunks[j][0] : v_chunks[j][1]])
                     if j < len(a_chunks):
-                        out.add(audio[:, a_chunks[j][0] : a_chunks[j][1]])
+                        self.add(audio[:, a_chunks[j][0] : a_chunks[j][1]])
                 length += audio_len
         return length
 
-    return omni_rope.walk_runs(token_ids, settings, use_audio_in_video, out, place)
+
+# Positions [3, n] of an expanded prompt and its delta (omni_rope.rope_index's arguments).
+rope_index = functools.partial(omni_rope.rope_index, pieces=_Pieces)

@@ -32,6 +32,7 @@ transformers' quirks, kept so that the positions equal its own:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -95,6 +96,34 @@ def vision_positions(
 
 
 class _Pieces(omni_rope.Pieces):
+    settings: PositionSettings
+
+    def place(self, token: int, start: int, interleaved: bool) -> int:
+        settings, media = self.settings, self.media
+        merge = settings.spatial_merge_size
+        if token == settings.audio_token_id:
+            length = audio_output_length(next(media.audios), settings.audio_n_window)
+            self.counting(length)
+        elif token == settings.image_token_id:
+            grid = next(media.images)
+            time = torch.arange(int(grid[0])) * settings.position_id_per_seconds
+            self.add(vision_positions(self.next, time, grid, merge))
+            length = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge**2
+        else:
+            grid, seconds = next(media.videos)
+            times = video_times(int(grid[0]), seconds, settings)
+            if not torch.equal(times, times.round()):
+                raise ValueError(f"the video at {start} has fractional time positions")
+            video = vision_positions(self.next, times.long(), grid, merge)
+            length = video.shape[1]
+            if not interleaved:
+                self.add(video)
+            else:
+                count = audio_output_length(next(media.audios), settings.audio_n_window)
+                self.interleaved(video, torch.arange(count).expand(3, count) + self.next)
+                length += count
+        return length
+
     def interleaved(self, video: torch.Tensor, audio: torch.Tensor) -> None:
         """A video's and its audio track's positions merged by time (row 0); the last
         piece is the tail, the stream left over when the other ran out."""
@@ -110,54 +139,6 @@ class _Pieces(omni_rope.Pieces):
         self.add(merged[:, tail:])
 
 
-def rope_index(
-    token_ids: Sequence[int],
-    settings: PositionSettings,
-    *,
-    image_grid_thw: Sequence[Sequence[int]] = (),
-    video_grid_thw: Sequence[Sequence[int]] = (),
-    video_seconds_per_grid: Sequence[float] = (),
-    audio_frames: Sequence[int] = (),
-    use_audio_in_video: bool = False,
-) -> tuple[torch.Tensor, int]:
-    """Positions ``[3, n]`` (long) of an expanded prompt and its delta (``max + 1 - n``: a
-    generated token's position is its index plus the delta).
-
-    Grids, seconds per temporal patch and audio mel frame counts come in prompt order; with
-    ``use_audio_in_video`` every video's audio is the next audio in ``audio_frames``, at the
-    video's place. Each placeholder run must sit between its start and end token(s), as the
-    chat template puts it (``ValueError`` when the runs do not fit the prompt, or a video's
-    times are not whole numbers)."""
-    n = len(token_ids)
-    if not image_grid_thw and not video_grid_thw:  # transformers' 1-D branch, audio or not
-        return torch.arange(n).expand(3, n).clone(), 0
-    images, audios = iter(image_grid_thw), iter(audio_frames)
-    videos = iter(zip(video_grid_thw, video_seconds_per_grid, strict=True))
-    merge = settings.spatial_merge_size
-    out = _Pieces()
-
-    def place(token: int, start: int, interleaved: bool) -> int:
-        if token == settings.audio_token_id:
-            length = audio_output_length(next(audios), settings.audio_n_window)
-            out.counting(length)
-        elif token == settings.image_token_id:
-            grid = next(images)
-            time = torch.arange(int(grid[0])) * settings.position_id_per_seconds
-            out.add(vision_positions(out.next, time, grid, merge))
-            length = int(grid[0]) * int(grid[1]) * int(grid[2]) // merge**2
-        else:
-            grid, seconds = next(videos)
-            times = video_times(int(grid[0]), seconds, settings)
-            if not torch.equal(times, times.round()):
-                raise ValueError(f"the video at {start} has fractional time positions")
-            video = vision_positions(out.next, times.long(), grid, merge)
-            length = video.shape[1]
-            if not interleaved:
-                out.add(video)
-            else:
-                count = audio_output_length(next(audios), settings.audio_n_window)
-                out.interleaved(video, torch.arange(count).expand(3, count) + out.next)
-                length += count
-        return length
-
-    return omni_rope.walk_runs(token_ids, settings, use_audio_in_video, out, place)
+# Positions [3, n] of an expanded prompt and its delta (omni_rope.rope_index's arguments;
+# ValueError also when a video's times are not whole numbers).
+rope_index = functools.partial(omni_rope.rope_index, pieces=_Pieces)
