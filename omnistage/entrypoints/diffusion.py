@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from omnistage.config import offline_stage_config
+from omnistage.entrypoints.offline import params_per_input
 from omnistage.errors import StageAsleepError
 from omnistage.stage.control import acks_of
 from omnistage.stage.diffusion.engine import DiffusionStageEngine
@@ -67,12 +68,7 @@ class Diffusion:
         order. Raises ``InvalidRequestError`` (naming the field) before anything runs, and
         ``RuntimeError`` if a request fails or is aborted."""
         items = [inputs] if isinstance(inputs, str | torch.Tensor) else list(inputs)
-        if params is None or isinstance(params, DiffusionParams):
-            per_item = [params or DiffusionParams()] * len(items)
-        else:
-            per_item = list(params)
-            if len(per_item) != len(items):
-                raise ValueError(f"{len(per_item)} params for {len(items)} inputs")
+        per_item = params_per_input(params, DiffusionParams, len(items), ("params", "inputs"))
         # Queued requests would never run: a level-0 sleep only pauses, so the engine would
         # queue them rather than refuse.
         if self.engine.is_sleeping():

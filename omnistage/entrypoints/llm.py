@@ -28,6 +28,7 @@ from omnistage.config import offline_stage_config
 from omnistage.entrypoints.llm_outputs import CompletionOutput, RequestOutput, add_output
 from omnistage.entrypoints.llm_vllm_args import refuse_call_arguments, vllm_arguments
 from omnistage.entrypoints.llm_weights import InProcessWeights, NamedTensors, reworded
+from omnistage.entrypoints.offline import params_per_input
 from omnistage.errors import SleepModeDisabledError, StageAsleepError, WeightsInvalidError
 from omnistage.models.processors import Wants
 from omnistage.models.tokenizer import Tokenizer
@@ -175,12 +176,9 @@ class LLM:
                 "the LLM's weights were discarded by sleep(level=2) and woken with "
                 "wake_up(reload=False); call update_weights(...) or wake_up(reload=True) first",
             )
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        params = params_per_input(
+            sampling_params, SamplingParams, len(prompts), ("sampling_params", "prompts")
+        )
         wants = Wants(hidden_states=return_hidden_states)
         requests = [  # every prompt is checked before any starts
             (text, self._preparer.prepare(fields, RequestOptions.of(sampling_params=p), wants))
