@@ -299,14 +299,12 @@ class TransformersRunner:
         ids, more = inputs(prompt)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         torch.manual_seed(SEED)  # token2wav's noise is the first draw after it
-        sequences, waveform = self.model.generate(
+        sequences, waveform = media.greedy_speech(
+            self.model,
             input_ids,
-            speaker=VOICE,
-            thinker_do_sample=False,
-            talker_do_sample=False,
+            VOICE,
+            s,
             talker_eos_token_id=self.codec_stops,
-            thinker_max_new_tokens=s.thinker_tokens,
-            talker_max_new_tokens=s.talker_tokens,
             token2wav_num_steps=s.num_steps,
             **more,
         )

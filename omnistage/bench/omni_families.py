@@ -197,14 +197,12 @@ class Qwen3Transformers:
 
         start = time.perf_counter()
         with media.patched(model.code2wav, "chunked_decode", chunked_decode), media.quiet():
-            _, waveform = model.generate(
+            _, waveform = media.greedy_speech(
+                model,
                 torch.tensor([ids], device=self.device),
-                speaker=FAMILIES[QWEN3].voice,
-                thinker_do_sample=False,
-                talker_do_sample=False,
+                FAMILIES[QWEN3].voice,
+                s,
                 thinker_eos_token_id=model.config.im_end_token_id,
-                thinker_max_new_tokens=s.thinker_tokens,
-                talker_max_new_tokens=s.talker_tokens,
             )
         seconds = time.perf_counter() - start
         audio_s = waveform.numel() / 24000

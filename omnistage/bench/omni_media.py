@@ -204,6 +204,22 @@ def speech_rate(requests: int, audio_s: float, seconds: float) -> dict[str, Any]
     }
 
 
+def greedy_speech(
+    model: Any, input_ids: torch.Tensor, voice: str, settings: Any, **more: Any
+) -> Any:
+    """transformers' ``generate`` of an omni model, greedy (thinker and talker) in ``voice``,
+    with the ``settings``' thinker and talker token counts: its (sequences, waveform)."""
+    return model.generate(
+        input_ids,
+        speaker=voice,
+        thinker_do_sample=False,
+        talker_do_sample=False,
+        thinker_max_new_tokens=settings.thinker_tokens,
+        talker_max_new_tokens=settings.talker_tokens,
+        **more,
+    )
+
+
 def throughput_rows(
     row: Callable[[str, int, Any, float], dict[str, Any]], baseline: Any, runs: dict[int, Any]
 ) -> list[dict[str, Any]]:
