@@ -12,7 +12,7 @@ request's ``MultiModalItem``):
 - an image through ``Qwen2VLImageProcessorPil``: ``pixel_values`` ``[patches, C * T * P *
   P]``, ``image_grid_thw`` ``[1, 3]``;
 - a video's frames (already sampled, ``Video.fps`` apart) as ``Qwen2VLVideoProcessor``
-  makes them, in torch (``omni_inputs.video_pixels``, no torchvision): ``pixel_values_videos``,
+  makes them, in torch (``omni_video.video_pixels``, no torchvision): ``pixel_values_videos``,
   ``video_grid_thw``; with ``use_audio_in_video`` its audio track's ``input_features`` too,
   the run framed by ``<|audio_bos|>``/``<|audio_eos|>`` inside the vision ones and
   interleaved by ``seconds_per_chunk`` chunks, and ``is_video`` ``[length]`` (bool) saying

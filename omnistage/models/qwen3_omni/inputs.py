@@ -15,7 +15,7 @@ output and becomes one ``EncoderInput`` (an AR request's ``MultiModalItem``):
   P]``, ``image_grid_thw`` ``[1, 3]``;
 - a video's frames (already sampled, as the media layer decodes them) as transformers'
   ``Qwen2VLVideoProcessor`` makes them (no frame sampling of its own), in torch
-  (``omni_inputs.video_pixels``, no torchvision): ``pixel_values_videos``,
+  (``omni_video.video_pixels``, no torchvision): ``pixel_values_videos``,
   ``video_grid_thw``, within the processor's own frame bounds (``VIDEO_MIN_PIXELS`` ..
   ``VIDEO_MAX_PIXELS``, 128 to 768 merged 32-pixel patches) unless the request gives
   pixel bounds; its temporal patches ``temporal_patch_size / fps`` seconds apart, at the
