@@ -58,20 +58,26 @@ class Checkpoint:
 
 
 class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcessors):
-    """``label``: the family's name for people (in errors); ``package``: where its
-    ``pipeline.yaml`` is; ``processors``: its hand-offs by short name. Where its code is
-    (``module:name``, imported when first asked): ``prompt_processor_class`` (the thinker's
-    prompt processor, built from the folder), ``talker_setup`` (the function of the folder
-    that says what the talker asks of its requests: its voices and codec ids) and
+    """``label``: the family's name for people (in errors); ``package``: its package, which
+    holds its ``pipeline.yaml``, its hand-offs (``processors.THINKER_TO_TALKER`` and
+    ``processors.TALKER_TO_CODE2WAV``: ``processors``, by short name) and what the talker asks
+    of its requests (``talker.request_setup``, a function of the folder: its voices and codec
+    ids). Where the rest of its code is (``module:name``, imported when first asked):
+    ``prompt_processor_class`` (the thinker's prompt processor, built from the folder) and
     ``vocoder_class`` (the code2wav part's module, built from the folder and an arena)."""
 
     name: str
     label: str
     package: str
-    processors: Mapping[str, str] = {}
     prompt_processor_class: str
-    talker_setup: str
     vocoder_class: str
+
+    def __init__(self) -> None:
+        self.processors: Mapping[str, str] = {
+            "thinker_to_talker": f"{self.package}.processors:THINKER_TO_TALKER",
+            "talker_to_code2wav": f"{self.package}.processors:TALKER_TO_CODE2WAV",
+        }
+        self.talker_setup = f"{self.package}.talker:request_setup"
 
     def pipeline(self) -> list[dict[str, Any]]:
         return load_template(self.package, "pipeline.yaml")

@@ -34,12 +34,7 @@ class Qwen3OmniFamily(OmniFamily):
     name = FAMILY_NAME
     label = "Qwen3-Omni"
     package = __name__
-    processors = {
-        "thinker_to_talker": f"{__name__}.processors:THINKER_TO_TALKER",
-        "talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV",
-    }
     prompt_processor_class = f"{__name__}.inputs:Qwen3OmniPromptProcessor"
-    talker_setup = f"{__name__}.talker:request_setup"
     vocoder_class = f"{__name__}.code2wav:Code2WavVocoder"  # its causal decoder
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
