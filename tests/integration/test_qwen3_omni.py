@@ -180,15 +180,23 @@ async def test_streamed_speech_is_the_whole_synthesis_bit_for_bit(streamed, refe
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-async def test_a_long_streamed_reply_joins_into_the_whole_synthesis(whole, streamed, threads):
+async def test_a_long_streamed_reply_joins_into_the_whole_synthesis(folder, threads):
     """Pieces cut inside code2wav's first 300-frame window: bit for bit with one torch
-    thread; with two, within 2e-5 (oneDNN splits a long convolution's work by its length)."""
+    thread; with two, within 2e-5 (oneDNN splits a long convolution's work by its length).
+
+    Pipelines of their own, made after the thread count is set: a thread takes torch's count
+    when it first computes and keeps it (OpenMP's is per thread), so the module's pipelines,
+    whose stage threads computed before, would keep whatever count they started with."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    streamed = AsyncOmni.from_model(folder, in_process=True)
+    whole = Omni.from_model(folder, in_process=True, stream=False)
     try:
         pieces, final = await stream_speech(streamed, "text", LONG_TALKER_TOKENS)
         (out,) = await asyncio.to_thread(speak, whole, ["text"], LONG_TALKER_TOKENS)
     finally:
+        streamed.shutdown()
+        whole.shutdown()
         torch.set_num_threads(previous)
     (audio,) = out.audio
     assert len(audio.codes) == 4 * (LONG_TALKER_TOKENS - 1) and final.codes == audio.codes
