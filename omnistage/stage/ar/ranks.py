@@ -239,6 +239,12 @@ class TensorParallelWorker:
             raise StageInternalError(
                 f"ranks planned different KV caches: {[self.local.num_kv_blocks, *others]} blocks"
             )
+        # what the engine reads: rank 0's, fixed for the worker's life (no CUDA graphs here)
+        self.arena: Arena = self.local.arena
+        self.sleep_control = self.local.sleep_control
+        self.runner = self.local.runner
+        self.num_kv_blocks: int = self.local.num_kv_blocks
+        self.has_cuda_graphs = False
         self.dead: str | None = None
         self._full: dict[str, torch.Tensor] | None = None
         self._synced = RankWeights(self.local)
@@ -255,26 +261,6 @@ class TensorParallelWorker:
             raise StageInternalError(f"a tensor-parallel rank died: {self.dead}")
 
     # -- what the engine reads -------------------------------------------------------------
-
-    @property
-    def arena(self) -> Arena:
-        return self.local.arena
-
-    @property
-    def sleep_control(self) -> Any:
-        return self.local.sleep_control
-
-    @property
-    def runner(self) -> Any:
-        return self.local.runner
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.local.num_kv_blocks
-
-    @property
-    def has_cuda_graphs(self) -> bool:
-        return False
 
     @property
     def rank_pids(self) -> list[int | None]:
