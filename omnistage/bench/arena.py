@@ -1,37 +1,14 @@
 """Arena sleep/wake throughput against a plain copy of the same bytes, measured in the same run.
 
-For each size, one arena tensor under the tag ``weights`` goes through:
+``run`` writes one table row per size (``bench_size``; on the host one per offload mode): one
+arena tensor under the tag ``weights`` slept at level 1 (``offload_*``, against a plain
+``copy_`` of the same bytes: device ↔ pinned host on CUDA, host ↔ host on the CPU) and at
+level 2 (``discard_*``), with the memory each sleep freed and whether every wake gave the
+bytes back. ``DeviceOps`` holds what differs between CUDA and the host. Timings are medians
+of ``repeats`` cycles after one untimed warm-up; results are written after each size.
 
-- the **baseline**: a plain ``copy_`` of the same bytes, in both directions, between the arena
-  tensor and a second buffer. What that buffer is depends on the device:
-
-  - ``cuda:N``: a *pinned host* buffer, so ``copy_out_gbps`` is a synchronized device →
-    pinned-host copy (what a level-1 sleep must do) and ``copy_in_gbps`` a synchronized
-    pinned-host → device copy (what a level-1 wake must do);
-  - ``cpu``: a second resident host buffer, so both are resident → resident copies. On the
-    host backend a level-1 offload never leaves host memory: its backup is another host
-    mapping, and the sleep and wake are compared with a plain host copy.
-
-- **level 1** (``offload_*``): ``sleep(offload=["weights"])`` puts the bytes in the host
-  backup and releases the memory; ``wake()`` maps memory again and puts them back. How
-  (column ``offload``): ``copy`` (CUDA; the host where the kernel cannot move pages) copies
-  them; ``move`` (the host's default) moves the pages to the backup and back. On the host
-  each size gets a row per mode, so the two compare against the same baseline in one run.
-  ``sleep_vs_copy`` = ``offload_sleep_gbps / copy_out_gbps``, ``wake_vs_copy`` =
-  ``offload_wake_gbps / copy_in_gbps``. ``bit_exact`` says every wake gave the bytes back.
-  One untimed warm-up cycle comes first (it allocates the host backup, which the arena then
-  keeps between cycles: pinned on CUDA); its sleep is reported as ``first_sleep_ms``.
-- **level 2** (``discard_*``): release without a copy and map fresh memory on wake (a
-  reload from disk is not included).
-- **freed memory** around the level-1 sleep and the level-2 sleep: on CUDA device memory
-  freed, from ``torch.cuda.mem_get_info`` (``device_freed_mib``,
-  ``discard_device_freed_mib``); on the host the drop of this process's RSS
-  (``rss_freed_mib``, ``discard_rss_freed_mib``) — ~0 for level 1 by design, since the
-  host backup lives in the same process.
-
-Every timing is a median of ``repeats`` cycles, and on CUDA the device is synchronized
-before each timing starts and before it stops. Results are written after each size, so a
-run cut short still leaves the sizes it finished.
+See docs/benchmarks.md, "Arena: sleep and wake throughput vs a plain copy" (the columns) and
+"GPU" (the CUDA run).
 """
 
 from __future__ import annotations

@@ -1,33 +1,14 @@
 """Tiny random-initialised Qwen2.5-Omni checkpoints, built with transformers' own classes.
 
-``build_tiny_qwen2_5_omni`` constructs ``transformers.Qwen2_5OmniForConditionalGeneration`` from
-a small ``Qwen2_5OmniConfig`` (thinker text decoder, the smallest audio and vision encoders
-transformers accepts, talker, DiT + BigVGAN token2wav), randomises every parameter from a
-seeded generator and writes what the real ``Qwen/Qwen2.5-Omni-*`` folders hold:
+``build_tiny_qwen2_5_omni`` constructs ``transformers.Qwen2_5OmniForConditionalGeneration``
+from a small ``Qwen2_5OmniConfig`` (sizes in ``tiny_specs``), randomises every parameter from
+a seeded generator and writes what the real ``Qwen/Qwen2.5-Omni-*`` folders hold: config,
+safetensors, ``spk_dict.pt`` voices (``speakers``), a trained byte-level BPE tokenizer with the
+chat template, the preprocessor config. ``build``, ``build_alt`` and ``build_bench`` build the
+specs ``DEFAULT``, ``ALT`` and ``BENCH``. Same spec and seed → byte-identical files.
 
-- ``config.json`` / ``generation_config.json`` and safetensors saved with ``save_pretrained``
-  (keys ``thinker.model.*``, ``thinker.lm_head.*``, ``thinker.audio_tower.*``,
-  ``thinker.visual.*``, ``talker.*``, ``token2wav.code2wav_dit_model.*`` and
-  ``token2wav.code2wav_bigvgan_model.*``, exactly the real checkpoint's names), sharded with
-  a ``model.safetensors.index.json`` when the spec says so;
-- ``spk_dict.pt``: voices ``{"cond": [1, enc_emb_dim], "ref_mel": [1, T, mel_dim],
-  "bos_token": int}`` (float32 tensors; the real file's layout, batch dimension included);
-- ``tokenizer.json`` (byte-level BPE trained with the ``tokenizers`` library; the special
-  tokens come first, so every id a config points to is small) and ``tokenizer_config.json``
-  with Qwen2.5-Omni's chat template (text, audio, image and video parts; a default system
-  message) and ``eos_token`` ``<|im_end|>``;
-- ``preprocessor_config.json``: the real one's keys (Whisper log-mel features, Qwen2-VL
-  image patches), with a small ``max_pixels``.
-
-Deviations from the real model's proportions, each for a random-weights reason:
-
-- the DiT's codec embedding covers the whole talker vocabulary (``num_embeds`` =
-  talker ``vocab_size``; the real one stops below the talker's special ids): a random talker
-  may emit any id, and token2wav must not index out of range;
-- ``dropout`` is 0 in the DiT (0.1 in the real config; inactive in eval mode either way).
-
-Same spec and seed → byte-identical files (no timestamps, no paths; transformers' version is
-recorded in the JSON files, so the bytes are fixed per transformers version).
+See docs/qwen-omni.md, "The tiny checkpoint" (where it departs from the real proportions), and
+docs/adding-a-model.md, "A family of several parts" (what a tiny builder writes).
 """
 
 from __future__ import annotations

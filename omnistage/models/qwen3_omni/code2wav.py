@@ -1,33 +1,14 @@
 """Qwen3-Omni's code2wav loaded into one stage arena: the vocoder the code2wav stage runs.
 
-The module is transformers' own ``Qwen3OmniMoeCode2Wav``, built from ``config.json``'s
-``code2wav_config`` with its parameters on ``meta``, adopted into the arena under tag
-``weights`` and filled by the loader from the checkpoint's ``code2wav.*`` tensors. Always
-float32 with sdpa attention, as transformers builds it. Its non-persistent buffers (the codebook
-offsets, the rotary ``inv_freq``) are derived data that no checkpoint holds: computed for real
-at construction and put on the stage's device.
+``Code2WavVocoder`` builds transformers' own ``Qwen3OmniMoeCode2Wav`` from ``config.json``'s
+``code2wav_config`` on ``meta``, adopts it into the arena under tag ``weights`` and loads the
+checkpoint's ``code2wav.*`` tensors (float32, sdpa attention). Codes arrive flat and
+frame-major. A ``Code2WavSynthesis`` decodes one utterance as ``generate`` does,
+``chunked_decode(codes, chunk_size=300, left_context_size=25)``, one window (``windows``) per
+step, bit for bit; utterances are decoded one at a time, never batched.
 
-Codes arrive flat and frame-major: ``frames * num_quantizers`` ints, frame 0's codes (one per
-quantizer) first. An utterance is decoded as ``Qwen3OmniMoeForConditionalGeneration.generate``
-decodes one sequence, ``code2wav.chunked_decode(codes, chunk_size=300, left_context_size=25)``:
-windows of 300 frames, each after the first computed with the 25 frames before it, whose
-samples are dropped. A ``Code2WavSynthesis`` runs one window per step, calling the module's own
-``forward`` on the same slices, so its waveform is transformers' bit for bit.
-
-That chunking is part of the result, not an implementation detail: a window's decode is
-``frames * samples_per_frame - samples_lost`` samples long (each decoder block's transposed
-conv needs the next frame for its last samples), so ``samples_lost`` samples go missing at
-every window end, and the pre-transformer's sliding-window attention reaches back
-``num_hidden_layers * (sliding_window - 1)`` frames (568 in the real model), beyond 25. An
-utterance over 300 frames therefore sounds different from one ``forward`` over all its frames;
-streaming reproduces ``chunked_decode`` (``code2wav_stream``).
-
-Utterances are decoded one at a time, never batched. The decoder is causal, so padding
-codes after an utterance's end (as transformers pads a batch, cutting each waveform at its
-length) changes none of its samples in exact arithmetic; but the kernels round by shape: on
-the CPU the same utterance zero-padded to a longer decode, or decoded beside another, differs
-from itself alone in the last bits (up to 4e-6 on the tiny preset), and cuDNN and cuBLAS pick
-their kernels by shape too. Batching would break "the same audio as alone".
+See docs/qwen3-omni.md, "Code2wav: the waveform, whole and streamed" (why the windows are part
+of the result, and why no batching).
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """Qwen3-Omni's prompt processor: a tokenized prompt and its decoded media → the thinker's input,
 as transformers' ``Qwen3OmniMoeProcessor`` (5.24) makes it.
 
-The chat template puts one placeholder per medium (``<|audio_start|><|audio_pad|>
-<|audio_end|>``, ``<|vision_start|><|image_pad|><|vision_end|>``,
-``<|vision_start|><|video_pad|><|vision_end|>``); each is expanded to one token per encoder
-output and becomes one ``EncoderInput`` (an AR request's ``MultiModalItem``):
+``Qwen3OmniPromptProcessor`` expands each medium's placeholder to one token per encoder output
+and makes it one ``EncoderInput``: audio as Whisper features, an image as Qwen2-VL patches, a
+video's frames as ``omni_video.video_pixels`` patches them (with ``use_audio_in_video``, its
+audio track merged with them by time), and gives the prompt ``rope_index``'s positions (a video
+whose patch times are not whole numbers of position ids is a 400 naming ``fps``).
+``VIDEO_MIN_PIXELS`` / ``VIDEO_MAX_PIXELS`` are the processor's own frame bounds.
 
-- audio, resampled to 16 kHz with soxr, through the checkpoint's ``WhisperFeatureExtractor``
-  called as the processor calls it (padded to the longest audio of the prompt, never
-  truncated, with its attention mask); ``input_features`` ``[mel, frames]`` keeps the
-  unpadded frames, and the placeholders number ``_get_feat_extract_output_lengths`` of them
-  (13 per whole chunk of ``2 * n_window`` frames, and the rest's 8x downsampling);
-- an image through ``Qwen2VLImageProcessorPil``: ``pixel_values`` ``[patches, C * T * P *
-  P]``, ``image_grid_thw`` ``[1, 3]``;
-- a video's frames (already sampled, as the media layer decodes them) as transformers'
-  ``Qwen2VLVideoProcessor`` makes them (no frame sampling of its own), in torch
-  (``omni_video.video_pixels``, no torchvision): ``pixel_values_videos``,
-  ``video_grid_thw``, within the processor's own frame bounds (``VIDEO_MIN_PIXELS`` ..
-  ``VIDEO_MAX_PIXELS``, 128 to 768 merged 32-pixel patches) unless the request gives
-  pixel bounds; its temporal patches ``temporal_patch_size / fps`` seconds apart, at the
-  request's ``fps``, else the video's own (``Video.fps``; transformers' processor would take
-  1.0 when given none). With ``use_audio_in_video`` its audio track's ``input_features`` too
-  (padded with the prompt's other audio, as the processor batches them), the run framed by
-  ``<|audio_start|>``/``<|audio_end|>`` inside the vision tokens and merged by time (a video
-  token at its patch's time ``t * seconds_per_grid * position_id_per_seconds``, an audio
-  token at its index, a video token first on ties; ``rope_index.time_order``), and
-  ``is_video`` ``[length]`` (bool) saying which of the run's tokens are video ones.
-
-Positions are ``rope_index``'s: integers, equal to transformers' float32 ones, so a video
-whose patch times are not whole numbers of position ids (e.g. at 3 or 4 frames per second:
-8.67 or 6.5 ids per patch; 2 and 1 give 13 and 26) is refused with a 400 naming ``fps``
-rather than rounded. Per-request options (vLLM's ``mm_processor_kwargs``):
-``use_audio_in_video``, ``fps``, ``min_pixels`` / ``max_pixels`` (images and video frames,
-as transformers' flat kwargs; each within the checkpoint's image bounds).
+See docs/qwen3-omni.md, "Placing media in the prompt" and "Video".
 """
 
 from __future__ import annotations

@@ -1,33 +1,15 @@
 """Qwen3-Omni's 3-D rotary positions of one prompt, as transformers'
 ``Qwen3OmniMoePreTrainedModelForConditionalGeneration.get_rope_index`` computes them for one
-unpadded prompt of text, audio, pictures and video (transformers 5.24/5.25,
-``modeling_qwen3_omni_moe.py`` l. 220-464; the decoder turns them by interleaved sections,
-``RopeConfig.mrope_interleaved``).
+unpadded prompt of text, audio, pictures and video (transformers 5.24/5.25).
 
-Each position has three rows (time, height, width). Text takes the same value in all three,
-one more than the piece before it. A picture's or video's run takes its merged patch grid:
-time ``t * position_id_per_seconds`` for an image, ``t * seconds_per_grid *
-position_id_per_seconds`` for a video's temporal patch ``t``, height and width the merged
-patch's row and column, all offset by where the run starts. An audio run counts up like
-text, one position per encoder output. The start and end tokens framing a run take one
-position each. A video with its audio track (``use_audio_in_video``) takes both runs'
-positions, each from the run's start, merged by time (``time_order``: a video column before
-an audio one of the same time), framed by two start and two end tokens, each taking a
-position of its own (Qwen2.5-Omni's pairs share one).
+``rope_index`` walks the prompt's pieces (``omni_rope``) with Qwen3-Omni's placement: text and
+audio count up, a picture's or video's run takes its merged patch grid (``vision_positions``,
+times from ``video_times``), a video with its audio track merges both runs by time
+(``time_order``). transformers' quirks are kept so that the positions equal its own; they are
+integers, so a video whose times are not whole (``has_whole_times``) is refused by the
+processor, never rounded.
 
-transformers' quirks, kept so that the positions equal its own:
-
-- every value after a piece is the maximum of that piece (not of everything so far) plus one;
-  after a video-with-audio run the piece is the run's tail: the stream left over when the
-  other ran out (all three rows of it);
-- a prompt with no picture and no video gets plain positions ``0 .. n - 1`` in all three rows
-  even when it holds audio (transformers takes its 3-D branch only when there is a grid);
-- transformers computes them in float32, without rounding: an image's time is a whole
-  number for a whole ``position_id_per_seconds`` (a fractional rate is refused where the
-  processor is built), a video's only at some frame rates (``video_times``; 13 position ids
-  per temporal patch of two frames at 2 frames per second in the published checkpoint). The
-  positions here are integers: a video whose times are not whole is refused by the
-  processor, never rounded.
+See docs/qwen3-omni.md, "Rotary positions".
 """
 
 from __future__ import annotations

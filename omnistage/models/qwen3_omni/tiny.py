@@ -1,34 +1,14 @@
 """Tiny random-initialised Qwen3-Omni checkpoints, built with transformers' own classes.
 
 ``build_tiny_qwen3_omni`` constructs ``transformers.Qwen3OmniMoeForConditionalGeneration``
-from a small ``Qwen3OmniMoeConfig`` (sizes in ``tiny_specs``: MoE thinker with qk-norm and
-interleaved mRoPE, audio and vision encoders with deepstack, MoE talker with a shared expert,
-code predictor, code2wav), randomises every parameter from a seeded generator and writes what
-the real ``Qwen/Qwen3-Omni-30B-A3B-Instruct`` folder holds:
+from a small ``Qwen3OmniMoeConfig`` (sizes in ``tiny_specs``), randomises every parameter from
+a seeded generator (``randomise``, with the ``GAINS``) and writes what the real
+``Qwen/Qwen3-Omni-30B-A3B-Instruct`` folder holds: config, safetensors, a trained byte-level
+BPE tokenizer with the chat template, the preprocessor config. Same spec and seed →
+byte-identical files.
 
-- ``config.json`` / ``generation_config.json`` and safetensors saved with ``save_pretrained``
-  (keys ``thinker.model.*``, ``thinker.lm_head.*``, ``thinker.audio_tower.*``,
-  ``thinker.visual.*``, ``talker.*``, ``code2wav.*``, the real checkpoint's names), sharded
-  with a ``model.safetensors.index.json`` when the spec says so;
-- ``tokenizer.json`` (byte-level BPE trained with the ``tokenizers`` library; the special
-  tokens come first, in the real ids' order, so every id a config points to is small; "user",
-  "assistant" and "system" are single BPE tokens, as in the real vocabulary, because the talker
-  finds the turns by ``<|im_start|>`` + role id) and ``tokenizer_config.json`` with a
-  Qwen3-Omni chat template (text, audio, image and video parts, no default system message),
-  ``eos_token`` ``<|im_end|>`` and the processor's media tokens (``extra_special_tokens``);
-- ``preprocessor_config.json``: the real one's keys (Whisper log-mel features, Qwen2-VL image
-  patches of 16 pixels), with a small ``max_pixels``, so that
-  ``Qwen3OmniMoeProcessor.from_pretrained(folder)`` reads the folder (audio and images; its
-  video processor needs torchvision).
-
-Talker vocabulary: ``codebook_size`` codes, then a block of exactly 1024 ids holding the codec
-specials at the real offsets (pad/bos/eos at +100/+101/+102, nothink/think at +107..+109,
-voices at +253..+255). transformers' ``generate`` suppresses the top 1024 talker ids except
-codec_eos, so this is the one layout in which every code stays sampleable, as in the real one
-(2048 + 1024 = 3072).
-
-Same spec and seed → byte-identical files (no timestamps, no paths; transformers' version is
-recorded in the JSON files, so the bytes are fixed per transformers version).
+See docs/qwen3-omni.md, "The tiny checkpoint" (its sizes, talker vocabulary and tokenizer),
+and docs/adding-a-model.md, "A family of several parts" (what a tiny builder writes).
 """
 
 from __future__ import annotations
