@@ -28,6 +28,7 @@ LAYERS = {
     "cli": 7,
 }
 MAX_LINES = 430
+MAX_DOCSTRING_LINES = 30
 
 
 def modules() -> dict[str, Path]:
@@ -121,6 +122,16 @@ def test_no_import_circle():
 def test_no_module_is_oversized(name):
     lines = len(modules()[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{name} has {lines} lines; split it"
+
+
+def test_no_module_docstring_is_a_design_essay():
+    """A module docstring says what the module does and points to docs/ for the why."""
+    long = {}
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if doc.count("\n") + 1 > MAX_DOCSTRING_LINES:
+            long[name] = doc.count("\n") + 1
+    assert not long, f"move the design prose to docs/: {long}"
 
 
 def _writes_gate_state(node: ast.AST) -> bool:
