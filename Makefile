@@ -19,7 +19,7 @@ CHROMIUM := command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || ! command 
 	|| $(APT_GET) install chromium >/dev/null 2>&1 \
 	|| { $(APT_GET) update >/dev/null 2>&1 && $(APT_GET) install chromium >/dev/null 2>&1; } || true
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	( $(CHROMIUM) ) & chromium=$$!; \
 	test -x $(BIN)/python || $(PY) -m venv $(VENV); \
 	$(BIN)/python -m pip install -q --upgrade pip \
@@ -27,13 +27,16 @@ $(VENV)/.installed: pyproject.toml
 		$(BIN)/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
 	fi \
 	&& $(BIN)/python -m pip install -q -e ".[dev]" \
-	&& $(BIN)/python -m pip install -q --no-deps "trl==1.16.*"; \
+	&& $(BIN)/python -m pip install -q --no-deps "trl==1.16.*" "qwen-tts-hf==0.1.1.post1"; \
 	status=$$?; wait $$chromium; exit $$status
 	@# Without an NVIDIA driver the CPU build of torch is taken first (a bare `torch` requirement
 	@# would otherwise pull a multi-GB CUDA build). TRL's own vLLM client (what GRPOTrainer uses
 	@# in server mode), driven against `omnistage serve` by tests/e2e/test_trl_client.py, needs
 	@# torch, transformers and requests only; trl's training dependencies (datasets, pandas,
-	@# pyarrow, accelerate) would add a minute to every set-up.
+	@# pyarrow, accelerate) would add a minute to every set-up. The official qwen-tts package
+	@# (qwen-tts-hf, its build for transformers 5) is the Qwen3-TTS tests' reference, without
+	@# its dependencies (librosa, torchaudio, sox, onnxruntime, gradio): tests/qwen3_tts_reference.py
+	@# stubs those the 12 Hz paths never call.
 	touch $@
 
 serve: install
