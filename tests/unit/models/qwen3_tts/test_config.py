@@ -24,8 +24,8 @@ def talker_config() -> dict:
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 8, "text_vocab_size": 200, "text_hidden_size": 24, "num_code_groups": 16,
         "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "interleaved": True},
-        "spk_id": {"Vivian": 1010, "dylan": 1011},
-        "spk_is_dialect": {"Vivian": False, "dylan": "beijing_dialect"},
+        "spk_id": {"vivian": 1010, "dylan": 1011},
+        "spk_is_dialect": {"vivian": False, "dylan": "beijing_dialect"},
         "codec_language_id": {"chinese": 1020, "english": 1021, "beijing_dialect": 1022},
         "code_predictor_config": {
             "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
