@@ -1,0 +1,200 @@
+"""Qwen3-TTS's speech-tokenizer decoder (``models/qwen3_tts/code2wav.py``) against the official
+``qwen-tts`` package: a tiny ``Qwen3TTSTokenizerV2Model`` with random weights (a fresh one
+decodes to exact zeros) is saved as a checkpoint's ``speech_tokenizer`` folder, and ours,
+loaded from it into an arena, decodes bit for bit as the reference's decoder does: one
+``forward`` on short and long codes and a batch, and ``chunked_decode`` past its 300-frame
+windows. A checkpoint that lacks a tensor, has one of another shape, or a bad
+``decoder_config`` is a ``CheckpointError`` naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from omnistage.errors import CheckpointError
+from omnistage.memory import Arena
+from omnistage.models.qwen3_tts.code2wav import Qwen3TTSDecoder
+from tests.qwen3_tts_reference import qwen_tts
+
+ENCODER = dict(
+    hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
+    kernel_size=7, last_kernel_size=3, residual_kernel_size=3, dilation_growth_rate=2,
+    codebook_size=64, codebook_dim=16, num_quantizers=32, num_semantic_quantizers=1,
+    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+    intermediate_size=32, sliding_window=250, frame_rate=12.5, sampling_rate=24000,
+    upsample_groups=16, vector_quantization_hidden_dimension=16,
+)  # fmt: skip
+# head_dim: the heads are twice the hidden width wide, as in the published decoder
+DECODER = dict(
+    codebook_size=64, hidden_size=32, latent_dim=32, codebook_dim=16, num_attention_heads=2,
+    num_key_value_heads=2, head_dim=32, sliding_window=8, num_hidden_layers=2,
+    intermediate_size=64, num_quantizers=16, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
+    decoder_dim=32,
+)  # fmt: skip
+SAMPLES_PER_FRAME = 1920
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Every weight drawn from a seeded generator: the codebooks' sums normal, SnakeBeta's
+    log-scales ``alpha``/``beta`` normal(0, 0.1), the rest normal(0, 0.2) around their
+    initial values (cluster usage kept positive, as a trained codebook's is)."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("embedding_sum"):
+                param.copy_(noise)
+            elif name.endswith("cluster_usage"):
+                param.copy_(0.5 + noise.abs())
+            elif name.endswith((".alpha", ".beta")):
+                param.copy_(0.1 * noise)
+            else:
+                param.add_(0.2 * noise)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint folder whose ``speech_tokenizer`` is the tiny reference model's save."""
+    qwen_tts()
+    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
+        Qwen3TTSTokenizerV2Config,
+    )
+    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+        Qwen3TTSTokenizerV2Model,
+    )
+
+    config = Qwen3TTSTokenizerV2Config(
+        encoder_config=ENCODER, decoder_config=DECODER, encoder_valid_num_quantizers=16
+    )
+    model = Qwen3TTSTokenizerV2Model(config).eval()
+    randomize(model)
+    folder = tmp_path_factory.mktemp("qwen3_tts")
+    model.save_pretrained(folder / "speech_tokenizer")
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return checkpoint[1].decoder
+
+
+@pytest.fixture(scope="module")
+def ours(checkpoint):
+    arena = Arena("cpu")
+    yield Qwen3TTSDecoder.from_folder(checkpoint[0], arena)
+    arena.close()
+
+
+def codes_of(frames: int, batch: int = 1) -> torch.Tensor:
+    return torch.randint(
+        0, 64, (batch, 16, frames), generator=torch.Generator().manual_seed(frames + batch)
+    )
+
+
+@pytest.mark.parametrize("frames", [1, 7, 40])
+def test_forward_is_the_references_bit_for_bit(ours, reference, frames):
+    codes = codes_of(frames)
+    with torch.no_grad():
+        expected = reference(codes)
+    got = ours.decode(codes)
+    assert got.shape == (1, 1, frames * SAMPLES_PER_FRAME)
+    assert expected.abs().amax() > 0  # random weights: not the fresh model's silence
+    assert torch.equal(got, expected)
+
+
+def test_a_batch_is_the_references_batch(ours, reference):
+    codes = codes_of(12, batch=2)
+    with torch.no_grad():
+        expected = reference(codes)
+    got = ours.decode(codes)
+    assert got.shape == (2, 1, 12 * SAMPLES_PER_FRAME)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("frames", [330, 620])
+def test_chunked_decode_is_the_references_across_windows(ours, reference, frames):
+    codes = codes_of(frames)
+    with torch.no_grad():
+        expected = reference.chunked_decode(codes)
+    got = ours.chunked_decode(codes)
+    assert got.shape == (1, 1, frames * SAMPLES_PER_FRAME)
+    assert torch.equal(got, expected)
+    # the windows are part of the result: one forward over all frames differs
+    assert not torch.equal(got, ours.decode(codes))
+
+
+def test_the_decoder_takes_only_the_decoder_tensors(ours, checkpoint):
+    saved = load_file(checkpoint[0] / "speech_tokenizer" / "model.safetensors")
+    decoder = {name for name in saved if name.startswith("decoder.")}
+    assert set(ours.weight_targets()) == decoder
+    assert any(name.startswith("encoder.") for name in saved)
+    assert ours.samples_per_frame == SAMPLES_PER_FRAME and ours.sample_rate == 24000
+
+
+def edited(checkpoint, tmp_path, *, tensors=None, config=None):
+    """A copy of the checkpoint's speech tokenizer with its tensors or config edited."""
+    source = checkpoint[0] / "speech_tokenizer"
+    target = tmp_path / "speech_tokenizer"
+    shutil.copytree(source, target)
+    if tensors is not None:
+        saved = load_file(source / "model.safetensors")
+        tensors(saved)
+        save_file(saved, target / "model.safetensors")
+    if config is not None:
+        raw = json.loads((source / "config.json").read_text())
+        config(raw)
+        (target / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def test_a_missing_tensor_is_named(checkpoint, tmp_path):
+    name = "decoder.quantizer.rvq_rest.vq.layers.3._codebook.embedding_sum"
+    folder = edited(checkpoint, tmp_path, tensors=lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=name):
+        Qwen3TTSDecoder.from_folder(folder, Arena("cpu"))
+
+
+def test_a_tensor_of_another_shape_is_named(checkpoint, tmp_path):
+    name = "decoder.pre_conv.conv.weight"
+
+    def reshape(tensors):
+        tensors[name] = torch.zeros(32, 16, 5)
+
+    with pytest.raises(CheckpointError, match=f"shape mismatch for {name}"):
+        Qwen3TTSDecoder.from_folder(edited(checkpoint, tmp_path, tensors=reshape), Arena("cpu"))
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("hidden_size", "wide"), ("upsample_rates", [8, 0]), ("codebook_dim", None)],
+)
+def test_a_bad_config_key_is_named(checkpoint, tmp_path, key, value):
+    def edit(raw):
+        if value is None:
+            del raw["decoder_config"][key]
+        else:
+            raw["decoder_config"][key] = value
+
+    folder = edited(checkpoint, tmp_path, config=edit)
+    with pytest.raises(CheckpointError, match=f"decoder_config.{key}"):
+        Qwen3TTSDecoder.from_folder(folder, Arena("cpu"))
+
+
+def test_a_folder_without_the_tokenizer_config_is_refused(checkpoint, tmp_path):
+    folder = edited(checkpoint, tmp_path, config=lambda raw: raw.update(model_type="mimi"))
+    with pytest.raises(CheckpointError, match="model_type"):
+        Qwen3TTSDecoder.from_folder(folder, Arena("cpu"))
+    with pytest.raises(CheckpointError, match="config.json"):
+        Qwen3TTSDecoder.from_folder(tmp_path / "nowhere", Arena("cpu"))
