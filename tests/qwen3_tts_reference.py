@@ -6,12 +6,15 @@ paths never call: the 25 Hz tokenizer's ``torchaudio``, ``sox``, ``onnxruntime``
 ``einops``, and ``librosa``, of which only ``filters.mel`` runs (a cloned voice's speaker
 embedding). Those are stubbed here: a call to any stub but ``librosa.filters.mel`` raises, and
 ``librosa.filters.mel`` is librosa's own formula (Slaney mel scale and norm, as the reference
-calls it), transcribed. Two places where the package breaks on transformers 5.25 are restored
-to what it meant: its rope registry entry ``default`` reads ``config.rope_theta``, which
-transformers' Mimi config no longer has (it falls back to ``rope_parameters``), and its Mimi
+calls it), transcribed. Three places where the package breaks on transformers 5.25 are
+restored to what it meant: its rope registry entry ``default`` reads ``config.rope_theta``,
+which transformers' Mimi config no longer has (it falls back to ``rope_parameters``); its Mimi
 encoder subclass assigns attributes that are now read-only properties (it is built as
-``MimiModel`` is, with no decoder). The 12 Hz decoder, the talker and the code predictor run
-as published.
+``MimiModel`` is, with no decoder); and ``generate`` now hands a model its KV cache as
+``cache``, which the talker's and the code predictor's ``forward`` (taking ``past_key_values``)
+dropped into ``**kwargs`` — every decode step then saw only its own token (it is passed on as
+``past_key_values``). Its ``save_pretrained`` fails too (``_tied_weights_keys`` a list where
+transformers wants a dict): tests write its state dict with safetensors.
 """
 
 from __future__ import annotations
@@ -155,6 +158,27 @@ def _restore_for_transformers_5_25() -> None:
         self.decoder = None
 
     v2.Qwen3TTSTokenizerV2Encoder.__init__ = encoder_init
+
+    from qwen_tts.core.models import modeling_qwen3_tts as tts
+
+    for cls in (
+        tts.Qwen3TTSTalkerForConditionalGeneration,
+        tts.Qwen3TTSTalkerCodePredictorModelForConditionalGeneration,
+    ):
+        cls.forward = _taking_cache(cls.forward)
+
+
+def _taking_cache(forward: Any) -> Any:
+    """``forward`` given its KV cache as ``cache`` (transformers 5.25) or ``past_key_values``."""
+    import functools
+
+    @functools.wraps(forward)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if "cache" in kwargs and kwargs.get("past_key_values") is None:
+            kwargs["past_key_values"] = kwargs.pop("cache")
+        return forward(self, *args, **kwargs)
+
+    return call
 
 
 @cache

@@ -69,6 +69,12 @@ FAMILIES: tuple[FamilyEntry, ...] = (
         ("qwen3_omni_moe",),
     ),
     FamilyEntry(
+        "qwen3_tts",
+        "omnistage.models.qwen3_tts",
+        ("Qwen3TTSForConditionalGeneration",),
+        ("qwen3_tts",),
+    ),
+    FamilyEntry(
         "pixart",
         "omnistage.models.diffusion.pixart",
         pipeline_classes=("PixArtAlphaPipeline", "PixArtSigmaPipeline"),

@@ -35,7 +35,11 @@ def stages_of(*argv: str):
         (["--kv-cache-memory-bytes", "2GB"], "ar.kv_cache_memory", 2 * 10**9),
         (["--no-enable-prefix-caching"], "ar.enable_prefix_caching", False),
         (["--enable-prefix-caching"], "ar.enable_prefix_caching", True),
-        (["--device", "cuda:1", "--gpu-memory-utilization", "0.5"], "ar.gpu_memory_utilization", 0.5),
+        (
+            ["--device", "cuda:1", "--gpu-memory-utilization", "0.5"],
+            "ar.gpu_memory_utilization",
+            0.5,
+        ),
         (["--enable-sleep-mode", "--idle-sleep-s", "9"], "idle_sleep_s", 9.0),
     ],
 )
@@ -62,7 +66,11 @@ def test_flags_reach_a_yaml_pipeline_given_by_vllm_omnis_flag_name(tmp_path):
         " kv_cache_memory: 32MiB, dtype: half}\n"
     )
     (stage,) = stages_of("--stage-configs-path", str(config), "--max-num-seqs", "3")
-    assert (stage.ar.max_num_seqs, stage.ar.kv_cache_memory, stage.dtype) == (3, 32 << 20, "float16")
+    assert (stage.ar.max_num_seqs, stage.ar.kv_cache_memory, stage.dtype) == (
+        3,
+        32 << 20,
+        "float16",
+    )
 
 
 def test_the_positional_model_is_the_model(tmp_path):

@@ -131,31 +131,48 @@ class CodePredictor(nn.Module):
         """Codes ``[B, groups - 1]`` and their embeddings (one ``[B, hidden]`` per code)."""
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []
         x = torch.stack([last_hidden, first_embeds], dim=1)
-        hidden = self._forward(x, 0, cache)[:, -1]
+        hidden = self._forward(self.project(x), 0, cache)[:, -1]
         codes: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
         for step in range(self.groups - 1):
             logits = cast(nn.Linear, self.lm_head[step])(hidden)
-            code = _choose(logits, greedy, generators)
+            code = self.choose(logits, greedy, generators)
             codes.append(code)
             embeds.append(cast(nn.Embedding, self.model.codec_embedding[step])(code))
             if step + 1 < self.groups - 1:
-                hidden = self._forward(embeds[-1][:, None], step + 2, cache)[:, -1]
+                hidden = self._forward(self.project(embeds[-1][:, None]), step + 2, cache)[:, -1]
         return torch.stack(codes, dim=1), embeds
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The predictor's inputs in its own width (here they are already)."""
+        return x
 
-def _choose(
-    logits: torch.Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator]
+    def choose(
+        self, logits: torch.Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator]
+    ) -> torch.Tensor:
+        """Each row's code (transformers' fixed top-k / top-p for a sampled one)."""
+        return choose_codes(logits, greedy, generators)
+
+
+def choose_codes(
+    logits: torch.Tensor,
+    greedy: Sequence[bool],
+    generators: Sequence[torch.Generator],
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Each row's code: the argmax, or a top-k / top-p draw from its generator."""
+    """Each row's code: the argmax, or a top-k / top-p draw (at ``temperature``) from its
+    generator."""
     chosen = logits.argmax(dim=-1)
     for row, is_greedy in enumerate(greedy):
         if is_greedy:
             continue
-        values, ids = torch.topk(logits[row].float(), min(TOP_K, logits.shape[-1]))
+        scaled = logits[row].float() if temperature == 1.0 else logits[row].float() / temperature
+        values, ids = torch.topk(scaled, min(top_k, logits.shape[-1]))
         probs = torch.softmax(values.double(), dim=-1)
-        # top-p as transformers keeps it: the fewest most likely codes reaching TOP_P
-        keep = probs.cumsum(0) - probs < TOP_P
+        # top-p as transformers keeps it: the fewest most likely codes reaching top_p
+        keep = probs.cumsum(0) - probs < top_p
         probs = torch.where(keep, probs, torch.zeros_like(probs)).float()
         pick = torch.multinomial(probs, 1, generator=generators[row])
         chosen[row] = ids[pick.to(ids.device)].squeeze()

@@ -110,7 +110,10 @@ def talker_config(raw: dict[str, Any]) -> ARModelConfig:
     return dataclasses.replace(config, rope=rope)
 
 
-class _ResizeMLP(nn.Module):
+class ResizeMLP(nn.Module):
+    """Two linear layers with biases and SiLU between: transformers' (and qwen-tts') talker
+    projections, ``width -> inner -> hidden``."""
+
     def __init__(self, inner: int, hidden: int, dtype: torch.dtype, width: int) -> None:
         super().__init__()
         self.linear_fc1 = nn.Linear(width, inner, bias=True, dtype=dtype)
@@ -127,8 +130,8 @@ class Talker(CausalLM):
         super().__init__(config, dtype, tp)
         width = (config.inputs_embeds_size or 1) - 1
         args = (config.intermediate_size, config.hidden_size, dtype, width)
-        self.text_projection = _ResizeMLP(*args)
-        self.hidden_projection = _ResizeMLP(*args)
+        self.text_projection = ResizeMLP(*args)
+        self.hidden_projection = ResizeMLP(*args)
         predictor = predictor_config(dict(config.extras["code_predictor"]))
         self.code_predictor = CodePredictor(predictor, config.code_groups, dtype)
 

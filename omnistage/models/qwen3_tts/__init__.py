@@ -1,4 +1,65 @@
-"""Qwen3-TTS (the 12 Hz tokenizer's checkpoints): a talker with its code predictor speaks text as
-frames of 16 codes, and the speech tokenizer's decoder turns them into a 24 kHz waveform. Not
-served yet: the parts land one at a time (the decoder first), each equal to the official
-``qwen-tts`` package."""
+"""Qwen3-TTS (the 12 Hz tokenizer's checkpoints, ``model_type: qwen3_tts``): a talker with its
+code predictor speaks text as frames of 16 codes, and the speech tokenizer's decoder turns them
+into a 24 kHz waveform. Its parts land one at a time, each equal to the official ``qwen-tts``
+package: ``config`` (the checkpoint's settings), ``prompt`` (the talker's prompt rows),
+``talker`` (the talker as an AR stage runs it). Not served yet: a folder is refused with a
+clear error until the decoder stage and ``/v1/audio/speech`` are in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from omnistage.errors import CheckpointError
+from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.family import Rename
+from omnistage.models.interfaces import ARFamily
+
+if TYPE_CHECKING:  # read before any model code loads (no torch at import)
+    import torch
+
+    from omnistage.models.decoder import CausalLM
+    from omnistage.models.tensor_parallel import TPGroup
+
+FAMILY_NAME = "qwen3_tts"
+TALKER_PART = "talker"
+
+
+class Qwen3TTSFamily(ARFamily):
+    name = FAMILY_NAME
+
+    def pipeline(self) -> list[dict[str, Any]]:
+        raise CheckpointError(
+            "Qwen3-TTS checkpoints are not served yet (its talker is; its speech decoder "
+            "stage and /v1/audio/speech are not)"
+        )
+
+    def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
+        if part not in (None, TALKER_PART):
+            raise CheckpointError(
+                f"model_stage: a Qwen3-TTS checkpoint's decoder part is {TALKER_PART!r}, got {part!r}"
+            )
+        from omnistage.models.qwen3_tts.talker import talker_config
+
+        return talker_config(raw)
+
+    def build_decoder(
+        self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None
+    ) -> CausalLM:
+        from omnistage.models.qwen3_tts.talker import build_talker
+
+        return build_talker(config, dtype, tp)
+
+    def rename(self, part: str | None = None) -> Rename:
+        from omnistage.models.qwen3_tts.talker import talker_rename
+
+        return talker_rename
+
+    def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
+        from omnistage.models.qwen3_tts.config import read_config
+
+        tts = read_config(folder)
+        return {"stop_token_ids": [tts.codec.eos]}
+
+
+FAMILY = Qwen3TTSFamily()

@@ -1,0 +1,162 @@
+"""Qwen3-TTS's talker: a dense Qwen3 decoder over codec ids whose step emits a frame of
+``num_code_groups`` codes — the first from its ``codec_head``, the others from its code
+predictor — and takes the frame's summed embeddings plus the step's trailing text row as its
+next input (``prompt.embed_prompt`` builds its prompt rows and trailing rows; they reach the
+stage as a request's ``prompt_embeds`` and ``decode_embeds``, already in the talker's width).
+
+Its text side: ``text_embedding`` and ``text_projection`` (``embed_text``). Its rotary
+positions are the three identical rows of a multimodal rope, i.e. plain 1-D positions. The
+code predictor is Qwen3-Omni's with talker-wide embedding tables, a projection into its own
+width (``small_to_mtp_projection``) and the checkpoint's own sampling of the other codes.
+Checkpoint names as ``Qwen3TTSForConditionalGeneration`` saves them (``talker.*``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from omnistage.errors import CheckpointError
+from omnistage.models.ar_config import ARModelConfig
+from omnistage.models.decoder import CausalLM
+from omnistage.models.qwen3_omni.code_predictor import CodePredictor, choose_codes, predictor_config
+from omnistage.models.qwen3_omni.talker import ResizeMLP
+from omnistage.models.qwen3_omni.weights import prefix_rename
+from omnistage.models.qwen3_tts.config import SAMPLING_DEFAULTS
+from omnistage.models.tensor_parallel import SINGLE, TPGroup
+
+SUPPRESSED_BLOCK = 1024  # the talker never draws the top 1024 ids but codec_eos
+
+
+def talker_config(raw: dict[str, Any]) -> ARModelConfig:
+    """The talker's decoder config from ``config.json`` (``CheckpointError`` naming a key)."""
+    talker = dict(raw.get("talker_config") or {})
+    predictor = talker.get("code_predictor_config")
+    if not talker or not isinstance(predictor, dict):
+        raise CheckpointError("config.json: talker_config lacks code_predictor_config")
+    scaling = talker.pop("rope_scaling", None) or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+        raise CheckpointError(
+            f"config.json: talker_config.rope_scaling {scaling!r} is not supported "
+            "(the talker's positions are 1-D: only the default rope)"
+        )
+    try:
+        vocab, eos = int(talker["vocab_size"]), int(talker["codec_eos_token_id"])
+        extras = {
+            "code_predictor": dict(predictor),
+            "text_vocab_size": int(talker["text_vocab_size"]),
+            "text_hidden_size": int(talker["text_hidden_size"]),
+        }
+        groups = int(talker["num_code_groups"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"config.json: talker_config lacks or mistypes {exc}") from None
+    bias = bool(talker.get("attention_bias", False))
+    return ARModelConfig.from_hf(
+        talker,
+        family="qwen3_tts",
+        part="talker",
+        emits_text=False,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        suppress_token_ids=tuple(
+            i for i in range(max(vocab - SUPPRESSED_BLOCK, 0), vocab) if i != eos
+        ),
+        code_groups=groups,
+        extras=extras,
+    )
+
+
+class TTSCodePredictor(CodePredictor):
+    """Qwen3-Omni's predictor with ``embed_width``-wide tables (the talker's), a projection
+    into its own width, and sampled codes drawn as the checkpoint's ``subtalker_*`` say."""
+
+    def __init__(
+        self,
+        config: ARModelConfig,
+        groups: int,
+        dtype: torch.dtype,
+        embed_width: int,
+        sampling: dict[str, Any],
+    ) -> None:
+        super().__init__(config, groups, dtype)
+        self.model.codec_embedding = nn.ModuleList(
+            [nn.Embedding(config.vocab_size, embed_width, dtype=dtype) for _ in range(groups - 1)]
+        )
+        self.small_to_mtp_projection: nn.Module = (
+            nn.Linear(embed_width, config.hidden_size, bias=True, dtype=dtype)
+            if embed_width != config.hidden_size
+            else nn.Identity()
+        )
+        self.sampling = sampling
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return self.small_to_mtp_projection(x)
+
+    def choose(
+        self, logits: torch.Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator]
+    ) -> torch.Tensor:
+        s = self.sampling
+        greedy = [g or not s["subtalker_dosample"] for g in greedy]
+        return choose_codes(
+            logits, greedy, generators,
+            top_k=int(s["subtalker_top_k"]), top_p=float(s["subtalker_top_p"]),
+            temperature=float(s["subtalker_temperature"]),
+        )  # fmt: skip
+
+
+class Talker(CausalLM):
+    def __init__(
+        self, config: ARModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = SINGLE
+    ) -> None:
+        super().__init__(config, dtype, tp)
+        extras = config.extras
+        text_width = int(extras["text_hidden_size"])
+        self.text_embedding = nn.Embedding(int(extras["text_vocab_size"]), text_width, dtype=dtype)
+        self.text_projection = ResizeMLP(text_width, config.hidden_size, dtype, text_width)
+        predictor = predictor_config(dict(extras["code_predictor"]))
+        sampling = {**SAMPLING_DEFAULTS, **dict(extras.get("sampling") or {})}
+        self.code_predictor = TTSCodePredictor(
+            predictor, config.code_groups, dtype, config.hidden_size, sampling
+        )
+
+    def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Text tokens' rows in the talker's width."""
+        return self.text_projection(self.text_embedding(ids))
+
+    def predict_frame(
+        self,
+        last_hidden: torch.Tensor,
+        first_codes: torch.Tensor,
+        params: Sequence[Any],
+        generators: Sequence[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The other codes of each row's frame and the frame's input embedding."""
+        first = self.embed(first_codes)
+        greedy = [p.is_greedy for p in params]
+        codes, embeds = self.code_predictor.predict(last_hidden, first, greedy, generators)
+        return codes, torch.stack([first, *embeds], dim=1).sum(1)
+
+
+def build_talker(config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> Talker:
+    from omnistage.models.meta import no_weight_init
+
+    if tp is not None and tp.size > 1:
+        raise CheckpointError("tensor_parallel_size: a Qwen3-TTS talker runs on one rank")
+    with torch.device("meta"), no_weight_init():
+        return Talker(config, dtype, SINGLE)
+
+
+TALKER_PREFIXES = {
+    "model.codec_embedding.": "model.embed_tokens.",
+    "model.text_embedding.": "text_embedding.",
+    "model.": "model.",
+    "codec_head.": "lm_head.",
+    "text_projection.": "text_projection.",
+    "code_predictor.": "code_predictor.",
+}
+
+talker_rename = prefix_rename("talker", TALKER_PREFIXES, "inv_freq")

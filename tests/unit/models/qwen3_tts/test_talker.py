@@ -1,0 +1,143 @@
+"""Qwen3-TTS's talker as our AR stage runs it — its prompt and trailing text rows from
+``prompt.embed_prompt`` with the talker's own tables, each step a frame of codes (the first
+from the talker, the others from its code predictor) — against the official ``qwen-tts``
+package's greedy ``Qwen3TTSForConditionalGeneration.generate`` on a tiny random checkpoint
+saved by the package itself: every codebook of every frame is the same, for each variant's
+prompt and both text modes, and after the talker slept (level 1 and 2) and woke."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from omnistage.config import StageConfig
+from omnistage.models.qwen3_tts.config import read_config
+from omnistage.models.qwen3_tts.prompt import embed_prompt, talker_prompt
+from omnistage.stage.ar.engine import ARStageEngine
+from omnistage.stage.ar.sampling_params import SamplingParams
+from omnistage.stage.ar.sequence import ARRequest
+from tests.qwen3_tts_reference import qwen_tts
+from tests.unit.models.qwen3_tts.test_config import write_folder
+from tests.unit.models.qwen3_tts.test_prompt import INSTRUCT, TEXT
+
+FRAMES = 12
+PENALTY = 1.05  # the package's default: over the generated first codes only
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A custom-voice checkpoint written by the package: config, weights (its talker
+    randomised, so that its codes depend on every weight) and a tokenizer."""
+    from omnistage.models.tiny import ensure_preset
+    from omnistage.pipelines import cache_dir
+
+    qwen_tts()
+    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("qwen3_tts")
+    config = write_folder(folder, "custom_voice")
+    config.talker_config.num_hidden_layers = 2
+    config.save_pretrained(folder)
+    torch.manual_seed(0)
+    model = Qwen3TTSForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.talker.named_parameters():
+            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
+    # its weights as save_pretrained names them (which fails on transformers 5.25: the
+    # package's _tied_weights_keys is a list where transformers now wants a dict)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    demo = ensure_preset("demo", cache_dir() / "demo")  # any tokenizer: the prompt is ids
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, folder / name)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def talker(checkpoint):
+    folder, _ = checkpoint
+    config = StageConfig(
+        stage_id=0, kind="ar", model=str(folder), model_stage="talker",
+        kv_cache_memory=4 << 20, max_model_len=512, enable_sleep_mode=True,
+    )  # fmt: skip
+    engine = ARStageEngine(config, seed=0)
+    yield engine
+    engine.shutdown()
+
+
+def reference_frames(model, case: dict, non_streaming_mode: bool) -> list[list[int]]:
+    instruct = [torch.tensor([INSTRUCT])] if case.get("instruct") else [None]
+    with torch.no_grad():
+        codes, _ = model.generate(
+            input_ids=[torch.tensor([TEXT])], instruct_ids=instruct,
+            languages=[case["language"]], speakers=[case["speaker"]],
+            non_streaming_mode=non_streaming_mode, max_new_tokens=FRAMES, do_sample=False,
+            subtalker_dosample=False, repetition_penalty=PENALTY,
+        )  # fmt: skip
+    return codes[0].tolist()
+
+
+def our_frames(engine: ARStageEngine, folder, case: dict, non_streaming_mode: bool):
+    tts = read_config(folder)
+    prompt = talker_prompt(
+        tts, TEXT, language=case["language"], speaker=case["speaker"],
+        instruct_ids=INSTRUCT if case.get("instruct") else None,
+        non_streaming_mode=non_streaming_mode,
+    )  # fmt: skip
+    model = engine.worker.runner.model
+    with torch.no_grad():
+        rows, trailing = embed_prompt(prompt, model.embed_text, model.embed)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=FRAMES, min_tokens=2, repetition_penalty=PENALTY,
+        stop_token_ids=[tts.codec.eos],
+    )  # fmt: skip
+    # the prompt's ids count for lengths only: the codec pad, which the talker never draws
+    engine.add_request(
+        ARRequest("tts", [tts.codec.pad] * len(rows), params, prompt_embeds=rows,
+                  decode_embeds=trailing)
+    )  # fmt: skip
+    codes: list[int] = []
+    while True:
+        for out in engine.step():
+            codes += out.new_token_ids
+            if out.finished:
+                assert out.error is None, out.error
+                groups = tts.num_code_groups
+                frames = [codes[i : i + groups] for i in range(0, len(codes), groups)]
+                return [f for f in frames if len(f) == groups and f[0] != tts.codec.eos]
+
+
+CASES = [
+    {"speaker": "vivian", "language": "english"},
+    {"speaker": "dylan", "language": "auto", "instruct": True},
+]
+
+
+@pytest.mark.parametrize("non_streaming_mode", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_every_codebook_equals_the_packages(checkpoint, talker, case, non_streaming_mode):
+    folder, model = checkpoint
+    want = reference_frames(model, case, non_streaming_mode)
+    assert len(want) >= 2
+    assert our_frames(talker, folder, case, non_streaming_mode) == want
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_talker_speaks_the_same_after_sleeping(checkpoint, talker, level):
+    folder, model = checkpoint
+    talker.sleep(level)
+    talker.wake_up()
+    talker.resume()
+    assert our_frames(talker, folder, CASES[0], True) == reference_frames(model, CASES[0], True)
+
+
+def test_a_folder_is_refused_until_it_is_served(checkpoint):
+    from omnistage.config import ConfigError
+    from omnistage.pipelines import pipeline_from_model
+
+    folder, _ = checkpoint
+    with pytest.raises(ConfigError, match="Qwen3-TTS checkpoints are not served yet"):
+        pipeline_from_model(str(folder))
