@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -205,13 +205,23 @@ class Code2WavVocoder(VocoderWeights):
         return {f"{PART}{key}": t for key, t in module_targets(self.module).items()}
 
 
+class WindowDecoder(Protocol):
+    """What ``Code2WavSynthesis`` decodes with (Qwen3-Omni's vocoder; Qwen3-TTS's too)."""
+
+    module: Any  # codes [1, Q, T] -> [1, 1, T * samples_per_frame]
+    samples_per_frame: int
+    default_voice: str
+
+    def codes_tensor(self, codes: list[int]) -> torch.Tensor: ...
+
+
 class Code2WavSynthesis:
     """One utterance decoded as ``chunked_decode`` decodes it: one window per ``advance``
     (``Qwen3OmniMoeCode2Wav.forward`` on the same codes), then ``waveform()``."""
 
     batch_key = None  # never shares a forward (see the module docstring)
 
-    def __init__(self, vocoder: Code2WavVocoder, codes: list[int], params: Any) -> None:
+    def __init__(self, vocoder: WindowDecoder, codes: list[int], params: Any) -> None:
         self.vocoder = vocoder
         self.voice = getattr(params, "voice", None) or vocoder.default_voice
         self.codes = vocoder.codes_tensor(list(codes))

@@ -2,18 +2,21 @@
 code predictor speaks text as frames of 16 codes, and the speech tokenizer's decoder turns them
 into a 24 kHz waveform. Its parts land one at a time, each equal to the official ``qwen-tts``
 package: ``config`` (the checkpoint's settings), ``prompt`` (the talker's prompt rows),
-``talker`` (the talker as an AR stage runs it). Not served yet: a folder is refused with a
-clear error until the decoder stage and ``/v1/audio/speech`` are in.
+``talker`` (the talker as an AR stage runs it), ``speaker`` (a cloned voice's x-vector),
+``code2wav`` (the speech tokenizer's decoder) and ``vocoder`` (it, as a code2wav stage runs
+it). Not served yet: a folder is refused with a clear error until the pipeline joining the
+stages and ``/v1/audio/speech`` are in.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.family import Rename
-from omnistage.models.interfaces import ARFamily
+from omnistage.models.interfaces import ARFamily, SupportsVocoder
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
@@ -23,15 +26,16 @@ if TYPE_CHECKING:  # read before any model code loads (no torch at import)
 
 FAMILY_NAME = "qwen3_tts"
 TALKER_PART = "talker"
+VOCODER_PART = "code2wav"
 
 
-class Qwen3TTSFamily(ARFamily):
+class Qwen3TTSFamily(ARFamily, SupportsVocoder):
     name = FAMILY_NAME
 
     def pipeline(self) -> list[dict[str, Any]]:
         raise CheckpointError(
-            "Qwen3-TTS checkpoints are not served yet (its talker is; its speech decoder "
-            "stage and /v1/audio/speech are not)"
+            "Qwen3-TTS checkpoints are not served yet (its talker and decoder run as stages; "
+            "the pipeline joining them and /v1/audio/speech are not in)"
         )
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
@@ -60,6 +64,18 @@ class Qwen3TTSFamily(ARFamily):
 
         tts = read_config(folder)
         return {"stop_token_ids": [tts.codec.eos]}
+
+    def vocoder(
+        self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
+    ) -> Any:
+        """The speech tokenizer's decoder (``speech_tokenizer/``) in ``arena``."""
+        if part not in (None, VOCODER_PART):
+            raise CheckpointError(
+                f"model_stage: a Qwen3-TTS vocoder stage runs {VOCODER_PART!r}, got {part!r}"
+            )
+        from omnistage.models.qwen3_tts.vocoder import Qwen3TTSVocoder
+
+        return Qwen3TTSVocoder(folder, arena, load=load)
 
 
 FAMILY = Qwen3TTSFamily()

@@ -373,6 +373,13 @@ class Qwen3TTSDecoder(VocoderWeights):
         """Codes ``[B, Q, T]`` decoded as the reference's ``decode`` does (windows of 300)."""
         return self.module.chunked_decode(codes.to(self.device))
 
+    def load_weights(
+        self, path: str | Path, strict: bool = True, *, check_finite: bool = False
+    ) -> int:
+        """``VocoderWeights.load_weights`` from a checkpoint folder's speech tokenizer (a
+        level-2 wake reloads from the stage's model folder), or a given file or folder."""
+        return super().load_weights(tokenizer_folder(path), strict, check_finite=check_finite)
+
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """The live weights by checkpoint name (``decoder.<tensor>``)."""
         return {f"{PART}{key}": t for key, t in module_targets(self.module).items()}

@@ -19,6 +19,7 @@ from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
 from omnistage.models.qwen3_tts.code2wav import Qwen3TTSDecoder
 from tests.qwen3_tts_reference import qwen_tts
+from tests.unit.models.qwen3_tts.test_config import write_folder
 
 ENCODER = dict(
     hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
@@ -81,6 +82,7 @@ def checkpoint(tmp_path_factory):
     model = Qwen3TTSTokenizerV2Model(config).eval()
     randomize(model)
     folder = tmp_path_factory.mktemp("qwen3_tts")
+    write_folder(folder, "custom_voice")  # the checkpoint's own config (its speakers)
     model.save_pretrained(folder / "speech_tokenizer")
     return folder, model
 
@@ -198,3 +200,62 @@ def test_a_folder_without_the_tokenizer_config_is_refused(checkpoint, tmp_path):
         Qwen3TTSDecoder.from_folder(folder, Arena("cpu"))
     with pytest.raises(CheckpointError, match="config.json"):
         Qwen3TTSDecoder.from_folder(tmp_path / "nowhere", Arena("cpu"))
+
+
+# -- as a code2wav stage runs it --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stage(checkpoint):
+    from omnistage.stage.code2wav.engine import Code2WavStageEngine
+    from tests.unit.stage.code2wav.conftest import code2wav_config
+
+    engine = Code2WavStageEngine(code2wav_config(checkpoint[0]))
+    yield engine
+    engine.shutdown()
+
+
+def flat(codes: torch.Tensor) -> list[int]:
+    """``[1, Q, T]`` codes as a stage takes them: flat, frame-major."""
+    return codes[0].t().reshape(-1).tolist()
+
+
+def spoken(stage, codes_by_id: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from omnistage.stage.code2wav.params import Code2WavParams
+    from omnistage.stage.code2wav.request import Code2WavRequest
+    from tests.unit.stage.code2wav.conftest import run_all, samples_of
+
+    requests = [Code2WavRequest(r, flat(c), Code2WavParams()) for r, c in codes_by_id.items()]
+    return {r: samples_of(out) for r, out in run_all(stage, requests).items()}
+
+
+def test_a_code2wav_stage_speaks_the_references_decode(stage, checkpoint):
+    """Two utterances at once, one past a window: each the reference model's ``decode``
+    (its ``chunked_decode`` of the codes, as ``generate_custom_voice`` speaks them)."""
+    codes = {"short": codes_of(9), "long": codes_of(330)}
+    got = spoken(stage, codes)
+    for request_id, c in codes.items():
+        with torch.no_grad():
+            ((expected,),) = checkpoint[1].decode(c.transpose(1, 2), return_dict=False)
+        assert torch.equal(got[request_id], expected.reshape(-1).float())
+    assert stage.info().limits.voices == ["dylan", "vivian"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_stage_speaks_the_same_after_sleeping(stage, level):
+    codes = {"before": codes_of(20)}
+    before = spoken(stage, codes)["before"]
+    stage.sleep(level)
+    stage.wake_up()
+    stage.resume()
+    assert torch.equal(spoken(stage, codes)["before"], before)
+
+
+def test_a_streamed_request_fails_naming_stream_and_the_stage_serves_on(stage):
+    from omnistage.stage.code2wav.params import Code2WavParams
+    from omnistage.stage.code2wav.wire import Code2WavStageRequest
+
+    stage.add_streamed_request("s", Code2WavStageRequest(codes=[], params=Code2WavParams()))
+    (failed,) = stage.step()
+    assert failed.request_id == "s" and "stream" in str(failed.error)
+    assert len(spoken(stage, {"after": codes_of(3)})["after"]) == 3 * SAMPLES_PER_FRAME
