@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.errors import CheckpointError
+from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.attention import AttentionMetadata, KVCacheLayer, causal_attention
 from omnistage.models.meta import no_weight_init
@@ -383,6 +383,10 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, embedding_size]`` (what ``inputs_embeds`` are made of)."""
         return self.model.embed_tokens(input_ids)
+
+    def embed_prompt_spec(self, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A ``prompt_spec`` as ``(prompt_embeds, decode_embeds)`` (a speech talker's)."""
+        raise InvalidRequestError("prompt_spec", "this model builds no prompt from a spec")
 
     def project_embeds(self, rows: torch.Tensor) -> torch.Tensor:
         """A request's input embeddings in the width of the token embeddings (the identity

@@ -160,7 +160,7 @@ def talker_positions(thinker: torch.Tensor, user: list[int], tail: int) -> torch
     return torch.cat(runs, dim=1)
 
 
-def _frames(codes: list[int], groups: int, end: int) -> tuple[list[int], bool]:
+def whole_frames(codes: list[int], groups: int, end: int) -> tuple[list[int], bool]:
     """Whole frames of ``codes`` up to the end code; whether it was reached."""
     out: list[int] = []
     for i in range(0, len(codes), groups):
@@ -175,7 +175,7 @@ def _frames(codes: list[int], groups: int, end: int) -> tuple[list[int], bool]:
 
 def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     _, talker = checkpoint_tokens(folder)
-    codes, _ = _frames(list(upstream.token_ids), talker.groups, talker.eos)
+    codes, _ = whole_frames(list(upstream.token_ids), talker.groups, talker.eos)
     if not codes:
         raise InvalidRequestError("talker_params", "the talker produced no speech codes")
     return {"codes": codes}
@@ -197,7 +197,7 @@ class TalkerFrames:
             return [], True
         self.pending += token_ids
         whole = len(self.pending) - len(self.pending) % self.groups
-        codes, reached = _frames(self.pending[:whole], self.groups, self.end)
+        codes, reached = whole_frames(self.pending[:whole], self.groups, self.end)
         if not reached and whole < len(self.pending) and self.pending[whole] == self.end:
             reached = True
         self.pending = [] if reached else self.pending[whole:]

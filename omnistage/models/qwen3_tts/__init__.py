@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.family import Rename
-from omnistage.models.interfaces import ARFamily, SupportsVocoder
+from omnistage.models.family import Rename, load_template
+from omnistage.models.interfaces import ARFamily, SupportsProcessors, SupportsVocoder
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
@@ -29,8 +29,14 @@ TALKER_PART = "talker"
 VOCODER_PART = "code2wav"
 
 
-class Qwen3TTSFamily(ARFamily, SupportsVocoder):
+class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors):
     name = FAMILY_NAME
+    processors = {"talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV"}
+
+    def stages(self) -> list[dict[str, Any]]:
+        """The stages a folder forms (``pipeline.yaml``): what ``pipeline`` will return once
+        a route speaks through them."""
+        return load_template(__name__, "pipeline.yaml")
 
     def pipeline(self) -> list[dict[str, Any]]:
         raise CheckpointError(
@@ -62,8 +68,17 @@ class Qwen3TTSFamily(ARFamily, SupportsVocoder):
     def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
         from omnistage.models.qwen3_tts.config import read_config
 
-        tts = read_config(folder)
-        return {"stop_token_ids": [tts.codec.eos]}
+        s = read_config(folder).sampling
+        greedy = not s["do_sample"]
+        defaults = {
+            "temperature": 0.0 if greedy else s["temperature"],
+            "top_k": s["top_k"],
+            "top_p": s["top_p"],
+            "repetition_penalty": s["repetition_penalty"],
+            "max_tokens": s["max_new_tokens"],
+            "min_tokens": 2,  # generate's min_new_tokens
+        }
+        return {"param_defaults": defaults, "stop_token_ids": [read_config(folder).codec.eos]}
 
     def vocoder(
         self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True

@@ -142,6 +142,18 @@ def _ids(section: Mapping[str, Any], key: str, where: str) -> dict[str, int]:
     return {str(k).lower(): v for k, v in value.items()}
 
 
+def checkpoint_text_ids(raw: Mapping[str, Any]) -> TextIds:
+    """The text special ids of a ``config.json`` (the reference's defaults where absent)."""
+    return TextIds(*(_int(raw, k, "config.json", d) for k, d in _TEXT_IDS.items()))
+
+
+def checkpoint_codec_ids(raw: Mapping[str, Any]) -> CodecIds:
+    """The talker's special codec ids of a ``config.json``."""
+    talker = raw.get("talker_config") or {}
+    where = "config.json: talker_config"
+    return CodecIds(*(_int(talker, k, where, d) for k, d in _CODEC_IDS.items()))
+
+
 def is_tts_checkpoint(folder: str | Path) -> bool:
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())

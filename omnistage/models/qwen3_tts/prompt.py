@@ -14,8 +14,9 @@ in the prompt (``non_streaming_mode``) or its first token only, the rest trailin
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,6 +67,35 @@ class TalkerPrompt:
 
     def __len__(self) -> int:
         return len(self.codec_ids)
+
+    def spec(self) -> dict[str, Any]:
+        """What a request carries (``ARStageRequest.prompt_spec``): the pieces, as plain
+        values; the stage's talker knows the special ids."""
+        return {
+            "instruct_ids": list(self.instruct_ids),
+            "role_ids": list(self.role_ids),
+            "prefix": list(self.prefix),
+            "body_ids": list(self.body_ids),
+            "non_streaming_mode": bool(self.non_streaming_mode),
+        }
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any], text: TextIds, codec: CodecIds) -> TalkerPrompt:
+        """A request's ``prompt_spec`` (``InvalidRequestError`` naming a bad piece)."""
+        pieces: dict[str, list[int]] = {}
+        for name in ("instruct_ids", "role_ids", "prefix", "body_ids"):
+            value = spec.get(name)
+            if not isinstance(value, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                raise InvalidRequestError(f"prompt_spec.{name}", "must be a list of integers")
+            pieces[name] = value
+        if len(pieces["role_ids"]) != ROLE_TOKENS or not pieces["body_ids"] or not pieces["prefix"]:
+            raise InvalidRequestError("prompt_spec", "needs a role, a codec prefix and a text")
+        mode = spec.get("non_streaming_mode")
+        if not isinstance(mode, bool):
+            raise InvalidRequestError("prompt_spec.non_streaming_mode", "must be a boolean")
+        return cls(**pieces, non_streaming_mode=mode, text=text, codec=codec)
 
 
 def assistant_text(text: str) -> str:

@@ -13,6 +13,7 @@ Checkpoint names as ``Qwen3TTSForConditionalGeneration`` saves them (``talker.*`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,14 @@ from omnistage.models.decoder import CausalLM
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, choose_codes, predictor_config
 from omnistage.models.qwen3_omni.talker import ResizeMLP
 from omnistage.models.qwen3_omni.weights import prefix_rename
-from omnistage.models.qwen3_tts.config import SAMPLING_DEFAULTS
+from omnistage.models.qwen3_tts.config import (
+    SAMPLING_DEFAULTS,
+    CodecIds,
+    TextIds,
+    checkpoint_codec_ids,
+    checkpoint_text_ids,
+)
+from omnistage.models.qwen3_tts.prompt import TalkerPrompt, embed_prompt
 from omnistage.models.tensor_parallel import SINGLE, TPGroup
 
 SUPPRESSED_BLOCK = 1024  # the talker never draws the top 1024 ids but codec_eos
@@ -49,6 +57,8 @@ def talker_config(raw: dict[str, Any]) -> ARModelConfig:
             "code_predictor": dict(predictor),
             "text_vocab_size": int(talker["text_vocab_size"]),
             "text_hidden_size": int(talker["text_hidden_size"]),
+            "text_ids": dataclasses.asdict(checkpoint_text_ids(raw)),
+            "codec_ids": dataclasses.asdict(checkpoint_codec_ids(raw)),
         }
         groups = int(talker["num_code_groups"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -126,6 +136,14 @@ class Talker(CausalLM):
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """Text tokens' rows in the talker's width."""
         return self.text_projection(self.text_embedding(ids))
+
+    def embed_prompt_spec(self, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A speech request's prompt rows and trailing text rows (``prompt.embed_prompt``)."""
+        extras = self.config.extras
+        prompt = TalkerPrompt.from_spec(
+            spec, TextIds(**extras["text_ids"]), CodecIds(**extras["codec_ids"])
+        )
+        return embed_prompt(prompt, self.embed_text, self.embed)
 
     def predict_frame(
         self,

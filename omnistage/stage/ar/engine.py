@@ -2,9 +2,9 @@
 
 ``step()`` is schedule → execute → update each sequence → multi-code frames. The engine owns
 what runs once per stage (scheduler, blocks, sampler, requests); its ``ARWorker`` owns memory
-(arena, weights, KV cache, sleep controller). A failure of requests (non-finite logits, a
-failed batch) ends them and the stage serves on; a fault of the process (out of memory, a
-CUDA error) ends the process, which the server restarts (``docs/control-plane.md``)."""
+(arena, weights, KV cache, sleep controller). A failed request (non-finite logits, a failed
+batch) ends and the stage serves on; a process fault (out of memory, a CUDA error) ends the
+process, which the server restarts (``docs/control-plane.md``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.multi_modal import modalities
 from omnistage.stage.ar.output import ExecutedStep, abort_output, append_token, streamed_rows
 from omnistage.stage.ar.ranks import TensorParallelWorker, make_worker
-from omnistage.stage.ar.requests import RequestTable, from_wire
+from omnistage.stage.ar.requests import RequestTable, embed_prompt_spec, from_wire
 from omnistage.stage.ar.resolve import resolve_ar_stage
 from omnistage.stage.ar.sampler import Sampler
 from omnistage.stage.ar.scheduler import Scheduler
@@ -141,14 +141,14 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
     # -- requests -----------------------------------------------------------------------
 
     def add_request(self, request: ARRequest) -> None:
-        """Queue a request (its ``n`` samples: one is prefilled, the others fork from it);
-        raises ``InvalidRequestError`` naming a bad field, ``StageAsleepError`` while asleep,
-        ``WeightsInvalidError`` without valid weights."""
+        """Queue a request (its ``n`` samples: one prefilled, the others fork from it); raises
+        ``InvalidRequestError``, ``StageAsleepError``, ``WeightsInvalidError``."""
         if self._closed:
             raise RuntimeError(f"stage {self.stage_id} engine is shut down")
         if self.sleep_control.is_sleeping:
             raise StageAsleepError(self.stage_id)
         self.sleep_control.check_can_generate()
+        embed_prompt_spec(request, self.worker.runner.model)  # if the model builds its prompt
         leader = self.requests.create(request)
         if request.embed_token_ids:
             leader.token_embeddings = self.worker.embed_tokens(request.embed_token_ids)

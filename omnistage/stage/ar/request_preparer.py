@@ -39,6 +39,7 @@ class ARRequestPreparer:
         "multi_modal",
         "multi_modal_data",
         "mm_processor_kwargs",
+        "prompt_spec",
     )
 
     def __init__(self, config: StageConfig, info: ARStageInfo) -> None:
@@ -275,6 +276,11 @@ class ARRequestPreparer:
                 ]
                 if processed is not None
                 else self._items(prompt.get("multi_modal"), len(token_ids))
+            ),
+            prompt_spec=(
+                dict(check_mapping(prompt["prompt_spec"], "prompt_spec"))
+                if prompt.get("prompt_spec") is not None
+                else None
             ),
             positions=processed.positions if processed is not None else None,
             position_delta=processed.position_delta if processed is not None else 0,

@@ -8,6 +8,8 @@ when its last sample does.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from omnistage.config import StageConfig
@@ -43,7 +45,23 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.text_embeddings_only,
         request.hidden_layer,
         request.stream_hidden_states,
+        request.prompt_spec,
     )
+
+
+def embed_prompt_spec(request: ARRequest, model: Any) -> None:
+    """``request``'s ``prompt_spec`` (if it has one) made into its prompt and decode embeddings
+    by ``model`` (``CausalLM.embed_prompt_spec``), a row per prompt id (``InvalidRequestError``)."""
+    if request.prompt_spec is None:
+        return
+    with torch.inference_mode():
+        rows, trailing = model.embed_prompt_spec(request.prompt_spec)
+    if len(rows) != len(request.prompt_token_ids):
+        raise InvalidRequestError(
+            "prompt_spec", f"makes {len(rows)} prompt rows for {len(request.prompt_token_ids)} ids"
+        )
+    request.prompt_embeds, request.decode_embeds = rows, trailing
+    request.prompt_spec = None
 
 
 class RequestTable:

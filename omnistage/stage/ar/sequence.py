@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class ARRequest:
     hidden_layer: int | None = None  # hand over this layer's hidden states (see ``Wants``)
     # Each output carries what the step added to the hand-off (a streamed edge's input).
     stream_hidden_states: bool = False
+    prompt_spec: dict[str, Any] | None = None  # see ``ARStageRequest``
 
 
 class SequenceStatus(Enum):

@@ -70,6 +70,9 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     multi_modal: list[MultiModalItem] = []
     positions: torch.Tensor | None = None
     position_delta: int = 0
+    # A prompt the model builds its own input embeddings for (``CausalLM.embed_prompt_spec``;
+    # a speech model's prompt rows): ``prompt_embeds`` and ``decode_embeds`` come from it.
+    prompt_spec: dict[str, Any] | None = None
 
 
 class ARStageInfo(msgspec.Struct, tag=KIND):

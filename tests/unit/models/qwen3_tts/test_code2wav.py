@@ -18,24 +18,9 @@ from safetensors.torch import load_file, save_file
 from omnistage.errors import CheckpointError
 from omnistage.memory import Arena
 from omnistage.models.qwen3_tts.code2wav import Qwen3TTSDecoder
-from tests.qwen3_tts_reference import qwen_tts
+from tests.unit.models.qwen3_tts.checkpoints import write_codec
 from tests.unit.models.qwen3_tts.test_config import write_folder
 
-ENCODER = dict(
-    hidden_size=16, num_filters=4, num_residual_layers=1, upsampling_ratios=[8, 6, 5, 4],
-    kernel_size=7, last_kernel_size=3, residual_kernel_size=3, dilation_growth_rate=2,
-    codebook_size=64, codebook_dim=16, num_quantizers=32, num_semantic_quantizers=1,
-    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
-    intermediate_size=32, sliding_window=250, frame_rate=12.5, sampling_rate=24000,
-    upsample_groups=16, vector_quantization_hidden_dimension=16,
-)  # fmt: skip
-# head_dim: the heads are twice the hidden width wide, as in the published decoder
-DECODER = dict(
-    codebook_size=64, hidden_size=32, latent_dim=32, codebook_dim=16, num_attention_heads=2,
-    num_key_value_heads=2, head_dim=32, sliding_window=8, num_hidden_layers=2,
-    intermediate_size=64, num_quantizers=16, upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],
-    decoder_dim=32,
-)  # fmt: skip
 SAMPLES_PER_FRAME = 1920
 
 
@@ -47,44 +32,12 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
-def randomize(model: torch.nn.Module) -> None:
-    """Every weight drawn from a seeded generator: the codebooks' sums normal, SnakeBeta's
-    log-scales ``alpha``/``beta`` normal(0, 0.1), the rest normal(0, 0.2) around their
-    initial values (cluster usage kept positive, as a trained codebook's is)."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("embedding_sum"):
-                param.copy_(noise)
-            elif name.endswith("cluster_usage"):
-                param.copy_(0.5 + noise.abs())
-            elif name.endswith((".alpha", ".beta")):
-                param.copy_(0.1 * noise)
-            else:
-                param.add_(0.2 * noise)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A checkpoint folder whose ``speech_tokenizer`` is the tiny reference model's save."""
-    qwen_tts()
-    from qwen_tts.core.tokenizer_12hz.configuration_qwen3_tts_tokenizer_v2 import (
-        Qwen3TTSTokenizerV2Config,
-    )
-    from qwen_tts.core.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
-        Qwen3TTSTokenizerV2Model,
-    )
-
-    config = Qwen3TTSTokenizerV2Config(
-        encoder_config=ENCODER, decoder_config=DECODER, encoder_valid_num_quantizers=16
-    )
-    model = Qwen3TTSTokenizerV2Model(config).eval()
-    randomize(model)
     folder = tmp_path_factory.mktemp("qwen3_tts")
     write_folder(folder, "custom_voice")  # the checkpoint's own config (its speakers)
-    model.save_pretrained(folder / "speech_tokenizer")
-    return folder, model
+    return folder, write_codec(folder)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,8 @@ prompt and both text modes, and after the talker slept (level 1 and 2) and woke.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from omnistage.config import StageConfig
 from omnistage.models.qwen3_tts.config import read_config
@@ -19,8 +16,7 @@ from omnistage.models.qwen3_tts.prompt import embed_prompt, talker_prompt
 from omnistage.stage.ar.engine import ARStageEngine
 from omnistage.stage.ar.sampling_params import SamplingParams
 from omnistage.stage.ar.sequence import ARRequest
-from tests.qwen3_tts_reference import qwen_tts
-from tests.unit.models.qwen3_tts.test_config import write_folder
+from tests.unit.models.qwen3_tts.checkpoints import write_talker
 from tests.unit.models.qwen3_tts.test_prompt import INSTRUCT, TEXT
 
 FRAMES = 12
@@ -29,31 +25,9 @@ PENALTY = 1.05  # the package's default: over the generated first codes only
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A custom-voice checkpoint written by the package: config, weights (its talker
-    randomised, so that its codes depend on every weight) and a tokenizer."""
-    from omnistage.models.tiny import ensure_preset
-    from omnistage.pipelines import cache_dir
-
-    qwen_tts()
-    from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
-
+    """A custom-voice checkpoint written by the package (``checkpoints.write_talker``)."""
     folder = tmp_path_factory.mktemp("qwen3_tts")
-    config = write_folder(folder, "custom_voice")
-    config.talker_config.num_hidden_layers = 2
-    config.save_pretrained(folder)
-    torch.manual_seed(0)
-    model = Qwen3TTSForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.talker.named_parameters():
-            param.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.3)
-    # its weights as save_pretrained names them (which fails on transformers 5.25: the
-    # package's _tied_weights_keys is a list where transformers now wants a dict)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    demo = ensure_preset("demo", cache_dir() / "demo")  # any tokenizer: the prompt is ids
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo / name, folder / name)
-    return folder, model
+    return folder, write_talker(folder)
 
 
 @pytest.fixture(scope="module")
