@@ -9,6 +9,7 @@ works the same way.)"""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -80,6 +81,33 @@ class SupportsProcessors(ModelFamily, Protocol):
     processors: Mapping[str, str]
 
 
+@dataclass(frozen=True)
+class SpeechInput:
+    """What a speech request asks (``/v1/audio/speech``): the text, the voice (None: the
+    model's default), the language (None: the model picks), an instruction, the task (None:
+    the checkpoint's), and whether the whole text goes into the prompt (None: the model's
+    default)."""
+
+    text: str
+    voice: str | None = None
+    language: str | None = None
+    instructions: str | None = None
+    task_type: str | None = None
+    non_streaming_mode: bool | None = None
+
+
+@runtime_checkable
+class SupportsSpeech(ModelFamily, Protocol):
+    """A family that speaks a given text (a TTS model): the first stage's prompt for a speech
+    request (``InvalidRequestError`` naming a bad field) and the voices it has."""
+
+    def speech_prompt(
+        self, folder: str, encode: Callable[[str], list[int]], speech: SpeechInput
+    ) -> dict[str, Any]: ...
+
+    def speech_voices(self, folder: str) -> list[str]: ...
+
+
 def is_ar_family(family: ModelFamily) -> TypeIs[ARFamily]:
     return isinstance(family, ARFamily)
 
@@ -94,3 +122,7 @@ def supports_vocoder(family: ModelFamily) -> TypeIs[SupportsVocoder]:
 
 def supports_processors(family: ModelFamily) -> TypeIs[SupportsProcessors]:
     return isinstance(family, SupportsProcessors)
+
+
+def supports_speech(family: ModelFamily) -> TypeIs[SupportsSpeech]:
+    return isinstance(family, SupportsSpeech)

@@ -109,6 +109,7 @@ def build_app(
         serving_chat_batch,
         serving_completions,
         serving_images,
+        serving_speech,
         serving_videos,
     )
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
@@ -164,6 +165,7 @@ def build_app(
     app.include_router(serving_completions.router, dependencies=data)
     app.include_router(serving_images.router, dependencies=data)
     app.include_router(serving_videos.router, dependencies=data)
+    app.include_router(serving_speech.router, dependencies=data)
     app.include_router(models_router, dependencies=data)
     app.include_router(health_router)
     app.include_router(omni_control_router)

@@ -1,22 +1,29 @@
 """Qwen3-TTS (the 12 Hz tokenizer's checkpoints, ``model_type: qwen3_tts``): a talker with its
 code predictor speaks text as frames of 16 codes, and the speech tokenizer's decoder turns them
-into a 24 kHz waveform. Its parts land one at a time, each equal to the official ``qwen-tts``
-package: ``config`` (the checkpoint's settings), ``prompt`` (the talker's prompt rows),
-``talker`` (the talker as an AR stage runs it), ``speaker`` (a cloned voice's x-vector),
-``code2wav`` (the speech tokenizer's decoder) and ``vocoder`` (it, as a code2wav stage runs
-it). Not served yet: a folder is refused with a clear error until the pipeline joining the
-stages and ``/v1/audio/speech`` are in.
+into a 24 kHz waveform; each part equal to the official ``qwen-tts`` package. ``config`` (the
+checkpoint's settings), ``prompt`` (the talker's prompt rows), ``speech`` (a speech request's
+prompt), ``talker`` (the talker as an AR stage runs it), ``speaker`` (a cloned voice's
+x-vector), ``code2wav`` (the speech tokenizer's decoder) and ``vocoder`` (it, as a code2wav
+stage runs it). Served as talker -> code2wav (``pipeline.yaml``), spoken to through
+``/v1/audio/speech``; voice cloning (the Base variant) is not served yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.family import Rename, load_template
-from omnistage.models.interfaces import ARFamily, SupportsProcessors, SupportsVocoder
+from omnistage.models.interfaces import (
+    ARFamily,
+    SpeechInput,
+    SupportsProcessors,
+    SupportsSpeech,
+    SupportsVocoder,
+)
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
@@ -29,20 +36,25 @@ TALKER_PART = "talker"
 VOCODER_PART = "code2wav"
 
 
-class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors):
+class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors, SupportsSpeech):
     name = FAMILY_NAME
     processors = {"talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV"}
 
-    def stages(self) -> list[dict[str, Any]]:
-        """The stages a folder forms (``pipeline.yaml``): what ``pipeline`` will return once
-        a route speaks through them."""
+    def pipeline(self) -> list[dict[str, Any]]:
+        """Talker -> code2wav (``pipeline.yaml``); requests come through ``speech_prompt``."""
         return load_template(__name__, "pipeline.yaml")
 
-    def pipeline(self) -> list[dict[str, Any]]:
-        raise CheckpointError(
-            "Qwen3-TTS checkpoints are not served yet (its talker and decoder run as stages; "
-            "the pipeline joining them and /v1/audio/speech are not in)"
-        )
+    def speech_prompt(
+        self, folder: str, encode: Callable[[str], list[int]], speech: SpeechInput
+    ) -> dict[str, Any]:
+        from omnistage.models.qwen3_tts.speech import speech_prompt
+
+        return speech_prompt(folder, encode, speech)
+
+    def speech_voices(self, folder: str) -> list[str]:
+        from omnistage.models.qwen3_tts.config import read_config
+
+        return sorted(read_config(folder).speakers)
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         if part not in (None, TALKER_PART):

@@ -5,14 +5,13 @@ decodes to silence), and a tokenizer (any: the tests' prompts are ids)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from tests.qwen3_tts_reference import qwen_tts
-from tests.unit.models.qwen3_tts.test_config import write_folder
+from tests.unit.models.qwen3_tts.test_config import TEXT_VOCAB, write_folder
 
 
 def write_talker(folder: Path, variant: str = "custom_voice", layers: int = 2):
@@ -20,8 +19,8 @@ def write_talker(folder: Path, variant: str = "custom_voice", layers: int = 2):
     qwen_tts()
     from qwen_tts.core.models import Qwen3TTSForConditionalGeneration
 
-    from omnistage.models.tiny import ensure_preset
-    from omnistage.pipelines import cache_dir
+    from omnistage.models import tiny_ar
+    from omnistage.models.qwen3_omni.tiny import build_tokenizer
 
     config = write_folder(folder, variant)
     config.talker_config.num_hidden_layers = layers
@@ -35,9 +34,10 @@ def write_talker(folder: Path, variant: str = "custom_voice", layers: int = 2):
     # package's _tied_weights_keys is a list where transformers now wants a dict)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    demo = ensure_preset("demo", cache_dir() / "demo")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo / name, folder / name)
+    # a Qwen-style tokenizer: <|im_start|>, <|im_end|> and each role one token, as the real
+    # one's (the talker's prompt slices its role and end tokens off by count)
+    build_tokenizer(TEXT_VOCAB).save(str(folder / "tokenizer.json"))
+    tiny_ar.write_json(folder / "tokenizer_config.json", tiny_ar.tokenizer_config("", 4096))
     return model
 
 

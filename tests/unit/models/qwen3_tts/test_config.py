@@ -18,11 +18,14 @@ SPECIAL = {
 }  # fmt: skip
 
 
+TEXT_VOCAB = 512  # the tiny tokenizer's (and the text embedding's) size
+
+
 def talker_config() -> dict:
     return {
         "vocab_size": 1024 + 64, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "text_vocab_size": 200, "text_hidden_size": 24, "num_code_groups": 16,
+        "head_dim": 8, "text_vocab_size": TEXT_VOCAB, "text_hidden_size": 24, "num_code_groups": 16,
         "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "interleaved": True},
         "spk_id": {"vivian": 1010, "dylan": 1011},
         "spk_is_dialect": {"vivian": False, "dylan": "beijing_dialect"},

@@ -1,4 +1,4 @@
-"""A Qwen3-TTS folder's two stages (``FAMILY.stages()``: talker -> code2wav) in one pipeline:
+"""A Qwen3-TTS folder's pipeline (talker -> code2wav, as ``--model`` serves it) in process:
 a request carrying its prompt as ``prompt_spec`` (ids; the talker stage embeds them) speaks
 the official ``qwen-tts`` package's waveform bit for bit — its greedy ``generate``'s codes
 decoded by its speech tokenizer — for a named voice and for an instruction, both text modes;
@@ -12,10 +12,8 @@ import torch
 
 from omnistage.entrypoints.omni import Omni
 from omnistage.errors import InvalidRequestError
-from omnistage.models.qwen3_tts import FAMILY
 from omnistage.models.qwen3_tts.config import read_config
 from omnistage.models.qwen3_tts.prompt import talker_prompt
-from omnistage.pipelines import parse_pipeline
 from tests.unit.models.qwen3_tts.checkpoints import write_codec, write_talker
 from tests.unit.models.qwen3_tts.test_prompt import INSTRUCT, TEXT
 
@@ -41,10 +39,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def omni(checkpoint):
-    folder = str(checkpoint[0])
-    stages = [{**stage, "model": folder} for stage in FAMILY.stages()]
-    config = parse_pipeline({"name": "tts", "stages": stages}, "test")
-    omni = Omni.from_config(config, in_process=True)
+    omni = Omni.from_model(str(checkpoint[0]), in_process=True)
     yield omni
     omni.shutdown()
 

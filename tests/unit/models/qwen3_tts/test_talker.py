@@ -108,10 +108,12 @@ def test_the_talker_speaks_the_same_after_sleeping(checkpoint, talker, level):
     assert our_frames(talker, folder, CASES[0], True) == reference_frames(model, CASES[0], True)
 
 
-def test_a_folder_is_refused_until_it_is_served(checkpoint):
-    from omnistage.config import ConfigError
+def test_a_folder_is_served_as_talker_then_code2wav(checkpoint):
     from omnistage.pipelines import pipeline_from_model
 
     folder, _ = checkpoint
-    with pytest.raises(ConfigError, match="Qwen3-TTS checkpoints are not served yet"):
-        pipeline_from_model(str(folder))
+    stages = pipeline_from_model(str(folder)).stages
+    assert [(s.kind, s.model_stage, s.input_processor) for s in stages] == [
+        ("ar", "talker", None),
+        ("code2wav", "code2wav", "qwen3_tts.talker_to_code2wav"),
+    ]

@@ -1,0 +1,225 @@
+"""``POST /v1/audio/speech`` (OpenAI's shape, with vLLM-Omni's extensions) and ``GET
+/v1/audio/voices``: a pipeline whose first stage's model family speaks a given text
+(``SupportsSpeech``) says it. The body's text, voice, language and instruction become that
+stage's prompt (the family builds it; a bad one is a 400 naming the field); the talker's
+sampling comes from ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+``max_new_tokens`` and ``seed``. The answer: the audio file, or (``stream_format``) raw audio
+bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.delta`` then
+``speech.audio.done``).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import Field, model_validator
+
+from omnistage.engine.outputs import OmniAudio
+from omnistage.entrypoints.openai.audio_formats import encode_audio
+from omnistage.entrypoints.openai.protocol import _RequestBody, field_error
+from omnistage.entrypoints.openai.replies import new_id
+from omnistage.entrypoints.openai.request_log import RequestLog
+from omnistage.entrypoints.openai.served import check_model, ended_without
+from omnistage.entrypoints.serve.deps import EngineClientDep
+from omnistage.errors import InvalidRequestError
+from omnistage.models.interfaces import SpeechInput, supports_speech
+
+router = APIRouter(tags=["openai"])
+
+MEDIA_TYPES = {
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+}
+
+
+class SpeechRequest(_RequestBody):
+    model: str | None = None
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = None
+    instructions: str | None = None
+    response_format: Literal["wav", "pcm", "flac", "mp3", "opus", "aac"] = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["sse", "audio"] | None = None
+    stream: bool = False
+    # vLLM-Omni's extensions
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    language: str | None = None
+    max_new_tokens: int | None = Field(default=None, ge=1, le=4096)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    non_streaming_mode: bool | None = None
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=0)
+    ref_audio: str | list[str] | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    # the talker's sampling, named as on chat (temperature 0: greedy, its code predictor too)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_k: int | None = Field(default=None, ge=-1)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeechRequest:
+        if self.response_format == "aac":
+            raise field_error(
+                "response_format", "aac is not encoded here: use wav, pcm, flac, mp3 or opus"
+            )
+        if self.speed != 1.0:
+            raise field_error("speed", "only 1.0: the speech is not time-stretched here")
+        if self.streamed and self.response_format not in ("wav", "pcm"):
+            raise field_error("response_format", "a streamed answer is wav or pcm")
+        for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
+            if getattr(self, name) is not None:
+                raise field_error(name, "voice cloning is not served yet")
+        return self
+
+    @property
+    def streamed(self) -> bool:
+        return self.stream or self.stream_format is not None
+
+    def sampling(self) -> dict[str, Any]:
+        fields = {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "repetition_penalty": self.repetition_penalty,
+            "max_tokens": self.max_new_tokens,
+            "seed": self.seed,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+@functools.cache
+def _tokenizer(folder: str) -> Any:
+    from omnistage.models.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(folder)
+
+
+def _speaker(engine: Any) -> tuple[str, Any]:
+    """The first stage's folder and its family, if it speaks a given text (else a 400)."""
+    from omnistage.models import registry
+
+    folder = str(engine.config.stages[0].model)
+    family = registry.family_of_folder(folder)
+    if not supports_speech(family):
+        raise InvalidRequestError(
+            "model", "this pipeline speaks no given text (it serves no text-to-speech model)"
+        )
+    return folder, family
+
+
+@router.post("/v1/audio/speech")
+async def create_speech(body: SpeechRequest, request: Request, engine: EngineClientDep) -> Any:
+    check_model(request, body.model)
+    folder, family = _speaker(engine)
+    speech = SpeechInput(
+        text=body.input,
+        voice=body.voice,
+        language=body.language,
+        instructions=body.instructions,
+        task_type=body.task_type,
+        non_streaming_mode=body.non_streaming_mode,
+    )
+    prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
+    log = RequestLog(request, new_id("speech"), "speech")
+    log.received(format=body.response_format, stream=body.streamed)
+    stream = engine.generate(prompt, body.sampling(), ["audio"], request_id=log.request_id)
+    if not body.streamed:
+        audio = await _whole(engine, stream)
+        log.finished("stop", samples=len(audio.samples))
+        return Response(
+            encode_audio(audio, body.response_format), media_type=MEDIA_TYPES[body.response_format]
+        )
+    if body.stream_format == "audio" or (body.stream and body.stream_format is None):
+        return StreamingResponse(
+            _raw(engine, stream, body.response_format), media_type=MEDIA_TYPES[body.response_format]
+        )
+    return StreamingResponse(
+        _events(engine, stream, body.response_format), media_type="text/event-stream"
+    )
+
+
+async def _whole(engine: Any, stream: AsyncIterator[Any]) -> OmniAudio:
+    audio: OmniAudio | None = None
+    last = None
+    async for out in stream:
+        last = out
+        if out.audio:
+            audio = out.audio[0]
+    if audio is None:
+        raise ended_without(engine, last, "speech")
+    return audio
+
+
+async def _pieces(engine: Any, stream: AsyncIterator[Any]) -> AsyncIterator[OmniAudio]:
+    """The speech as it comes: each streamed piece, or the whole once (a stage that decodes
+    whole utterances)."""
+    streamed = False
+    last = None
+    async for out in stream:
+        last = out
+        for piece in out.audio_delta:
+            streamed = True
+            yield piece
+        if out.audio and not streamed:
+            yield out.audio[0]
+            return
+        if out.final:
+            if not streamed:
+                raise ended_without(engine, last, "speech")
+            return
+
+
+async def _raw(engine: Any, stream: AsyncIterator[Any], fmt: str) -> AsyncIterator[bytes]:
+    first = True
+    async for piece in _pieces(engine, stream):
+        if fmt == "wav" and first:  # one header, its sizes unknown (as vLLM-Omni streams)
+            yield _wav_header(piece.sample_rate)
+        first = False
+        yield piece.pcm16()
+
+
+async def _events(engine: Any, stream: AsyncIterator[Any], fmt: str) -> AsyncIterator[bytes]:
+    try:
+        async for piece in _pieces(engine, stream):
+            data = {
+                "type": "speech.audio.delta",
+                "audio": base64.b64encode(piece.pcm16()).decode(),
+                "response_format": fmt,
+            }
+            yield f"event: speech.audio.delta\ndata: {json.dumps(data)}\n\n".encode()
+        done = {"type": "speech.audio.done"}
+        yield f"event: speech.audio.done\ndata: {json.dumps(done)}\n\n".encode()
+    except Exception as exc:  # the stream has begun: the error goes in it
+        error = {
+            "type": "speech.audio.error",
+            "error": {"message": str(exc), "type": "server_error"},
+        }
+        yield f"event: speech.audio.error\ndata: {json.dumps(error)}\n\n".encode()
+
+
+def _wav_header(rate: int) -> bytes:
+    """A 16-bit mono WAV header whose sizes say "unknown" (0xFFFFFFFF), for a stream."""
+    import struct
+
+    unknown = 0xFFFFFFFF
+    return (
+        b"RIFF" + struct.pack("<I", unknown) + b"WAVEfmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16)
+        + b"data" + struct.pack("<I", unknown)
+    )  # fmt: skip
+
+
+@router.get("/v1/audio/voices")
+async def list_voices(engine: EngineClientDep) -> dict[str, Any]:
+    folder, family = _speaker(engine)
+    return {"voices": family.speech_voices(folder), "uploaded_voices": []}

@@ -1,0 +1,154 @@
+"""Qwen3-TTS over HTTP (``omnistage serve --model DIR``, talker -> code2wav): the official
+openai client's ``audio.speech.create`` answers the official ``qwen-tts`` package's waveform
+for the same ids (its greedy ``generate`` decoded by its speech tokenizer; 16-bit samples
+within one step, the server's stages computing on their own threads), as pcm and as wav;
+streamed as raw audio (``with_streaming_response ... iter_bytes``) and as Server-Sent Events,
+the same bytes. ``GET /v1/audio/voices`` lists the checkpoint's speakers. Bad input is a 400
+naming the field, and the server speaks on."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from omnistage.models.qwen3_tts.prompt import assistant_text
+from omnistage.models.tokenizer import Tokenizer
+from tests.e2e.server import running_server
+from tests.unit.models.qwen3_tts.checkpoints import write_codec, write_talker
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+TEXT = "Hello there, how are you"
+FRAMES = 8
+GREEDY = {"language": "english", "temperature": 0, "max_new_tokens": FRAMES}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-qwen3-tts")
+    return folder, write_talker(folder), write_codec(folder)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    args = ("--model", str(checkpoint[0]), "--served-model-name", "tiny-qwen3-tts")
+    args += ("--max-model-len", "256", "--kv-cache-memory", "4MiB")
+    with running_server(*args) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def reference_pcm(checkpoint, voice: str) -> np.ndarray:
+    """The package's greedy speech of ``TEXT`` as 16-bit samples."""
+    folder, talker, codec = checkpoint
+    ids = Tokenizer.from_pretrained(folder).encode(assistant_text(TEXT))
+    with torch.no_grad():
+        codes, _ = talker.generate(
+            input_ids=[torch.tensor([ids])], instruct_ids=[None], languages=["english"],
+            speakers=[voice], non_streaming_mode=True, max_new_tokens=FRAMES, do_sample=False,
+            subtalker_dosample=False,
+        )  # fmt: skip
+        ((wav,),) = codec.decode(codes[0][None], return_dict=False)
+    return (np.clip(wav.float().numpy(), -1, 1) * 32767.0).round().astype("<i2")
+
+
+def samples(pcm: bytes) -> np.ndarray:
+    return np.frombuffer(pcm, dtype="<i2")
+
+
+def assert_same_speech(got: np.ndarray, want: np.ndarray) -> None:
+    assert len(got) == len(want) and len(want) >= 2 * 1920
+    assert np.abs(got.astype(np.int32) - want.astype(np.int32)).max() <= 1
+
+
+@pytest.fixture(scope="module")
+def spoken(client) -> bytes:
+    reply = client.audio.speech.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", response_format="pcm",
+        extra_body=GREEDY,
+    )  # fmt: skip
+    return reply.content
+
+
+def test_the_openai_client_gets_the_packages_speech(checkpoint, spoken):
+    assert_same_speech(samples(spoken), reference_pcm(checkpoint, "vivian"))
+
+
+def test_a_wav_carries_the_same_samples(client, spoken):
+    import io
+    import wave
+
+    reply = client.audio.speech.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", extra_body=GREEDY
+    )
+    with wave.open(io.BytesIO(reply.content)) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getsampwidth()) == (24000, 1, 2)
+        assert wav.readframes(wav.getnframes()) == spoken
+
+
+def test_streamed_raw_audio_is_the_same_bytes(client, spoken):
+    with client.audio.speech.with_streaming_response.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", response_format="pcm",
+        stream_format="audio", extra_body=GREEDY,
+    ) as reply:  # fmt: skip
+        assert reply.headers["content-type"].startswith("audio/pcm")
+        assert b"".join(reply.iter_bytes()) == spoken
+
+
+def test_server_sent_events_carry_the_same_bytes(server, spoken):
+    body = {"input": TEXT, "voice": "vivian", "response_format": "pcm", "stream_format": "sse",
+            **GREEDY}  # fmt: skip
+    reply = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=120)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith(
+        "text/event-stream"
+    )
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done"
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert deltas and all(e["response_format"] == "pcm" for e in deltas)
+    assert b"".join(base64.b64decode(e["audio"]) for e in deltas) == spoken
+
+
+def test_the_voices_are_the_checkpoints_speakers(server):
+    reply = httpx.get(server.url + "/v1/audio/voices", timeout=30)
+    assert reply.json() == {"voices": ["dylan", "vivian"], "uploaded_voices": []}
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "said"),
+    [
+        ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
+        ({"language": "klingon"}, "language", "unknown language 'klingon'"),
+        ({"response_format": "aac"}, "response_format", "aac is not encoded here"),
+        ({"speed": 2.0}, "speed", "only 1.0"),
+        ({"ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio", "not served yet"),
+        ({"task_type": "VoiceDesign"}, "task_type", "does not do VoiceDesign"),
+        ({"input": ""}, "input", ""),
+        ({"stream_format": "audio", "response_format": "mp3"}, "response_format", "wav or pcm"),
+        ({"surprise": 1}, "surprise", ""),
+    ],
+)  # fmt: skip
+def test_bad_input_is_a_400_naming_the_field(server, change, param, said):
+    body = {"input": TEXT, "voice": "vivian", **GREEDY, **change}
+    reply = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and said in error["message"]
+
+
+def test_the_server_speaks_on_after_bad_input(client, spoken):
+    reply = client.audio.speech.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", response_format="pcm",
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert reply.content == spoken
