@@ -97,11 +97,16 @@ class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcesso
         self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
     ) -> Any:
         """The code2wav part in ``arena``."""
-        if part not in (None, VOCODER_PART):
-            raise CheckpointError(
-                f"model_stage: a {self.label} vocoder stage runs {VOCODER_PART!r}, got {part!r}"
-            )
+        check_vocoder_part(self.label, part)
         return _load(self.vocoder_class)(folder, arena, load=load)
+
+
+def check_vocoder_part(label: str, part: str | None) -> None:
+    """A code2wav stage of a ``label`` checkpoint runs its vocoder part (else ``CheckpointError``)."""
+    if part not in (None, VOCODER_PART):
+        raise CheckpointError(
+            f"model_stage: a {label} vocoder stage runs {VOCODER_PART!r}, got {part!r}"
+        )
 
 
 def _load(path: str) -> Any:

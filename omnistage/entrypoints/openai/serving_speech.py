@@ -121,14 +121,8 @@ def _speaker(engine: Any) -> tuple[str, Any]:
 async def create_speech(body: SpeechRequest, request: Request, engine: EngineClientDep) -> Any:
     check_model(request, body.model)
     folder, family = _speaker(engine)
-    speech = SpeechInput(
-        text=body.input,
-        voice=body.voice,
-        language=body.language,
-        instructions=body.instructions,
-        task_type=body.task_type,
-        non_streaming_mode=body.non_streaming_mode,
-    )
+    asked = body.model_dump(include={"voice", "language", "instructions", "task_type"})
+    speech = SpeechInput(body.input, non_streaming_mode=body.non_streaming_mode, **asked)
     prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
     log = RequestLog(request, new_id("speech"), "speech")
     log.received(format=body.response_format, stream=body.streamed)

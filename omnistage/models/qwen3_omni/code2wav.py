@@ -72,6 +72,14 @@ def window(index: int, num_frames: int | None = None) -> tuple[int, int, int]:
     return start - context, start, end if num_frames is None else min(end, num_frames)
 
 
+def codes_tensor(codes: list[int], groups: int, device: torch.device) -> torch.Tensor:
+    """Flat frame-major codes as a decoder takes them: ``[1, groups, frames]``."""
+    if len(codes) % groups:
+        raise ValueError(f"{len(codes)} codes are not whole frames of {groups} codes")
+    flat = torch.tensor(codes, dtype=torch.long, device=device)
+    return flat.view(-1, groups).t().unsqueeze(0)
+
+
 # -- the vocoder ----------------------------------------------------------------------------
 
 
@@ -140,13 +148,7 @@ class Code2WavVocoder(VocoderWeights):
         return int(self.config.max_position_embeddings) * self.codes_per_frame
 
     def codes_tensor(self, codes: list[int]) -> torch.Tensor:
-        """Flat frame-major codes as the module takes them: ``[1, num_quantizers, frames]``."""
-        if len(codes) % self.codes_per_frame:
-            raise ValueError(
-                f"{len(codes)} codes are not whole frames of {self.codes_per_frame} codes"
-            )
-        flat = torch.tensor(codes, dtype=torch.long, device=self.device)
-        return flat.view(-1, self.codes_per_frame).t().unsqueeze(0)
+        return codes_tensor(codes, self.codes_per_frame, self.device)
 
     @functools.cached_property
     def reach(self) -> Any:

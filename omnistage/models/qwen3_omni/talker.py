@@ -123,7 +123,27 @@ class ResizeMLP(nn.Module):
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
 
 
-class Talker(CausalLM):
+class FrameTalker(CausalLM):
+    """A talker whose step emits a frame: its first code from the head, the others from its
+    ``code_predictor``; the frame's summed embeddings are its next input."""
+
+    code_predictor: CodePredictor
+
+    def predict_frame(
+        self,
+        last_hidden: torch.Tensor,
+        first_codes: torch.Tensor,
+        params: Sequence[Any],
+        generators: Sequence[torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The other codes of each row's frame and the frame's input embedding."""
+        first = self.embed(first_codes)
+        greedy = [p.is_greedy for p in params]
+        codes, embeds = self.code_predictor.predict(last_hidden, first, greedy, generators)
+        return codes, torch.stack([first, *embeds], dim=1).sum(1)
+
+
+class Talker(FrameTalker):
     def __init__(
         self, config: ARModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = SINGLE
     ) -> None:
@@ -143,19 +163,6 @@ class Talker(CausalLM):
         if not flagged.all():
             out[~flagged] = self.text_projection(values[~flagged])
         return out
-
-    def predict_frame(
-        self,
-        last_hidden: torch.Tensor,
-        first_codes: torch.Tensor,
-        params: Sequence[Any],
-        generators: Sequence[torch.Generator],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The other codes of each row's frame and the frame's input embedding."""
-        first = self.embed(first_codes)
-        greedy = [p.is_greedy for p in params]
-        codes, embeds = self.code_predictor.predict(last_hidden, first, greedy, generators)
-        return codes, torch.stack([first, *embeds], dim=1).sum(1)
 
 
 def build_talker(config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> Talker:

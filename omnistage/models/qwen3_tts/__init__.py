@@ -15,28 +15,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omnistage.errors import CheckpointError
+from omnistage.models import interfaces as can
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.family import Rename, load_template
-from omnistage.models.interfaces import (
-    ARFamily,
-    SpeechInput,
-    SupportsProcessors,
-    SupportsSpeech,
-    SupportsVocoder,
-)
+from omnistage.models.omni_family import check_vocoder_part
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     import torch
 
     from omnistage.models.decoder import CausalLM
+    from omnistage.models.interfaces import SpeechInput
     from omnistage.models.tensor_parallel import TPGroup
 
 FAMILY_NAME = "qwen3_tts"
 TALKER_PART = "talker"
-VOCODER_PART = "code2wav"
 
 
-class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors, SupportsSpeech):
+class Qwen3TTSFamily(can.ARFamily, can.SupportsVocoder, can.SupportsProcessors, can.SupportsSpeech):
     name = FAMILY_NAME
     processors = {"talker_to_code2wav": f"{__name__}.processors:TALKER_TO_CODE2WAV"}
 
@@ -61,21 +56,15 @@ class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors, SupportsSpee
             raise CheckpointError(
                 f"model_stage: a Qwen3-TTS checkpoint's decoder part is {TALKER_PART!r}, got {part!r}"
             )
-        from omnistage.models.qwen3_tts.talker import talker_config
-
-        return talker_config(raw)
+        return _talker().talker_config(raw)
 
     def build_decoder(
         self, config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None
     ) -> CausalLM:
-        from omnistage.models.qwen3_tts.talker import build_talker
-
-        return build_talker(config, dtype, tp)
+        return _talker().build_talker(config, dtype, tp)
 
     def rename(self, part: str | None = None) -> Rename:
-        from omnistage.models.qwen3_tts.talker import talker_rename
-
-        return talker_rename
+        return _talker().talker_rename
 
     def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
         from omnistage.models.qwen3_tts.config import read_config
@@ -96,13 +85,17 @@ class Qwen3TTSFamily(ARFamily, SupportsVocoder, SupportsProcessors, SupportsSpee
         self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True
     ) -> Any:
         """The speech tokenizer's decoder (``speech_tokenizer/``) in ``arena``."""
-        if part not in (None, VOCODER_PART):
-            raise CheckpointError(
-                f"model_stage: a Qwen3-TTS vocoder stage runs {VOCODER_PART!r}, got {part!r}"
-            )
+        check_vocoder_part("Qwen3-TTS", part)
         from omnistage.models.qwen3_tts.vocoder import Qwen3TTSVocoder
 
         return Qwen3TTSVocoder(folder, arena, load=load)
+
+
+def _talker() -> Any:
+    """The talker's module, imported when first asked (it loads torch)."""
+    from omnistage.models.qwen3_tts import talker
+
+    return talker
 
 
 FAMILY = Qwen3TTSFamily()

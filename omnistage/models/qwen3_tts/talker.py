@@ -22,9 +22,8 @@ from torch import nn
 
 from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig
-from omnistage.models.decoder import CausalLM
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, choose_codes, predictor_config
-from omnistage.models.qwen3_omni.talker import ResizeMLP
+from omnistage.models.qwen3_omni.talker import FrameTalker, ResizeMLP
 from omnistage.models.qwen3_omni.weights import prefix_rename
 from omnistage.models.qwen3_tts.config import (
     SAMPLING_DEFAULTS,
@@ -118,7 +117,7 @@ class TTSCodePredictor(CodePredictor):
         )  # fmt: skip
 
 
-class Talker(CausalLM):
+class Talker(FrameTalker):
     def __init__(
         self, config: ARModelConfig, dtype: torch.dtype = torch.float32, tp: TPGroup = SINGLE
     ) -> None:
@@ -144,19 +143,6 @@ class Talker(CausalLM):
             spec, TextIds(**extras["text_ids"]), CodecIds(**extras["codec_ids"])
         )
         return embed_prompt(prompt, self.embed_text, self.embed)
-
-    def predict_frame(
-        self,
-        last_hidden: torch.Tensor,
-        first_codes: torch.Tensor,
-        params: Sequence[Any],
-        generators: Sequence[torch.Generator],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The other codes of each row's frame and the frame's input embedding."""
-        first = self.embed(first_codes)
-        greedy = [p.is_greedy for p in params]
-        codes, embeds = self.code_predictor.predict(last_hidden, first, greedy, generators)
-        return codes, torch.stack([first, *embeds], dim=1).sum(1)
 
 
 def build_talker(config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> Talker:

@@ -37,13 +37,9 @@ class Qwen3TTSVocoder(Qwen3TTSDecoder):
         return int(self.config.max_position_embeddings) * self.codes_per_frame
 
     def codes_tensor(self, codes: list[int]) -> torch.Tensor:
-        """Flat frame-major codes as the decoder takes them: ``[1, num_quantizers, frames]``."""
-        if len(codes) % self.codes_per_frame:
-            raise ValueError(
-                f"{len(codes)} codes are not whole frames of {self.codes_per_frame} codes"
-            )
-        flat = torch.tensor(codes, dtype=torch.long, device=self.device)
-        return flat.view(-1, self.codes_per_frame).t().unsqueeze(0)
+        from omnistage.models.qwen3_omni.code2wav import codes_tensor
+
+        return codes_tensor(codes, self.codes_per_frame, self.device)
 
     def synthesis(self, codes: list[int], params: Any, seed: int) -> Any:
         """One utterance's decode, a window per step (``seed`` unused: no noise is drawn)."""

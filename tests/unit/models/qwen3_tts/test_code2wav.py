@@ -24,14 +24,6 @@ from tests.unit.models.qwen3_tts.test_config import write_folder
 SAMPLES_PER_FRAME = 1920
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A checkpoint folder whose ``speech_tokenizer`` is the tiny reference model's save."""

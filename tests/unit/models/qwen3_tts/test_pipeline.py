@@ -21,14 +21,6 @@ FRAMES = 10
 GREEDY = {"temperature": 0.0, "max_tokens": FRAMES}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3_tts")

@@ -26,14 +26,6 @@ ENCODER = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def clip(seconds: float) -> np.ndarray:
     """A seeded mix of a sine and noise at 24 kHz, float32 as the reference reads a file."""
     n = round(seconds * 24000)
