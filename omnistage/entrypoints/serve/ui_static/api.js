@@ -30,7 +30,9 @@ export const keys = {
 
 const listeners = new Set();
 
-// fn({control, status, body}) on every 401: the page opens its login prompt.
+// fn({control, status, body}) on every 401 to a call sent with the keys the tab has now: the
+// page opens its login prompt. A 401 to a call sent before the user typed new keys (the
+// page's first calls, answered after the user signed in) asks for nothing.
 export function onUnauthorized(fn) {
   listeners.add(fn);
 }
@@ -45,6 +47,7 @@ function headers(control, json) {
 
 // One call: {ok, status, body (parsed JSON or null), text, error (network failure)}.
 export async function call(path, { method = "GET", body, control = false, signal } = {}) {
+  const sentWith = control ? keys.control : keys.api;
   let response;
   try {
     response = await fetch(new URL(path, root), {
@@ -65,12 +68,14 @@ export async function call(path, { method = "GET", body, control = false, signal
     parsed = null;
   }
   const answer = { ok: response.ok, status: response.status, body: parsed, text };
-  if (response.status === 401) for (const fn of listeners) fn({ control, ...answer });
+  const current = (control ? keys.control : keys.api) === sentWith;
+  if (response.status === 401 && current) for (const fn of listeners) fn({ control, ...answer });
   return answer;
 }
 
 // A streamed call (text/event-stream): the Response, or an answer as call() gives it.
 export async function stream(path, body, signal) {
+  const sentWith = keys.api;
   let response;
   try {
     response = await fetch(new URL(path, root), {
@@ -93,7 +98,9 @@ export async function stream(path, body, signal) {
     parsed = null;
   }
   const answer = { ok: response.ok, status: response.status, body: parsed, text };
-  if (response.status === 401) for (const fn of listeners) fn({ control: false, ...answer });
+  if (response.status === 401 && keys.api === sentWith) {
+    for (const fn of listeners) fn({ control: false, ...answer });
+  }
   return answer;
 }
 
