@@ -64,15 +64,20 @@ def shots(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def page(browser: Browser, server: Server, shots: Path) -> Iterator[Page]:
     """A tab signed in with both keys; it must end without a JavaScript error."""
     page = browser.page()
+    sign_in(page, server)
+    yield page
+    assert page.errors() == []
+    page.close()
+
+
+def sign_in(page: Page, server: Server) -> None:
+    """Open the console, type both keys in its prompt, wait for the two stages."""
     page.goto(server.url + "/ui")
     page.wait_for("document.querySelector('#login').open")
     page.type("#api-key", API_KEY)
     page.type("#control-key", CONTROL_KEY)
     page.click("#login-submit")
     page.wait_for("document.querySelectorAll('.stage').length === 2")
-    yield page
-    assert page.errors() == []
-    page.close()
 
 
 def snap(page: Page, path: Path) -> None:
@@ -130,12 +135,7 @@ def test_a_401_to_a_call_sent_before_signing_in_asks_for_nothing(
     page = browser.page()
     try:
         page.call("Page.addScriptToEvaluateOnNewDocument", {"source": SLOW_FIRST_STAGES})
-        page.goto(server.url + "/ui")
-        page.wait_for("document.querySelector('#login').open")
-        page.type("#api-key", API_KEY)
-        page.type("#control-key", CONTROL_KEY)
-        page.click("#login-submit")
-        page.wait_for("document.querySelectorAll('.stage').length === 2")
+        sign_in(page, server)
         page.wait_for("window.slowAnswered === true")
         time.sleep(0.3)  # the late 401 read and handed to the page's listeners
         assert page.eval("document.querySelector('#login').open") is False
