@@ -3,8 +3,9 @@ openai client's ``audio.speech.create`` answers the official ``qwen-tts`` packag
 for the same ids (its greedy ``generate`` decoded by its speech tokenizer; 16-bit samples
 within one step, the server's stages computing on their own threads), as pcm and as wav;
 streamed as raw audio (``with_streaming_response ... iter_bytes``) and as Server-Sent Events,
-the same bytes. ``GET /v1/audio/voices`` lists the checkpoint's speakers. Bad input is a 400
-naming the field, and the server speaks on."""
+the same bytes; a seeded sampled request speaks the same twice; time to first audio and the
+real-time factor reach /metrics. ``GET /v1/audio/voices`` lists the checkpoint's speakers.
+Bad input is a 400 naming the field, and the server speaks on."""
 
 from __future__ import annotations
 
@@ -152,3 +153,26 @@ def test_the_server_speaks_on_after_bad_input(client, spoken):
         extra_body=GREEDY,
     )  # fmt: skip
     assert reply.content == spoken
+
+
+def test_a_seeded_sampled_request_speaks_the_same_twice(client):
+    def speak(seed: int) -> bytes:
+        return client.audio.speech.create(
+            model="tiny-qwen3-tts", input=TEXT, voice="dylan", response_format="pcm",
+            extra_body={"language": "chinese", "max_new_tokens": FRAMES, "seed": seed},
+        ).content  # fmt: skip
+
+    first = speak(5)
+    assert speak(5) == first and len(first) > 0
+    assert speak(6) != first  # the package's sampling (temperature 0.9, top-k 50) draws
+
+
+def test_time_to_first_audio_and_real_time_factor_are_in_metrics(server, spoken):
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for family in ("time_to_first_audio_seconds", "audio_real_time_factor"):
+        counts = [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(f"omnistage:{family}_count") and 'stage="1"' in line  # code2wav
+        ]
+        assert counts and counts[0] > 0, family
