@@ -4,7 +4,8 @@ for the same ids (its greedy ``generate`` decoded by its speech tokenizer; 16-bi
 within one step, the server's stages computing on their own threads), as pcm and as wav;
 streamed as raw audio (``with_streaming_response ... iter_bytes``) and as Server-Sent Events,
 the same bytes; a seeded sampled request speaks the same twice; time to first audio and the
-real-time factor reach /metrics. ``GET /v1/audio/voices`` lists the checkpoint's speakers.
+real-time factor reach /metrics; a batch answers each item on its own. ``GET
+/v1/audio/voices`` lists the checkpoint's speakers.
 Bad input is a 400 naming the field, and the server speaks on."""
 
 from __future__ import annotations
@@ -176,3 +177,29 @@ def test_time_to_first_audio_and_real_time_factor_are_in_metrics(server, spoken)
             if line.startswith(f"omnistage:{family}_count") and 'stage="1"' in line  # code2wav
         ]
         assert counts and counts[0] > 0, family
+
+
+def test_a_batch_speaks_each_item_and_fails_only_the_bad_one(server, spoken):
+    body = {
+        "items": [
+            {"input": TEXT, "voice": "vivian"},
+            {"input": TEXT, "voice": "nobody"},
+            {"input": TEXT, "voice": "vivian", "response_format": "wav"},
+        ],
+        "response_format": "pcm",
+        **GREEDY,
+    }
+    reply = httpx.post(server.url + "/v1/audio/speech/batch", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()
+    assert (answer["total"], answer["succeeded"], answer["failed"]) == (3, 2, 1)
+    good, bad, wav = answer["results"]
+    assert [r["index"] for r in answer["results"]] == [0, 1, 2]
+    assert good["status"] == "success" and good["media_type"] == "audio/pcm"
+    assert base64.b64decode(good["audio_data"]) == spoken
+    assert bad["status"] == "error" and "unknown voice 'nobody'" in bad["error"]
+    assert wav["media_type"] == "audio/wav" and base64.b64decode(wav["audio_data"])[:4] == b"RIFF"
+    too_many = httpx.post(
+        server.url + "/v1/audio/speech/batch", json={"items": [{"input": "x"}] * 33}, timeout=30
+    )
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "items"

@@ -10,6 +10,7 @@ bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.de
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import json
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from omnistage.engine.outputs import OmniAudio
 from omnistage.entrypoints.openai.audio_formats import encode_audio
@@ -120,13 +121,9 @@ def _speaker(engine: Any) -> tuple[str, Any]:
 @router.post("/v1/audio/speech")
 async def create_speech(body: SpeechRequest, request: Request, engine: EngineClientDep) -> Any:
     check_model(request, body.model)
-    folder, family = _speaker(engine)
-    asked = body.model_dump(include={"voice", "language", "instructions", "task_type"})
-    speech = SpeechInput(body.input, non_streaming_mode=body.non_streaming_mode, **asked)
-    prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
     log = RequestLog(request, new_id("speech"), "speech")
     log.received(format=body.response_format, stream=body.streamed)
-    stream = engine.generate(prompt, body.sampling(), ["audio"], request_id=log.request_id)
+    stream = _speak(engine, body, log.request_id)
     if not body.streamed:
         audio = await _whole(engine, stream)
         log.finished("stop", samples=len(audio.samples))
@@ -140,6 +137,76 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
     return StreamingResponse(
         _events(engine, stream, body.response_format), media_type="text/event-stream"
     )
+
+
+def _speak(engine: Any, body: SpeechRequest, request_id: str) -> AsyncIterator[Any]:
+    """The pipeline's outputs for one speech request (its prompt built by the family)."""
+    folder, family = _speaker(engine)
+    asked = body.model_dump(include={"voice", "language", "instructions", "task_type"})
+    speech = SpeechInput(body.input, non_streaming_mode=body.non_streaming_mode, **asked)
+    prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
+    stream: AsyncIterator[Any] = engine.generate(
+        prompt, body.sampling(), ["audio"], request_id=request_id
+    )
+    return stream
+
+
+class SpeechBatchRequest(_RequestBody):
+    """vLLM-Omni's ``/v1/audio/speech/batch``: ``items`` (each a speech request's fields, at
+    least ``input``), the other fields shared by every item (an item's own win)."""
+
+    model: str | None = None
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=32)
+    shared: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _collect_shared(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            shared = {k: v for k, v in data.items() if k not in ("model", "items", "shared")}
+            return {"model": data.get("model"), "items": data.get("items"), "shared": shared}
+        return data
+
+
+@router.post("/v1/audio/speech/batch")
+async def create_speech_batch(
+    body: SpeechBatchRequest, request: Request, engine: EngineClientDep
+) -> dict[str, Any]:
+    """Every item spoken at once; each answers on its own (``status`` ``success`` with its
+    audio in base64, or ``error`` with the 400's message): one bad item fails only itself."""
+    check_model(request, body.model)
+    batch_id = new_id("speech-batch")
+
+    async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
+        try:
+            speech = SpeechRequest.model_validate({**body.shared, **item})
+            if speech.streamed:
+                raise InvalidRequestError("stream_format", "a batch item is answered whole")
+            audio = await _whole(engine, _speak(engine, speech, f"{batch_id}-{index}"))
+        except (ValidationError, InvalidRequestError) as exc:
+            return {"index": index, "status": "error", "error": _said(exc)}
+        fmt = speech.response_format
+        data = base64.b64encode(encode_audio(audio, fmt)).decode("ascii")
+        return {
+            "index": index,
+            "status": "success",
+            "audio_data": data,
+            "media_type": MEDIA_TYPES[fmt],
+        }
+
+    results = await asyncio.gather(*(one(i, item) for i, item in enumerate(body.items)))
+    ok = sum(r["status"] == "success" for r in results)
+    return {"id": batch_id, "results": results, "total": len(results), "succeeded": ok,
+            "failed": len(results) - ok}  # fmt: skip
+
+
+def _said(exc: Exception) -> str:
+    """A refused item's reason, as the single route's 400 words it (field: message)."""
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        field = err.get("ctx", {}).get("field") or ".".join(str(p) for p in err["loc"])
+        return f"{field}: {err['msg']}"
+    return str(exc)
 
 
 async def _whole(engine: Any, stream: AsyncIterator[Any]) -> OmniAudio:
