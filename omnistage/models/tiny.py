@@ -26,6 +26,8 @@ PRESETS: dict[str, str] = {
     "tiny-qwen2.5-omni-alt": "omnistage.models.qwen2_5_omni.tiny:build_alt",
     "tiny-qwen3-omni": "omnistage.models.qwen3_omni.tiny:build",
     "bench-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build_bench",
+    "tiny-qwen3-tts-customvoice": "omnistage.models.qwen3_tts.tiny:build_custom_voice",
+    "tiny-qwen3-tts-voicedesign": "omnistage.models.qwen3_tts.tiny:build_voice_design",
 }
 
 _DONE_MARKER = ".omnistage-built"

@@ -1,0 +1,142 @@
+"""Tiny random Qwen3-TTS checkpoints (presets ``tiny-qwen3-tts-customvoice`` and
+``tiny-qwen3-tts-voicedesign``), written by omnistage's own modules in the published layout:
+``config.json`` and ``generation_config.json``, the talker's weights under the names
+``Qwen3TTSForConditionalGeneration`` saves (its tests check them against the package's own
+classes), a Qwen-style tokenizer, and ``speech_tokenizer/`` with the decoder's weights (no
+Mimi encoder: nothing served reads it before voice cloning). Seeded: same bytes each build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from omnistage.models import omni_tiny, tiny_ar
+
+TEXT_VOCAB = 512
+CODEBOOK = 64
+GROUPS = 16
+SPECIAL_CODEC = {
+    "codec_pad_id": 1000, "codec_bos_id": 1001, "codec_eos_token_id": 1002,
+    "codec_think_id": 1003, "codec_nothink_id": 1004, "codec_think_bos_id": 1005,
+    "codec_think_eos_id": 1006,
+}  # fmt: skip
+DECODER = {
+    "codebook_size": CODEBOOK, "hidden_size": 32, "latent_dim": 32, "codebook_dim": 16,
+    "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 8,
+    "num_hidden_layers": 2, "intermediate_size": 64, "num_quantizers": GROUPS,
+    "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2], "decoder_dim": 32,
+}  # fmt: skip
+
+
+def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
+    """``config.json`` of a tiny checkpoint of ``variant``."""
+    talker = {
+        "vocab_size": 1024 + CODEBOOK, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000, "text_vocab_size": TEXT_VOCAB, "text_hidden_size": 24,
+        "num_code_groups": GROUPS, "hidden_act": "silu",
+        "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1], "interleaved": True},
+        "code_predictor_config": {
+            "vocab_size": CODEBOOK, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "num_code_groups": GROUPS, "rope_theta": 10000,
+        },
+        **SPECIAL_CODEC,
+    }  # fmt: skip
+    talker["spk_id"], talker["spk_is_dialect"] = {}, {}  # a designed voice has no names
+    if variant == "custom_voice":
+        talker["spk_id"] = {"vivian": 1010, "dylan": 1011}
+        talker["spk_is_dialect"] = {"vivian": False, "dylan": "beijing_dialect"}
+    talker["codec_language_id"] = {"chinese": 1020, "english": 1021, "beijing_dialect": 1022}
+    return {
+        "model_type": "qwen3_tts",
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "tts_model_type": variant,
+        "tts_model_size": "1b7",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "talker_config": talker,
+        **text_ids,
+    }
+
+
+def _talker_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Our talker, randomised, under the checkpoint's names (``talker.*``)."""
+    from omnistage.models.qwen3_tts.talker import TALKER_PREFIXES, Talker, talker_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Talker(talker_config(raw), torch.float32)
+    omni_tiny.randomise(model, seed, {})
+    back = {dst: src for src, dst in TALKER_PREFIXES.items() if src != "model."}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("inv_freq"):
+            continue
+        prefix = next((p for p in back if name.startswith(p)), "model.")
+        source = back.get(prefix, "model.")
+        out["talker." + source + name[len(prefix) :]] = tensor.contiguous()
+    return out
+
+
+def _decoder_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Our speech decoder, randomised so that it speaks (a fresh codebook is silence)."""
+    from omnistage.models.qwen3_tts.code2wav import SpeechDecoder, decoder_config
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SpeechDecoder(decoder_config(raw, "speech_tokenizer/config.json"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("embedding_sum"):
+                param.copy_(noise)
+            elif name.endswith("cluster_usage"):
+                param.copy_(0.5 + noise.abs())
+            elif name.endswith((".alpha", ".beta")):
+                param.copy_(0.1 * noise)
+            else:
+                param.add_(0.2 * noise)
+    return {f"decoder.{k}": v.contiguous() for k, v in model.state_dict().items()}
+
+
+def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path:
+    from omnistage.models.qwen3_omni.tiny import build_tokenizer
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(TEXT_VOCAB, seed)
+    tokenizer.save(str(out / "tokenizer.json"))
+    tiny_ar.write_json(out / "tokenizer_config.json", tiny_ar.tokenizer_config("", 4096))
+    ids = omni_tiny.special_token_ids(tokenizer, ("<|im_start|>", "<|im_end|>"))
+    text_ids = {
+        "im_start_token_id": ids["<|im_start|>"], "im_end_token_id": ids["<|im_end|>"],
+        "tts_pad_token_id": TEXT_VOCAB - 3, "tts_bos_token_id": TEXT_VOCAB - 2,
+        "tts_eos_token_id": TEXT_VOCAB - 1,
+    }  # fmt: skip
+    raw = configs(variant, text_ids)
+    tiny_ar.write_json(out / "config.json", raw)
+    tiny_ar.write_json(out / "generation_config.json", {"max_new_tokens": 256})
+    save_file(_talker_weights(raw, seed), str(out / "model.safetensors"), {"format": "pt"})
+    tok = out / "speech_tokenizer"
+    tok.mkdir(exist_ok=True)
+    codec = {
+        "model_type": "qwen3_tts_tokenizer_12hz", "decoder_config": DECODER,
+        "encoder_valid_num_quantizers": GROUPS, "input_sample_rate": 24000,
+        "output_sample_rate": 24000, "decode_upsample_rate": 1920, "encode_downsample_rate": 1920,
+    }  # fmt: skip
+    tiny_ar.write_json(tok / "config.json", codec)
+    save_file(_decoder_weights(codec, seed + 1), str(tok / "model.safetensors"), {"format": "pt"})
+    return out
+
+
+def build_custom_voice(out: str | Path) -> Path:
+    return build(out, "custom_voice")
+
+
+def build_voice_design(out: str | Path) -> Path:
+    return build(out, "voice_design")
