@@ -107,15 +107,20 @@ def _tokenizer(folder: str) -> Any:
 
 def _speaker(engine: Any) -> tuple[str, Any]:
     """The first stage's folder and its family, if it speaks a given text (else a 400)."""
-    from omnistage.models import registry
-
     folder = str(engine.config.stages[0].model)
-    family = registry.family_of_folder(folder)
+    family = _family(folder)
     if not supports_speech(family):
         raise InvalidRequestError(
             "model", "this pipeline speaks no given text (it serves no text-to-speech model)"
         )
     return folder, family
+
+
+@functools.cache
+def _family(folder: str) -> Any:
+    from omnistage.models import registry
+
+    return registry.family_of_folder(folder)
 
 
 @router.post("/v1/audio/speech")

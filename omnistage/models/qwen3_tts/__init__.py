@@ -47,9 +47,9 @@ class Qwen3TTSFamily(can.ARFamily, can.SupportsVocoder, can.SupportsProcessors, 
         return speech_prompt(folder, encode, speech)
 
     def speech_voices(self, folder: str) -> list[str]:
-        from omnistage.models.qwen3_tts.config import read_config
+        from omnistage.models.qwen3_tts.config import served_config
 
-        return sorted(read_config(folder).speakers)
+        return sorted(served_config(folder).speakers)
 
     def decoder_config(self, raw: dict[str, Any], part: str | None = None) -> ARModelConfig:
         if part not in (None, TALKER_PART):
@@ -69,7 +69,8 @@ class Qwen3TTSFamily(can.ARFamily, can.SupportsVocoder, can.SupportsProcessors, 
     def request_setup(self, config: ARModelConfig, folder: str) -> dict[str, Any]:
         from omnistage.models.qwen3_tts.config import read_config
 
-        s = read_config(folder).sampling
+        tts = read_config(folder)
+        s = tts.sampling
         greedy = not s["do_sample"]
         defaults = {
             "temperature": 0.0 if greedy else s["temperature"],
@@ -79,7 +80,7 @@ class Qwen3TTSFamily(can.ARFamily, can.SupportsVocoder, can.SupportsProcessors, 
             "max_tokens": s["max_new_tokens"],
             "min_tokens": 2,  # generate's min_new_tokens
         }
-        return {"param_defaults": defaults, "stop_token_ids": [read_config(folder).codec.eos]}
+        return {"param_defaults": defaults, "stop_token_ids": [tts.codec.eos]}
 
     def vocoder(
         self, folder: str | Path, arena: Any, *, part: str | None = None, load: bool = True

@@ -6,6 +6,7 @@ naming the key."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -215,3 +216,10 @@ def read_config(folder: str | Path) -> TTSConfig:
         sample_rate=_int(tokenizer, "output_sample_rate", tokenizer_where, 24000),
         samples_per_frame=_int(tokenizer, "decode_upsample_rate", tokenizer_where, 1920),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def served_config(folder: str) -> TTSConfig:
+    """``read_config`` once per folder, for what runs per request (a served checkpoint's files
+    do not change under it; a weight update changes weights only)."""
+    return read_config(folder)

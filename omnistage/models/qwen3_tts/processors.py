@@ -8,11 +8,11 @@ from typing import Any
 from omnistage.errors import InvalidRequestError
 from omnistage.models.processors import InputProcessor, UpstreamResult
 from omnistage.models.qwen3_omni.processors import whole_frames
-from omnistage.models.qwen3_tts.config import read_config
+from omnistage.models.qwen3_tts.config import served_config
 
 
 def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
-    tts = read_config(folder)
+    tts = served_config(folder)
     codes, _ = whole_frames(list(upstream.token_ids), tts.num_code_groups, tts.codec.eos)
     if not codes:
         raise InvalidRequestError("sampling_params", "the talker produced no speech codes")

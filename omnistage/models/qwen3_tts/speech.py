@@ -11,7 +11,7 @@ from typing import Any
 
 from omnistage.errors import InvalidRequestError
 from omnistage.models.interfaces import SpeechInput
-from omnistage.models.qwen3_tts.config import AUTO_LANGUAGE, read_config
+from omnistage.models.qwen3_tts.config import AUTO_LANGUAGE, served_config
 from omnistage.models.qwen3_tts.prompt import assistant_text, instruct_text, talker_prompt
 
 # vLLM-Omni's task names -> the checkpoint's tts_model_type
@@ -22,7 +22,7 @@ MAX_INSTRUCTIONS = 500  # characters, as vLLM-Omni bounds them
 def speech_prompt(
     folder: str, encode: Callable[[str], list[int]], speech: SpeechInput
 ) -> dict[str, Any]:
-    config = read_config(folder)
+    config = served_config(folder)
     variant = config.variant
     checkpoint_task = next(name for name, v in TASKS.items() if v == variant)
     if speech.task_type is not None and speech.task_type not in TASKS:

@@ -82,6 +82,25 @@ def _talker_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@torch.no_grad()
+def randomise_codec(model: torch.nn.Module, seed: int) -> None:
+    """A speech tokenizer's weights from a generator seeded with ``seed`` (a fresh one decodes
+    to silence): the codebooks' sums normal, their usage positive (as a trained codebook's),
+    SnakeBeta's log-scales ``alpha``/``beta`` normal(0, 0.1), the rest normal(0, 0.2) around
+    their initial values."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=generator)
+        if name.endswith("embedding_sum"):
+            param.copy_(noise)
+        elif name.endswith("cluster_usage"):
+            param.copy_(0.5 + noise.abs())
+        elif name.endswith((".alpha", ".beta")):
+            param.copy_(0.1 * noise)
+        else:
+            param.add_(0.2 * noise)
+
+
 def _decoder_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Our speech decoder, randomised so that it speaks (a fresh codebook is silence)."""
     from omnistage.models.qwen3_tts.code2wav import SpeechDecoder, decoder_config
@@ -89,18 +108,7 @@ def _decoder_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = SpeechDecoder(decoder_config(raw, "speech_tokenizer/config.json"))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("embedding_sum"):
-                param.copy_(noise)
-            elif name.endswith("cluster_usage"):
-                param.copy_(0.5 + noise.abs())
-            elif name.endswith((".alpha", ".beta")):
-                param.copy_(0.1 * noise)
-            else:
-                param.add_(0.2 * noise)
+    randomise_codec(model, seed)
     return {f"decoder.{k}": v.contiguous() for k, v in model.state_dict().items()}
 
 

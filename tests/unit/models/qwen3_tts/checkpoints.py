@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from omnistage.models.qwen3_tts.tiny import randomise_codec
 from tests.qwen3_tts_reference import qwen_tts
 from tests.unit.models.qwen3_tts.test_config import TEXT_VOCAB, write_folder
 
@@ -58,24 +59,6 @@ DECODER = dict(
 )  # fmt: skip
 
 
-def randomize(model: torch.nn.Module) -> None:
-    """Every weight drawn from a seeded generator: the codebooks' sums normal, SnakeBeta's
-    log-scales ``alpha``/``beta`` normal(0, 0.1), the rest normal(0, 0.2) around their
-    initial values (cluster usage kept positive, as a trained codebook's is)."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            if name.endswith("embedding_sum"):
-                param.copy_(noise)
-            elif name.endswith("cluster_usage"):
-                param.copy_(0.5 + noise.abs())
-            elif name.endswith((".alpha", ".beta")):
-                param.copy_(0.1 * noise)
-            else:
-                param.add_(0.2 * noise)
-
-
 def write_codec(folder: Path):
     """``speech_tokenizer/``: the tiny reference codec, randomised, saved; returned."""
     qwen_tts()
@@ -90,6 +73,6 @@ def write_codec(folder: Path):
         encoder_config=ENCODER, decoder_config=DECODER, encoder_valid_num_quantizers=16
     )
     model = Qwen3TTSTokenizerV2Model(config).eval()
-    randomize(model)
+    randomise_codec(model, 0)  # the presets' randomisation
     model.save_pretrained(folder / "speech_tokenizer")
     return model
