@@ -33,8 +33,9 @@ PRESETS: dict[str, str] = {
 _DONE_MARKER = ".omnistage-built"
 # Raised whenever a builder writes other files or other bytes: a build whose marker names an
 # older version is rebuilt (it is omnistage's own, so it is replaced, never edited).
-BUILD_VERSION = 3  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media;
-# 3: the tiny Qwen3-Omni's code2wav speaks 240 samples per frame
+BUILD_VERSION = 4  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media;
+# 3: the tiny Qwen3-Omni's code2wav speaks 240 samples per frame; 4: the tiny Qwen3-TTS
+# CustomVoice has the published checkpoint's speakers and languages
 
 
 def _marker(preset: str) -> str:

@@ -72,6 +72,10 @@ def _model_target(model: str) -> tuple[str, str] | None:
         return ("pipeline", "tiny-qwen2.5-omni")
     if base.startswith("qwen3-omni"):
         return ("pipeline", "tiny-qwen3-omni")
+    if base.startswith("qwen3-tts-") and base.endswith("-customvoice"):
+        return ("pipeline", "tiny-qwen3-tts-customvoice")
+    if base.startswith("qwen3-tts-") and base.endswith("-voicedesign"):
+        return ("pipeline", "tiny-qwen3-tts-voicedesign")
     if base.startswith("flux.1-"):
         return ("pipeline", "tiny-flux")
     if base.startswith("wan2."):

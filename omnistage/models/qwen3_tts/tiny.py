@@ -23,6 +23,12 @@ SPECIAL_CODEC = {
     "codec_think_id": 1003, "codec_nothink_id": 1004, "codec_think_bos_id": 1005,
     "codec_think_eos_id": 1006,
 }  # fmt: skip
+SPEAKERS = ("vivian", "serena", "uncle_fu", "dylan", "eric", "ryan", "aiden", "ono_anna", "sohee")
+DIALECTS = {"dylan": "beijing_dialect", "eric": "sichuan_dialect"}
+LANGUAGES = (
+    "chinese", "english", "japanese", "korean", "german", "french", "russian", "portuguese",
+    "spanish", "italian", "beijing_dialect", "sichuan_dialect",
+)  # fmt: skip
 DECODER = {
     "codebook_size": CODEBOOK, "hidden_size": 32, "latent_dim": 32, "codebook_dim": 16,
     "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": 8,
@@ -48,10 +54,10 @@ def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
         **SPECIAL_CODEC,
     }  # fmt: skip
     talker["spk_id"], talker["spk_is_dialect"] = {}, {}  # a designed voice has no names
-    if variant == "custom_voice":
-        talker["spk_id"] = {"vivian": 1010, "dylan": 1011}
-        talker["spk_is_dialect"] = {"vivian": False, "dylan": "beijing_dialect"}
-    talker["codec_language_id"] = {"chinese": 1020, "english": 1021, "beijing_dialect": 1022}
+    if variant == "custom_voice":  # the published CustomVoice's speakers, as clients name them
+        talker["spk_id"] = {name: 1010 + i for i, name in enumerate(SPEAKERS)}
+        talker["spk_is_dialect"] = {name: DIALECTS.get(name, False) for name in SPEAKERS}
+    talker["codec_language_id"] = {name: 1030 + i for i, name in enumerate(LANGUAGES)}
     return {
         "model_type": "qwen3_tts",
         "architectures": ["Qwen3TTSForConditionalGeneration"],
