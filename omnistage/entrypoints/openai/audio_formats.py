@@ -1,6 +1,7 @@
 """Speech as the bytes of a reply's ``audio.format``, as vLLM-Omni serves them: ``wav`` (16-bit
 PCM, the default), ``pcm`` / ``pcm16`` (raw 16-bit little-endian samples, no header), ``flac``,
-``mp3`` and ``opus`` (in Ogg), each encoded by libsndfile (soundfile). Mono, at the model's
+``mp3`` and ``opus`` (in Ogg), each encoded by libsndfile (soundfile), and ``aac`` (in ADTS,
+as OpenAI's speech route answers it; FFmpeg's encoder through PyAV). Mono, at the model's
 rate; Opus only has 8, 12, 16, 24 and 48 kHz, so another rate is resampled to 48 kHz for it.
 """
 
@@ -31,6 +32,8 @@ def encode_audio(audio: OmniAudio, audio_format: str) -> bytes:
         return audio.wav_bytes()
     if audio_format in RAW_FORMATS:
         return audio.pcm16()
+    if audio_format == "aac":
+        return _aac(audio)
     import soundfile
 
     fmt, subtype = _SOUNDFILE[audio_format]
@@ -44,4 +47,20 @@ def encode_audio(audio: OmniAudio, audio_format: str) -> bytes:
     samples = np.frombuffer(audio.pcm16(), dtype="<i2")
     buffer = io.BytesIO()
     soundfile.write(buffer, samples, rate, format=fmt, subtype=subtype)
+    return buffer.getvalue()
+
+
+def _aac(audio: OmniAudio) -> bytes:
+    """``audio`` as AAC-LC in an ADTS stream (FFmpeg's native encoder, its default bit rate)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="adts") as container:
+        stream = container.add_stream("aac", rate=audio.sample_rate)
+        stream.layout = "mono"
+        samples = np.ascontiguousarray(audio.samples, dtype=np.float32)[None, :]
+        frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout="mono")
+        frame.sample_rate = audio.sample_rate
+        for packet in (*stream.encode(frame), *stream.encode(None)):
+            container.mux(packet)
     return buffer.getvalue()
