@@ -36,7 +36,12 @@ from omnistage.models import registry
 from omnistage.models.processors import Wants
 from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import HandoffRef, OutputMessage, StageRequest, Upstream
-from omnistage.stage.request_preparer import RequestOptions, RequestPreparer, prompt_fields
+from omnistage.stage.request_preparer import (
+    RequestOptions,
+    RequestPreparer,
+    prompt_fields,
+    prompt_options,
+)
 
 
 class RequestRouter:
@@ -166,6 +171,7 @@ class RequestRouter:
         prompt fields, its options spelled each stage's way (a voice in any case), and its
         number of samples."""
         chain = self.plan(wanted)
+        prompt, options = prompt_options(prompt, options)  # what a route's prompt adds
         fields = prompt_fields(prompt, self.preparer(chain[0]).PROMPT_FIELDS)
         num_samples = self.preparer(chain[0]).num_samples(options)
         if num_samples != 1 and len(chain) > 1:

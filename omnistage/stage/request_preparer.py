@@ -98,6 +98,52 @@ class RequestPreparer(Protocol):
         ...
 
 
+# What a prompt built for a route (a family's speech prompt, say) may carry besides its first
+# stage's fields: parameters by request field that join the request's own, and the request
+# field the request's ``sampling_params`` are for instead (its first stage draws nothing).
+PROMPT_PARAMS = "request_params"
+SAMPLING_FOR = "sampling_params_for"
+
+
+def prompt_options(prompt: Any, options: RequestOptions) -> tuple[Any, RequestOptions]:
+    """``prompt`` without its ``request_params`` and ``sampling_params_for``, and ``options``
+    with them: ``request_params`` (``{field: {key: value}}``) join the request's own, and a
+    key given both ways must agree (one value is never picked over another silently);
+    ``sampling_params_for`` names the field the request's ``sampling_params`` move to (their
+    ``seed`` stays, as it seeds every stage), under the same rule. Each field is a request
+    field a stage reads (``talker_params``, ``audio_params``, ...)."""
+    if not isinstance(prompt, Mapping) or not (PROMPT_PARAMS in prompt or SAMPLING_FOR in prompt):
+        return prompt, options
+    prompt = dict(prompt)
+    extra = check_mapping(prompt.pop(PROMPT_PARAMS, None), PROMPT_PARAMS)
+    target = prompt.pop(SAMPLING_FOR, None)
+    params = {name: dict(value) for name, value in options.params.items()}
+    seed = params.get("sampling_params", {}).get("seed")
+    for name, value in extra.items():
+        if seed is not None:  # as ``RequestOptions.of`` seeds a field given none
+            params.setdefault(name, {}).setdefault("seed", seed)
+        _join(params, name, dict(check_mapping(value, f"{PROMPT_PARAMS}.{name}")), PROMPT_PARAMS)
+    if target is not None and target != "sampling_params":
+        if not isinstance(target, str) or not target:
+            raise InvalidRequestError(SAMPLING_FOR, "must name a request field")
+        sampling = params.pop("sampling_params", {})
+        _join(params, target, sampling, "sampling_params")
+        if sampling.get("seed") is not None:
+            params["sampling_params"] = {"seed": sampling["seed"]}
+    return prompt, RequestOptions(params)
+
+
+def _join(params: dict[str, dict[str, Any]], name: str, value: dict[str, Any], source: str) -> None:
+    own = params.setdefault(name, {})
+    for key, v in value.items():
+        if own.get(key) is not None and v is not None and own[key] != v:
+            raise InvalidRequestError(
+                f"{name}.{key}", f"{v!r} ({source}) differs from the request's own {own[key]!r}"
+            )
+        if v is not None or key not in own:
+            own[key] = v
+
+
 def prompt_fields(prompt: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
     """A user prompt (a string, or a mapping of ``allowed`` fields) as a dict of fields."""
     if isinstance(prompt, str):

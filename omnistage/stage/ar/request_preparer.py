@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from omnistage.config import StageConfig
@@ -40,6 +41,7 @@ class ARRequestPreparer:
         "multi_modal_data",
         "mm_processor_kwargs",
         "prompt_spec",
+        "forced_token_ids",
     )
 
     def __init__(self, config: StageConfig, info: ARStageInfo) -> None:
@@ -254,6 +256,10 @@ class ARRequestPreparer:
                     name, f"rows must have {self.info.embedding_size} values, got {value.shape[1]}"
                 )
         params = self.sampling_params(options)
+        forced = None
+        if prompt.get("forced_token_ids") is not None:
+            forced = self._forced_token_ids(prompt["forced_token_ids"], len(token_ids), options)
+            params = msgspec.structs.replace(params, max_tokens=len(forced))
         self._refuse_oversized_answer(params, len(token_ids))
         self._refuse_too_much_work(params, len(token_ids))
         return ARStageRequest(
@@ -284,7 +290,43 @@ class ARRequestPreparer:
             ),
             positions=processed.positions if processed is not None else None,
             position_delta=processed.position_delta if processed is not None else 0,
+            forced_token_ids=forced,
         )
+
+    def _forced_token_ids(
+        self, value: Any, prompt_tokens: int, options: RequestOptions
+    ) -> list[int]:
+        """The reply said rather than drawn: ids of the vocabulary, one sample, within
+        ``max_model_len`` and the request's ``max_tokens``; the stage stops after the last."""
+        name, vocab = "forced_token_ids", self.info.vocab_size
+        ids = value if isinstance(value, list | tuple) else []
+        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError(name, "must be a non-empty list of integers")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                name, f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        if prompt_tokens + len(value) > self.info.max_model_len:
+            raise ContextLengthError(
+                name,
+                f"This model's maximum context length is {self.info.max_model_len} tokens. "
+                f"However, you requested {prompt_tokens} tokens in the prompt and {len(value)} "
+                "forced ones after it. Please reduce the length of the prompt or of the reply.",
+            )
+        field = self.params_field
+        given = dict(check_mapping(options.params.get(field), field))
+        where = "" if field == "sampling_params" else f"{field}."
+        if given.get("n", 1) != 1:
+            raise InvalidRequestError(f"{where}n", "a forced reply is one sample (n must be 1)")
+        max_tokens = given.get("max_tokens")
+        if max_tokens is not None and max_tokens < len(value):
+            raise InvalidRequestError(
+                f"{where}max_tokens",
+                f"{max_tokens} is fewer than the {len(value)} forced_token_ids (leave it out: a "
+                "forced reply ends after its last id)",
+            )
+        return list(value)
 
     def prompt_processor(self) -> PromptProcessor:
         """The model family's processor of multimodal prompts (built once, on first use)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import torch
 
 from omnistage.config import StageConfig
@@ -46,6 +47,7 @@ def from_wire(request_id: str, request: object) -> ARRequest:
         request.hidden_layer,
         request.stream_hidden_states,
         request.prompt_spec,
+        list(request.forced_token_ids) if request.forced_token_ids is not None else None,
     )
 
 
@@ -100,6 +102,11 @@ class RequestTable:
     def create(self, request: ARRequest) -> SequenceState:
         """Validate ``request`` and register its samples; returns the one to schedule."""
         self.validate(request)
+        forced = request.forced_token_ids
+        if forced is not None:  # the stage stops after the last (earlier on a stop, as drawn)
+            params = request.sampling_params
+            if params.max_tokens is None or params.max_tokens > len(forced):
+                request.sampling_params = msgspec.structs.replace(params, max_tokens=len(forced))
         for name in ("prompt_embeds", "decode_embeds"):  # on the device, in the model's dtype
             value = getattr(request, name)
             if value is not None:
@@ -160,9 +167,34 @@ class RequestTable:
                 "prompt",
                 f"{len(ids)} tokens leave no room to generate within max_model_len={max_model_len}",
             )
+        self._validate_forced(request, max_model_len)
         self._validate_embeddings(request)
         _validate_positions(request)
         check_items(request.multi_modal, len(ids), self.embed_dim, self.multi_modal)
+
+    def _validate_forced(self, request: ARRequest, max_model_len: int) -> None:
+        """``forced_token_ids``: ids of the vocabulary, one sample, room for all of them."""
+        forced = request.forced_token_ids
+        if forced is None:
+            return
+        vocab = self.vocab_size
+        if not isinstance(forced, list | tuple) or not forced:
+            raise InvalidRequestError("forced_token_ids", "must be a non-empty list of token ids")
+        if not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in forced
+        ):
+            raise InvalidRequestError(
+                "forced_token_ids", f"token ids must be integers in [0, {vocab})"
+            )
+        if request.sampling_params.n != 1:
+            raise InvalidRequestError("n", "a forced reply is one sample (n must be 1)")
+        total = len(request.prompt_token_ids) + len(forced)
+        if total > max_model_len:
+            raise InvalidRequestError(
+                "forced_token_ids",
+                f"{len(request.prompt_token_ids)} prompt tokens and {len(forced)} forced ones "
+                f"exceed max_model_len={max_model_len}",
+            )
 
     def _validate_embeddings(self, request: ARRequest) -> None:
         rows = {"prompt_embeds": len(request.prompt_token_ids), "decode_embeds": None}

@@ -14,6 +14,10 @@ to finite float32 values, filtering runs in float64 (a ``top_p`` of 1e-300 does 
 top-p, and a row whose every token is banned keeps its bans off. Rows whose logits are not
 finite (broken weights) get ``None``: the engine fails those requests, not the stage.
 
+A sequence with ``forced_token_ids`` takes its next one instead of drawing (its generator
+does not move); everything else about its step is a drawn token's: its logprobs, then the
+stop checks. Ordinary rows are untouched.
+
 Logprobs are the model's own (``log_softmax`` of the raw logits, before any processing, as
 vLLM's default) or, with ``processed_logprobs``, those of the distribution the token was
 drawn from (penalties, bans, temperature, min-p, top-k and top-p applied).
@@ -130,8 +134,14 @@ class Sampler:
             if not finite[i]:
                 sampled.token_ids[i] = None
                 continue
+            forced = seq.forced_token
             filtered = None
-            if not seq.params.is_greedy:
+            if forced is not None:  # said, not drawn: no generator moves
+                sampled.token_ids[i] = forced
+                wants_filtered = seq.params.logprobs is not None and self.processed_logprobs
+                if wants_filtered and not seq.params.is_greedy:
+                    filtered = filter_logits(processed[i], seq.params)
+            elif not seq.params.is_greedy:
                 filtered = filter_logits(processed[i], seq.params)
                 # float32 for the draw, as before: the most likely token's probability
                 # (at least 1 / vocab size) cannot underflow.

@@ -44,6 +44,7 @@ class ARRequest:
     # Each output carries what the step added to the hand-off (a streamed edge's input).
     stream_hidden_states: bool = False
     prompt_spec: dict[str, Any] | None = None  # see ``ARStageRequest``
+    forced_token_ids: list[int] | None = None  # the reply, said rather than drawn (ditto)
 
 
 class SequenceStatus(Enum):
@@ -84,6 +85,7 @@ class SequenceState:
         self.multi_modal = list(request.multi_modal)  # placeholder ranges, in prompt order
         self.positions = request.positions
         self.position_delta = request.position_delta
+        self.forced_token_ids = request.forced_token_ids
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0  # leading tokens whose k/v came from the prefix cache
@@ -122,6 +124,14 @@ class SequenceState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token its next step says (``forced_token_ids``), or None: it draws one."""
+        forced = self.forced_token_ids
+        if forced is None or self.num_output_tokens >= len(forced):
+            return None
+        return forced[self.num_output_tokens]
 
     @property
     def last_token_id(self) -> int:

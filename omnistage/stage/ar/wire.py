@@ -53,7 +53,10 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     (``token_embeddings`` in what it hands over). ``multi_modal`` items replace the
     embeddings of their placeholder positions with their encoder's output. ``positions``
     ``[3, L]`` are the prompt's multimodal rotary positions (time, height, width) for a model
-    that has them; generated token ``i`` then sits at ``i + position_delta`` in all three."""
+    that has them; generated token ``i`` then sits at ``i + position_delta`` in all three.
+    ``forced_token_ids``: the reply, said rather than drawn — each step's token is the next
+    of them (computed, fed back and stopped on as a drawn one), and the stage stops after the
+    last (``sampler.py``)."""
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
@@ -73,6 +76,7 @@ class ARStageRequest(msgspec.Struct, tag=KIND, forbid_unknown_fields=True):
     # A prompt the model builds its own input embeddings for (``CausalLM.embed_prompt_spec``;
     # a speech model's prompt rows): ``prompt_embeds`` and ``decode_embeds`` come from it.
     prompt_spec: dict[str, Any] | None = None
+    forced_token_ids: list[int] | None = None
 
 
 class ARStageInfo(msgspec.Struct, tag=KIND):
