@@ -28,6 +28,7 @@ PRESETS: dict[str, str] = {
     "bench-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build_bench",
     "tiny-qwen3-tts-customvoice": "omnistage.models.qwen3_tts.tiny:build_custom_voice",
     "tiny-qwen3-tts-voicedesign": "omnistage.models.qwen3_tts.tiny:build_voice_design",
+    "tiny-qwen3-tts-base": "omnistage.models.qwen3_tts.tiny:build_base",
 }
 
 _DONE_MARKER = ".omnistage-built"

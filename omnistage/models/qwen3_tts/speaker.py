@@ -6,8 +6,9 @@ puts in the talker's speaker row, equal to the ``qwen-tts`` package's
 CPU in float32, through librosa's Slaney mel bank for 0-12 kHz, transcribed here).
 ``SpeakerEncoder`` runs the ECAPA-TDNN on it: transformers' ``ECAPA_TimeDelayNet`` (Qwen2.5-Omni
 code that the package's ``Qwen3TTSSpeakerEncoder`` copies line for line, parameter names
-included), built on ``meta``, adopted into the arena under tag ``weights`` and loaded from the
-checkpoint's ``speaker_encoder.*`` tensors. Only the Base variant has them.
+included), built on ``meta``, adopted into the arena under its tag (the talker stage's
+``speaker_encoder``) and loaded from the checkpoint's ``speaker_encoder.*`` tensors. Only the
+Base variant has them.
 """
 
 from __future__ import annotations
@@ -192,13 +193,19 @@ class SpeakerEncoder:
     reference runs the encoder in its model's dtype, the mel cast to it)."""
 
     def __init__(
-        self, config: SpeakerEncoderConfig, arena: Arena, *, dtype: torch.dtype = torch.float32
+        self,
+        config: SpeakerEncoderConfig,
+        arena: Arena,
+        *,
+        dtype: torch.dtype = torch.float32,
+        tag: str = "weights",
     ) -> None:
         self.config = config
         self.device = arena.device
         self.dtype = dtype
+        self.tag = tag
         self.module = build_empty(config, dtype)
-        self.weight_bytes = arena.adopt(self.module)
+        self.weight_bytes = arena.adopt(self.module, tag)
 
     @classmethod
     def from_folder(

@@ -1,9 +1,11 @@
-"""Tiny random Qwen3-TTS checkpoints (presets ``tiny-qwen3-tts-customvoice`` and
-``tiny-qwen3-tts-voicedesign``), written by omnistage's own modules in the published layout:
-``config.json`` and ``generation_config.json``, the talker's weights under the names
-``Qwen3TTSForConditionalGeneration`` saves (its tests check them against the package's own
-classes), a Qwen-style tokenizer, and ``speech_tokenizer/`` with the decoder's weights (no
-Mimi encoder: nothing served reads it before voice cloning). Seeded: same bytes each build."""
+"""Tiny random Qwen3-TTS checkpoints (presets ``tiny-qwen3-tts-customvoice``,
+``tiny-qwen3-tts-voicedesign`` and ``tiny-qwen3-tts-base``), written by omnistage's own
+modules in the published layout: ``config.json`` and ``generation_config.json``, the talker's
+weights under the names ``Qwen3TTSForConditionalGeneration`` saves (its tests check them
+against the package's own classes), a Qwen-style tokenizer, and ``speech_tokenizer/`` with the
+decoder's weights. The Base checkpoint adds its speaker encoder (``speaker_encoder.*``) and the
+speech tokenizer's Mimi encoder (``encoder.*``, the published flat names, its codebooks
+random too) with its ``preprocessor_config.json``. Seeded: same bytes each build."""
 
 from __future__ import annotations
 
@@ -37,6 +39,31 @@ DECODER = {
 }  # fmt: skip
 
 
+# the speech tokenizer's Mimi encoder: the published one's layout, tiny (its quantizers
+# project 16 -> 8 wide, as the published 512 -> 256)
+ENCODER: dict[str, Any] = {
+    "model_type": "mimi", "hidden_size": 16, "num_filters": 4, "num_residual_layers": 1,
+    "upsampling_ratios": [8, 6, 5, 4], "kernel_size": 7, "last_kernel_size": 3,
+    "residual_kernel_size": 3, "dilation_growth_rate": 2, "codebook_size": CODEBOOK,
+    "codebook_dim": 8, "vector_quantization_hidden_dimension": 8, "num_quantizers": 32,
+    "num_semantic_quantizers": 1, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 32, "sliding_window": 250,
+    "frame_rate": 12.5, "sampling_rate": 24000, "upsample_groups": 16, "use_causal_conv": True,
+}  # fmt: skip
+SPEAKER_ENCODER = {
+    "mel_dim": 128, "enc_dim": 32, "enc_channels": [16, 16, 16, 16, 48],
+    "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
+    "enc_attention_channels": 8, "enc_res2net_scale": 8, "enc_se_channels": 8,
+    "sample_rate": 24000,
+}  # fmt: skip
+# the published speech tokenizer's feature extractor (the package's encode reads it)
+PREPROCESSOR = {
+    "chunk_length_s": None, "feature_extractor_type": "EncodecFeatureExtractor",
+    "feature_size": 1, "overlap": None, "padding_side": "right", "padding_value": 0.0,
+    "return_attention_mask": True, "sampling_rate": 24000,
+}  # fmt: skip
+
+
 def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
     """``config.json`` of a tiny checkpoint of ``variant``."""
     talker = {
@@ -58,7 +85,7 @@ def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
         talker["spk_id"] = {name: 1010 + i for i, name in enumerate(SPEAKERS)}
         talker["spk_is_dialect"] = {name: DIALECTS.get(name, False) for name in SPEAKERS}
     talker["codec_language_id"] = {name: 1030 + i for i, name in enumerate(LANGUAGES)}
-    return {
+    raw = {
         "model_type": "qwen3_tts",
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "tts_model_type": variant,
@@ -67,6 +94,9 @@ def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
         "talker_config": talker,
         **text_ids,
     }
+    if variant == "base":
+        raw["speaker_encoder_config"] = dict(SPEAKER_ENCODER)
+    return raw
 
 
 def _talker_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -118,6 +148,62 @@ def _decoder_weights(raw: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return {f"decoder.{k}": v.contiguous() for k, v in model.state_dict().items()}
 
 
+@torch.no_grad()
+def randomise_mimi_codebooks(model: torch.nn.Module, seed: int) -> None:
+    """A Mimi encoder's codebooks (buffers, which ``randomise_codec`` leaves: a fresh one is
+    all zeros, every frame code 0) from a generator seeded with ``seed``: sums normal, usage
+    positive."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, buffer in model.named_buffers():
+        if name.endswith("embed_sum"):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator))
+        elif name.endswith("cluster_usage"):
+            buffer.copy_(0.5 + torch.randn(buffer.shape, generator=generator).abs())
+
+
+def _encoder_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A Mimi encoder, randomised, under the published names (``encoder.*``)."""
+    from transformers import MimiConfig, MimiModel
+
+    from omnistage.models.qwen3_tts.codec_encoder import published_name
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = MimiModel(MimiConfig(**{k: v for k, v in ENCODER.items() if k != "model_type"}))
+    model.decoder = None
+    randomise_codec(model, seed)
+    randomise_mimi_codebooks(model, seed + 1)
+    non_persistent = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, mod in model.named_modules()
+        for name in getattr(mod, "_non_persistent_buffers_set", set())
+    }
+    return {
+        published_name(k): v.contiguous()
+        for k, v in model.state_dict().items()
+        if k not in non_persistent
+    }
+
+
+def _speaker_weights(seed: int) -> dict[str, torch.Tensor]:
+    """The speaker encoder (transformers' ECAPA-TDNN, the package's in name and shape),
+    randomised, under ``speaker_encoder.*``."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import ECAPA_TimeDelayNet
+
+    from omnistage.models.qwen3_tts.speaker import encoder_config
+
+    config = encoder_config({"speaker_encoder_config": SPEAKER_ENCODER}, "tiny")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ECAPA_TimeDelayNet(config)  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 0.1 if name.endswith("bias") else param[0].numel() ** -0.5
+            param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return {f"speaker_encoder.{k}": v.contiguous() for k, v in model.state_dict().items()}
+
+
 def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path:
     from omnistage.models.qwen3_omni.tiny import build_tokenizer
 
@@ -135,7 +221,10 @@ def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path
     raw = configs(variant, text_ids)
     tiny_ar.write_json(out / "config.json", raw)
     tiny_ar.write_json(out / "generation_config.json", {"max_new_tokens": 256})
-    save_file(_talker_weights(raw, seed), str(out / "model.safetensors"), {"format": "pt"})
+    weights = _talker_weights(raw, seed)
+    if variant == "base":
+        weights.update(_speaker_weights(seed + 2))
+    save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
     tok = out / "speech_tokenizer"
     tok.mkdir(exist_ok=True)
     codec = {
@@ -143,8 +232,13 @@ def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path
         "encoder_valid_num_quantizers": GROUPS, "input_sample_rate": 24000,
         "output_sample_rate": 24000, "decode_upsample_rate": 1920, "encode_downsample_rate": 1920,
     }  # fmt: skip
+    codec_weights = _decoder_weights(codec, seed + 1)
+    if variant == "base":
+        codec["encoder_config"] = dict(ENCODER)
+        tiny_ar.write_json(tok / "preprocessor_config.json", PREPROCESSOR)
+        codec_weights.update(_encoder_weights(seed + 3))
     tiny_ar.write_json(tok / "config.json", codec)
-    save_file(_decoder_weights(codec, seed + 1), str(tok / "model.safetensors"), {"format": "pt"})
+    save_file(codec_weights, str(tok / "model.safetensors"), {"format": "pt"})
     return out
 
 
@@ -154,3 +248,7 @@ def build_custom_voice(out: str | Path) -> Path:
 
 def build_voice_design(out: str | Path) -> Path:
     return build(out, "voice_design")
+
+
+def build_base(out: str | Path) -> Path:
+    return build(out, "base")
