@@ -86,7 +86,9 @@ class SpeechInput:
     """What a speech request asks (``/v1/audio/speech``): the text, the voice (None: the
     model's default), the language (None: the model picks), an instruction, the task (None:
     the checkpoint's), and whether the whole text goes into the prompt (None: the model's
-    default)."""
+    default). A cloned voice: ``ref_audio`` (mono float32 samples and their rate, already
+    decoded), ``ref_text`` (what the clip says: the clone in context) or
+    ``x_vector_only_mode`` (the clip's speaker embedding alone)."""
 
     text: str
     voice: str | None = None
@@ -94,12 +96,17 @@ class SpeechInput:
     instructions: str | None = None
     task_type: str | None = None
     non_streaming_mode: bool | None = None
+    ref_audio: tuple[Any, int] | None = None  # (np.ndarray float32 [n], sampling rate)
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
 
 
 @runtime_checkable
 class SupportsSpeech(ModelFamily, Protocol):
     """A family that speaks a given text (a TTS model): the first stage's prompt for a speech
-    request (``InvalidRequestError`` naming a bad field) and the voices it has."""
+    request (``InvalidRequestError`` naming a bad field) and the voices it has. The prompt may
+    carry ``request_params`` (what a later stage is told: a cloned voice's context frames, as
+    ``audio_params``), which the router joins to the request's own."""
 
     def speech_prompt(
         self, folder: str, encode: Callable[[str], list[int]], speech: SpeechInput

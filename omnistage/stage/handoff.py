@@ -216,7 +216,8 @@ class Handoffs:
         extra = out.handoff or {}
         payload = Handoff(
             text="".join(gathered[0]),
-            token_ids=gathered[1],
+            # what the next stage takes before the generated ids (a cloned voice's reference)
+            token_ids=list(extra.get("context_token_ids", [])) + gathered[1],
             hidden_states=extra.get("hidden_states"),
             token_embeddings=extra.get("token_embeddings"),
             num_prompt_tokens=out.num_prompt_tokens,

@@ -227,7 +227,13 @@ class Code2WavSynthesis:
         self.vocoder = vocoder
         self.voice = getattr(params, "voice", None) or vocoder.default_voice
         self.codes = vocoder.codes_tensor(list(codes))
-        self.windows = windows(int(self.codes.shape[-1]))
+        total = int(self.codes.shape[-1])
+        spf = vocoder.samples_per_frame
+        # Leading context frames (a cloned voice's reference): their samples are cut as
+        # generate_voice_clone cuts them, and windows wholly before the cut are not decoded.
+        context = min(int(getattr(params, "context_frames", 0) or 0), total)
+        self.cut = int(context / max(total, 1) * (total * spf))
+        self.windows = [w for w in windows(total) if w[2] * spf > self.cut]
         self._pieces: list[torch.Tensor] = []
 
     @property
@@ -240,7 +246,9 @@ class Code2WavSynthesis:
             return
         first, start, end = self.windows[len(self._pieces)]
         wav = self.vocoder.module(self.codes[..., first:end])
-        self._pieces.append(wav[..., (start - first) * self.vocoder.samples_per_frame :])
+        spf = self.vocoder.samples_per_frame
+        keep = (start - first) * spf + max(self.cut - start * spf, 0)
+        self._pieces.append(wav[..., keep:])
 
     def waveform(self) -> torch.Tensor:
         """The samples (1-D float32 on the CPU), as generate returns them."""

@@ -3,9 +3,11 @@ code predictor speaks text as frames of 16 codes, and the speech tokenizer's dec
 into a 24 kHz waveform; each part equal to the official ``qwen-tts`` package. ``config`` (the
 checkpoint's settings), ``prompt`` (the talker's prompt rows), ``speech`` (a speech request's
 prompt), ``talker`` (the talker as an AR stage runs it), ``speaker`` (a cloned voice's
-x-vector), ``code2wav`` (the speech tokenizer's decoder) and ``vocoder`` (it, as a code2wav
-stage runs it). Served as talker -> code2wav (``pipeline.yaml``), spoken to through
-``/v1/audio/speech``; voice cloning (the Base variant) is not served yet.
+x-vector), ``codec_encoder`` (the speech tokenizer's encoder: a clone's reference codes),
+``code2wav`` (the speech tokenizer's decoder) and ``vocoder`` (it, as a code2wav stage runs
+it). Served as talker -> code2wav (``pipeline.yaml``), spoken to through
+``/v1/audio/speech``; a Base checkpoint clones the voice of a request's ``ref_audio`` (its
+talker stage holds the speaker and speech encoders under their own arena tags).
 """
 
 from __future__ import annotations

@@ -7,13 +7,19 @@ rows are text alone), and the text rows added to the first decode steps (the "tr
 a 400 naming it); ``embed_prompt`` turns them into the talker's input embeddings with the
 talker's own tables, projecting the text in the reference's pieces (a projection's rounding
 depends on how many rows go through it at once). Rows, in order: the instruction, the role
-(``<|im_start|>assistant\n``), the codec prefix (think or nothink, the language, the speaker,
-pad, each over ``tts_pad``, then ``codec_bos`` over the first text row), then the text: whole
-in the prompt (``non_streaming_mode``) or its first token only, the rest trailing.
+(``<|im_start|>assistant\n``), the codec prefix (think or nothink, the language, the speaker
+or a cloned voice's x-vector, pad, each over ``tts_pad``, then ``codec_bos`` over the first
+text row), then the text: whole in the prompt (``non_streaming_mode``) or its first token only,
+the rest trailing. A cloned voice in context (ICL, ``ref_frames``) ends instead as the
+package's ``generate_icl_prompt``: the reference's text and the text (one projection), then
+``codec_bos`` and the reference's frames (each the sum of its 16 codes' embeddings) — after the
+text over ``codec_pad`` (whole), or beside it row by row (streaming: the text left over
+trails).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +31,10 @@ from omnistage.models.qwen3_tts.config import AUTO_LANGUAGE, CodecIds, TextIds, 
 
 NONE = -1  # a row without this part
 SPEAKER_VECTOR = -2  # the codec part is the request's speaker vector (a cloned voice)
+REF_FRAME = -3  # the codec part is a reference frame's summed code embeddings (ICL)
 ROLE_TOKENS = 3  # <|im_start|> assistant \n
 END_TOKENS = 5  # <|im_end|> \n <|im_start|> assistant \n
+REF_END_TOKENS = 2  # <|im_end|> \n (a reference's text)
 
 
 @dataclass(frozen=True)
@@ -42,20 +50,38 @@ class TalkerPrompt:
     non_streaming_mode: bool  # the whole text in the prompt, or one token a decode step
     text: TextIds
     codec: CodecIds
+    ref_ids: list[int] = dataclasses.field(default_factory=list)  # ICL: the reference's text
+    ref_frames: int = 0  # ICL: the reference's frames (0: no ICL)
+
+    @property
+    def icl_text(self) -> list[int]:
+        """ICL's text rows: the reference's text, the text, ``tts_eos``."""
+        return [*self.ref_ids, *self.body_ids, self.text.tts_eos]
 
     @property
     def text_ids(self) -> list[int]:
         """Each row's text token."""
         ids = [*self.instruct_ids, *self.role_ids]
         ids += [self.text.tts_pad] * (len(self.prefix) - 1) + [self.text.tts_bos]
+        if self.ref_frames:
+            text, codec = self.icl_text, self.ref_frames + 1
+            if self.non_streaming_mode:
+                return ids + text + [self.text.tts_pad] * codec
+            return ids + (text + [self.text.tts_pad] * codec)[:codec]
         if self.non_streaming_mode:
             return ids + [*self.body_ids, self.text.tts_eos, self.text.tts_pad]
         return ids + self.body_ids[:1]
 
     @property
     def codec_ids(self) -> list[int]:
-        """Each row's codec id (NONE: a text row alone; SPEAKER_VECTOR: the cloned voice)."""
+        """Each row's codec id (NONE: a text row alone; SPEAKER_VECTOR: the cloned voice;
+        REF_FRAME: a reference frame)."""
         ids = [NONE] * (len(self.instruct_ids) + len(self.role_ids)) + self.prefix
+        if self.ref_frames:
+            frames = [self.codec.bos] + [REF_FRAME] * self.ref_frames
+            if self.non_streaming_mode:
+                return ids + [self.codec.pad] * len(self.icl_text) + frames
+            return ids + frames
         if self.non_streaming_mode:
             return ids + [self.codec.pad] * (len(self.body_ids) + 1) + [self.codec.bos]
         return ids + [self.codec.bos]
@@ -63,6 +89,8 @@ class TalkerPrompt:
     @property
     def trailing_ids(self) -> list[int]:
         """The text tokens added to decode steps 0, 1, ... (then tts_pad)."""
+        if self.ref_frames:
+            return [] if self.non_streaming_mode else self.icl_text[self.ref_frames + 1 :]
         return [] if self.non_streaming_mode else [*self.body_ids[1:], self.text.tts_eos]
 
     def __len__(self) -> int:
@@ -77,14 +105,16 @@ class TalkerPrompt:
             "prefix": list(self.prefix),
             "body_ids": list(self.body_ids),
             "non_streaming_mode": bool(self.non_streaming_mode),
+            "ref_ids": list(self.ref_ids),
+            "ref_frames": int(self.ref_frames),
         }
 
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any], text: TextIds, codec: CodecIds) -> TalkerPrompt:
         """A request's ``prompt_spec`` (``InvalidRequestError`` naming a bad piece)."""
         pieces: dict[str, list[int]] = {}
-        for name in ("instruct_ids", "role_ids", "prefix", "body_ids"):
-            value = spec.get(name)
+        for name in ("instruct_ids", "role_ids", "prefix", "body_ids", "ref_ids"):
+            value = spec.get(name, [] if name == "ref_ids" else None)
             if not isinstance(value, list) or not all(
                 isinstance(v, int) and not isinstance(v, bool) for v in value
             ):
@@ -95,11 +125,21 @@ class TalkerPrompt:
         mode = spec.get("non_streaming_mode")
         if not isinstance(mode, bool):
             raise InvalidRequestError("prompt_spec.non_streaming_mode", "must be a boolean")
-        return cls(**pieces, non_streaming_mode=mode, text=text, codec=codec)
+        frames = spec.get("ref_frames", 0)
+        if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
+            raise InvalidRequestError("prompt_spec.ref_frames", "must be an integer >= 0")
+        if bool(frames) != bool(pieces["ref_ids"]):
+            raise InvalidRequestError("prompt_spec", "a reference's frames go with its text")
+        return cls(**pieces, non_streaming_mode=mode, text=text, codec=codec, ref_frames=frames)
 
 
 def assistant_text(text: str) -> str:
     return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ref_text(text: str) -> str:
+    """A cloned voice's reference text, as the package wraps it (``_build_ref_text``)."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
 
 
 def instruct_text(instruct: str) -> str:
@@ -129,10 +169,14 @@ def talker_prompt(
     speaker_vector: bool = False,
     instruct_ids: Sequence[int] | None = None,
     non_streaming_mode: bool = True,
+    ref_ids: Sequence[int] | None = None,
+    ref_frames: int = 0,
 ) -> TalkerPrompt:
     """The rows of one utterance. ``text_ids``: ``assistant_text(text)`` tokenized;
     ``instruct_ids``: ``instruct_text(instruct)`` tokenized (or None); ``speaker``: a named
-    voice (its codec row) unless ``speaker_vector`` (a cloned voice's x-vector row)."""
+    voice (its codec row) unless ``speaker_vector`` (a cloned voice's x-vector row);
+    ``ref_ids``: ``ref_text(text)`` tokenized and ``ref_frames`` its clip's frames, for a
+    cloned voice in context (ICL)."""
     if len(text_ids) <= ROLE_TOKENS + END_TOKENS:
         raise InvalidRequestError("input", "there is no text to speak")
     if speaker and not speaker_vector and speaker.lower() not in config.speakers:
@@ -156,6 +200,8 @@ def talker_prompt(
         non_streaming_mode=non_streaming_mode,
         text=config.text,
         codec=codec,
+        ref_ids=list(ref_ids[ROLE_TOKENS:-REF_END_TOKENS]) if ref_frames and ref_ids else [],
+        ref_frames=ref_frames,
     )
 
 
@@ -164,11 +210,13 @@ def embed_prompt(
     embed_text: Callable[[torch.Tensor], torch.Tensor],
     embed_codec: Callable[[torch.Tensor], torch.Tensor],
     speaker_vector: torch.Tensor | None = None,
+    ref_frames: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt rows [n, hidden], trailing rows [m + 1, hidden])``: each row its projected
-    text token plus its codec part (an embedded codec id, or the speaker vector); the
-    trailing rows end with ``tts_pad``'s, which every decode step after them takes.
-    ``embed_text``: text tokens' projected embeddings; ``embed_codec``: codec ids'."""
+    text token plus its codec part (an embedded codec id, the speaker vector, or a reference
+    frame's summed embeddings, ``ref_frames`` ``[frames, hidden]``); the trailing rows end
+    with ``tts_pad``'s, which every decode step after them takes. ``embed_text``: text tokens'
+    projected embeddings; ``embed_codec``: codec ids'."""
 
     def text(ids: list[int]) -> torch.Tensor:
         return embed_text(torch.tensor([ids], dtype=torch.long))[0]
@@ -177,7 +225,19 @@ def embed_prompt(
     bos, eos, pad = text([tokens.tts_bos, tokens.tts_eos, tokens.tts_pad])
     pieces = [text(prompt.instruct_ids)] if prompt.instruct_ids else []
     pieces += [text(prompt.role_ids), pad.expand(len(prompt.prefix) - 1, -1), bos[None]]
-    if prompt.non_streaming_mode:
+    if prompt.ref_frames:  # generate_icl_prompt: the reference's text and the text at once
+        icl = torch.cat([text([*prompt.ref_ids, *prompt.body_ids]), eos[None]])
+        codec_rows = prompt.ref_frames + 1
+        if prompt.non_streaming_mode:
+            pieces += [icl, pad.expand(codec_rows, -1)]
+            trailing = pad[None]
+        elif len(icl) > codec_rows:
+            pieces.append(icl[:codec_rows])
+            trailing = torch.cat([icl[codec_rows:], pad[None]])
+        else:
+            pieces += [icl, pad.expand(codec_rows - len(icl), -1)]
+            trailing = pad[None]
+    elif prompt.non_streaming_mode:
         pieces += [text(prompt.body_ids), eos[None], pad[None]]
         trailing = pad[None]
     else:
@@ -192,4 +252,12 @@ def embed_prompt(
         if speaker_vector is None:
             raise InvalidRequestError("ref_audio", "a cloned voice needs its speaker embedding")
         rows[cloned] = rows[cloned] + speaker_vector.to(rows.dtype)
+    framed = codec == REF_FRAME
+    if framed.any():
+        if ref_frames is None or len(ref_frames) != int(framed.sum()):
+            raise InvalidRequestError(
+                "ref_audio", f"the prompt has {int(framed.sum())} reference frames, the clip "
+                f"{0 if ref_frames is None else len(ref_frames)}"
+            )  # fmt: skip
+        rows[framed] = rows[framed] + ref_frames.to(rows.dtype)
     return rows, trailing

@@ -9,18 +9,29 @@ positions are the three identical rows of a multimodal rope, i.e. plain 1-D posi
 code predictor is Qwen3-Omni's with talker-wide embedding tables, a projection into its own
 width (``small_to_mtp_projection``) and the checkpoint's own sampling of the other codes.
 Checkpoint names as ``Qwen3TTSForConditionalGeneration`` saves them (``talker.*``).
+
+A Base checkpoint's talker also holds what clones a voice (``adopt_components``): the speaker
+encoder (``speaker.py``, tag ``speaker_encoder``) and the speech tokenizer's encoder
+(``codec_encoder.py``, tag ``codec_encoder``), each in its own arena tag (they sleep and wake
+with the stage, outside the decoder's ``weights``). A clone's spec carries its clip
+(``ref_audio``: float32 samples at 24 kHz); the x-vector fills the speaker row and, in context
+(ICL), the clip's codes fill the reference frames and are handed to the next stage before the
+talker's own (``embed_prompt_spec``'s context ids).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from omnistage.errors import CheckpointError
+from omnistage.errors import CheckpointError, InvalidRequestError
 from omnistage.models.ar_config import ARModelConfig
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor, choose_codes, predictor_config
 from omnistage.models.qwen3_omni.talker import FrameTalker, ResizeMLP
@@ -32,10 +43,12 @@ from omnistage.models.qwen3_tts.config import (
     checkpoint_codec_ids,
     checkpoint_text_ids,
 )
-from omnistage.models.qwen3_tts.prompt import TalkerPrompt, embed_prompt
+from omnistage.models.qwen3_tts.prompt import SPEAKER_VECTOR, TalkerPrompt, embed_prompt
 from omnistage.models.tensor_parallel import SINGLE, TPGroup
 
 SUPPRESSED_BLOCK = 1024  # the talker never draws the top 1024 ids but codec_eos
+SPEAKER_TAG = "speaker_encoder"  # a Base talker's arena tags beside ``weights``
+CODEC_TAG = "codec_encoder"
 
 
 def talker_config(raw: dict[str, Any]) -> ARModelConfig:
@@ -58,6 +71,7 @@ def talker_config(raw: dict[str, Any]) -> ARModelConfig:
             "text_hidden_size": int(talker["text_hidden_size"]),
             "text_ids": dataclasses.asdict(checkpoint_text_ids(raw)),
             "codec_ids": dataclasses.asdict(checkpoint_codec_ids(raw)),
+            "variant": raw.get("tts_model_type"),
         }
         groups = int(talker["num_code_groups"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -131,18 +145,99 @@ class Talker(FrameTalker):
         self.code_predictor = TTSCodePredictor(
             predictor, config.code_groups, dtype, config.hidden_size, sampling
         )
+        self.weight_dtype = dtype
+        # a Base checkpoint's encoders (not submodules: their tags are their own)
+        self.clone_parts: dict[str, Any] = {}
 
     def embed_text(self, ids: torch.Tensor) -> torch.Tensor:
         """Text tokens' rows in the talker's width."""
         return self.text_projection(self.text_embedding(ids))
 
-    def embed_prompt_spec(self, spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A speech request's prompt rows and trailing text rows (``prompt.embed_prompt``)."""
+    # -- a Base checkpoint's encoders ------------------------------------------------------
+
+    @property
+    def component_tags(self) -> list[str]:
+        return [part.tag for part in self.clone_parts.values()]
+
+    def adopt_components(self, arena: Any, folder: Path, *, load: bool) -> None:
+        """A Base checkpoint's speaker encoder and speech encoder, each adopted under its own
+        tag (and loaded with ``load``); nothing for another variant."""
+        if self.config.extras.get("variant") != "base":
+            return
+        from omnistage.models.qwen3_tts.codec_encoder import CodecEncoder
+        from omnistage.models.qwen3_tts.speaker import SpeakerEncoder, encoder_config
+
+        where = folder / "config.json"
+        raw = json.loads(where.read_text())
+        speaker = encoder_config(raw, str(where))
+        if speaker.enc_dim != self.config.hidden_size:
+            raise CheckpointError(
+                f"{where}: speaker_encoder_config enc_dim {speaker.enc_dim} is not the talker's "
+                f"hidden_size {self.config.hidden_size} (the x-vector is a talker row)"
+            )
+        self.clone_parts = {
+            "speaker": SpeakerEncoder(speaker, arena, dtype=self.weight_dtype, tag=SPEAKER_TAG),
+            "codec": CodecEncoder(folder, arena, load=False, tag=CODEC_TAG),
+        }
+        if load:
+            self.load_components(folder, self.component_tags)
+
+    def load_components(self, path: Path, tags: list[str]) -> int:
+        """Refill the encoders whose tags are in ``tags`` from a checkpoint folder (a weight
+        source that is not one, a trainer's file, carries none of theirs); returns the bytes."""
+        if not self.clone_parts or not (Path(path) / "config.json").is_file():
+            return 0
+        return sum(
+            part.load_weights(path) for part in self.clone_parts.values() if part.tag in tags
+        )
+
+    def frame_rows(self, codes: torch.Tensor) -> torch.Tensor:
+        """Reference frames ``[T, groups]`` as the package's ``generate_icl_prompt`` embeds
+        them: each codebook's embedding (the first the talker's, code ``i`` the predictor's
+        table ``i - 1``), stacked ``[T, groups, hidden]`` and summed: ``[T, hidden]``."""
+        tables = [self.model.embed_tokens, *self.code_predictor.model.codec_embedding]
+        columns = [table(codes[:, i : i + 1]) for i, table in enumerate(tables)]
+        return torch.cat(columns, dim=1).sum(1)
+
+    def embed_prompt_spec(
+        self, spec: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """A speech request's prompt rows, trailing text rows (``prompt.embed_prompt``) and
+        the codes the next stage decodes before the talker's (an ICL clone's reference)."""
         extras = self.config.extras
         prompt = TalkerPrompt.from_spec(
             spec, TextIds(**extras["text_ids"]), CodecIds(**extras["codec_ids"])
         )
-        return embed_prompt(prompt, self.embed_text, self.embed)
+        if SPEAKER_VECTOR not in prompt.prefix:
+            return (*embed_prompt(prompt, self.embed_text, self.embed), [])
+        if not self.clone_parts:
+            raise InvalidRequestError("ref_audio", "this checkpoint clones no voice (not Base)")
+        clip = reference_clip(spec)
+        vector = self.clone_parts["speaker"].embed(clip)
+        frames, context = None, []
+        if prompt.ref_frames:
+            codes = self.clone_parts["codec"].encode(clip)
+            if len(codes) != prompt.ref_frames:
+                raise InvalidRequestError(
+                    "prompt_spec.ref_frames",
+                    f"the clip makes {len(codes)} frames, the spec says {prompt.ref_frames}",
+                )
+            device = self.model.embed_tokens.weight.device
+            frames = self.frame_rows(codes.to(device))
+            context = codes.reshape(-1).tolist()  # frame-major, as the talker's own
+        rows, trailing = embed_prompt(prompt, self.embed_text, self.embed, vector, frames)
+        return rows, trailing, context
+
+
+def reference_clip(spec: dict[str, Any]) -> np.ndarray:
+    """A clone spec's clip: ``ref_audio``, float32 little-endian samples at 24 kHz."""
+    raw = spec.get("ref_audio")
+    if not isinstance(raw, bytes | bytearray) or not raw or len(raw) % 4:
+        raise InvalidRequestError("prompt_spec.ref_audio", "must be float32 samples (bytes)")
+    clip = np.frombuffer(bytes(raw), dtype="<f4")
+    if not np.isfinite(clip).all():
+        raise InvalidRequestError("prompt_spec.ref_audio", "has samples that are not finite")
+    return clip.astype(np.float32)
 
 
 def build_talker(config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> Talker:

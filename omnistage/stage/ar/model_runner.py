@@ -63,6 +63,9 @@ class ModelRunner:
         self.model = self.family.build_decoder(model_config, self.dtype, tp)
         self.attention = select_backend(self.device, config.ar.attention_backend)
         self.weight_bytes = arena.adopt(self.model, tag="weights")
+        self.arena = arena
+        # what the model runs beside its decoder, under its own tags (a Base talker's encoders)
+        self.model.adopt_components(arena, Path(config.model), load=load_weights)
         self.encoder_cache = EncoderCache(config.ar.encoder_cache_mb << 20)
         self._layer_out: torch.Tensor | None = None  # a kept layer's output (``run``)
         self.model.model.rotary_emb.to(self.device)  # derived buffers stay outside the arena
@@ -122,9 +125,15 @@ class ModelRunner:
         self.encoder_cache.clear()  # its outputs came from the old weights
         rename: Callable[[str], str | None] = self.family.rename(self.model_config.part)
         targets, shards = self._load_targets
-        return load_into(
+        report = load_into(
             targets, path, rename=rename, strict=strict, check_finite=check_finite, shards=shards
         )
+        tags = self.model.component_tags
+        if tags:  # only awake ones; while some is invalid (a level-2 wake), only those
+            awake = [t for t in tags if not self.arena.is_asleep(t)]
+            invalid = [t for t in awake if not self.arena.is_valid(t)]
+            report.num_bytes += self.model.load_components(path, invalid or awake)
+        return report
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -94,6 +94,8 @@ def final_handoff(seq: SequenceState) -> dict[str, Any] | None:
             payload["position_delta"] = seq.position_delta
     if seq.token_embeddings is not None:
         payload["token_embeddings"] = seq.token_embeddings
+    if seq.context_token_ids:
+        payload["context_token_ids"] = list(seq.context_token_ids)
     return payload or None
 
 

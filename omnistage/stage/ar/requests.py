@@ -53,16 +53,18 @@ def from_wire(request_id: str, request: object) -> ARRequest:
 
 def embed_prompt_spec(request: ARRequest, model: Any) -> None:
     """``request``'s ``prompt_spec`` (if it has one) made into its prompt and decode embeddings
-    by ``model`` (``CausalLM.embed_prompt_spec``), a row per prompt id (``InvalidRequestError``)."""
+        by ``model`` (``CausalLM.embed_prompt_spec``), a row per prompt id (``InvalidRequestError``),
+    and the ids it hands the next stage before its generated ones (``context_token_ids``)."""
     if request.prompt_spec is None:
         return
     with torch.inference_mode():
-        rows, trailing = model.embed_prompt_spec(request.prompt_spec)
+        rows, trailing, context = model.embed_prompt_spec(request.prompt_spec)
     if len(rows) != len(request.prompt_token_ids):
         raise InvalidRequestError(
             "prompt_spec", f"makes {len(rows)} prompt rows for {len(request.prompt_token_ids)} ids"
         )
     request.prompt_embeds, request.decode_embeds = rows, trailing
+    request.context_token_ids = list(context)
     request.prompt_spec = None
 
 

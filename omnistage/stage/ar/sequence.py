@@ -45,6 +45,9 @@ class ARRequest:
     stream_hidden_states: bool = False
     prompt_spec: dict[str, Any] | None = None  # see ``ARStageRequest``
     forced_token_ids: list[int] | None = None  # the reply, said rather than drawn (ditto)
+    # Ids the next stage takes before the generated ones (a cloned voice's reference codes,
+    # set from ``prompt_spec``): the hand-off's ``token_ids`` start with them.
+    context_token_ids: list[int] = field(default_factory=list)
 
 
 class SequenceStatus(Enum):
@@ -73,6 +76,7 @@ class SequenceState:
         self.text_embeddings_only = request.text_embeddings_only
         self.hidden_layer = request.hidden_layer
         self.stream_hidden_states = request.stream_hidden_states
+        self.context_token_ids = list(request.context_token_ids)
         # A streamed input still open: its decode embeddings arrive while it runs, and a
         # step whose row has not arrived yet waits (``is_ready``).
         self.input_open = False

@@ -20,13 +20,16 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``seed``: the initial noise is ``torch.randn(shape, generator=torch.Generator("cpu")
     .manual_seed(seed))`` (transformers' draw after ``torch.manual_seed(seed)``), random when
     None; ``num_steps``, ``guidance_scale``, ``sway_coefficient``: the DiT's ODE solve, with
-    transformers' defaults."""
+    transformers' defaults; ``context_frames``: the codes' first frames are context only (a
+    cloned voice's reference, which the talker stage puts before its own): decoded with the
+    rest, their samples dropped as Qwen3-TTS's ``generate_voice_clone`` cuts them."""
 
     voice: str | None = None
     seed: int | None = None
     num_steps: int = 10
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
+    context_frames: int = 0
 
     def __post_init__(self) -> None:
         if self.voice is not None and (not isinstance(self.voice, str) or not self.voice):
@@ -43,6 +46,9 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise InvalidRequestError(
                 "num_steps", f"must be an integer in [2, {MAX_NUM_STEPS}], got {steps!r}"
             )
+        frames = self.context_frames
+        if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
+            raise InvalidRequestError("context_frames", f"must be an integer >= 0, got {frames!r}")
         for name in ("guidance_scale", "sway_coefficient"):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool)

@@ -58,7 +58,10 @@ def test_a_voice_design_request_describes_its_voice(folders):
         ("voice_design", SpeechInput("hi"), "instructions", "needs the voice described"),
         ("voice_design", SpeechInput("hi", voice="vivian", instructions="deep"), "voice",
          "from instructions"),
-        ("base", SpeechInput("hi"), "task_type", "voice cloning"),
+        ("base", SpeechInput("hi"), "ref_audio", "clones a voice"),
+        ("custom_voice", SpeechInput("hi", ref_text="hello"), "ref_text", "Base checkpoint"),
+        ("voice_design", SpeechInput("hi", instructions="deep", x_vector_only_mode=True),
+         "x_vector_only_mode", "Base checkpoint"),
     ],
 )  # fmt: skip
 def test_a_bad_request_names_the_field(folders, variant, speech, field, said):
