@@ -6,6 +6,11 @@ sampling comes from ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty`
 ``max_new_tokens`` and ``seed``. The answer: the audio file, or (``stream_format``) raw audio
 bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.delta`` then
 ``speech.audio.done``).
+
+A cloned voice (a Base checkpoint): ``ref_audio`` (an http(s) or ``file://`` URL, a ``data:``
+URI or plain base64, fetched and decoded under the chat route's media policy, at most
+``MAX_REF_SECONDS``, resampled to 24 kHz with soxr: ``_reference``, the one place a clip is
+resolved), ``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``.
 """
 
 from __future__ import annotations
@@ -17,11 +22,22 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
 from omnistage.engine.outputs import OmniAudio
+from omnistage.entrypoints.media.decode import decode_audio, resample
+from omnistage.entrypoints.media.policy import MediaPolicy, too_many_bytes
+from omnistage.entrypoints.media.pool import run_decode
+from omnistage.entrypoints.media.sources import (
+    base64_bytes,
+    base64_size,
+    data_url_payload,
+    fetch,
+    read_file,
+)
 from omnistage.entrypoints.openai.audio_formats import encode_audio
 from omnistage.entrypoints.openai.protocol import _RequestBody, field_error
 from omnistage.entrypoints.openai.replies import new_id
@@ -58,7 +74,7 @@ class SpeechRequest(_RequestBody):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     non_streaming_mode: bool | None = None
     initial_codec_chunk_frames: int | None = Field(default=None, ge=0)
-    ref_audio: str | list[str] | None = None
+    ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
     # the talker's sampling, named as on chat (temperature 0: greedy, its code predictor too)
@@ -77,9 +93,6 @@ class SpeechRequest(_RequestBody):
             raise field_error("speed", "only 1.0: the speech is not time-stretched here")
         if self.streamed and self.response_format not in ("wav", "pcm"):
             raise field_error("response_format", "a streamed answer is wav or pcm")
-        for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
-            if getattr(self, name) is not None:
-                raise field_error(name, "voice cloning is not served yet")
         return self
 
     @property
@@ -105,7 +118,7 @@ def _tokenizer(folder: str) -> Any:
     return Tokenizer.from_pretrained(folder)
 
 
-def _speaker(engine: Any) -> tuple[str, Any]:
+def speaker_of(engine: Any) -> tuple[str, Any]:
     """The first stage's folder and its family, if it speaks a given text (else a 400)."""
     folder = str(engine.config.stages[0].model)
     family = _family(folder)
@@ -128,7 +141,7 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
     check_model(request, body.model)
     log = RequestLog(request, new_id("speech"), "speech")
     log.received(format=body.response_format, stream=body.streamed)
-    stream = _speak(engine, body, log.request_id)
+    stream = await _speak(engine, body, log.request_id, _policy(request))
     if not body.streamed:
         audio = await _whole(engine, stream)
         log.finished("stop", samples=len(audio.samples))
@@ -144,16 +157,70 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
     )
 
 
-def _speak(engine: Any, body: SpeechRequest, request_id: str) -> AsyncIterator[Any]:
+async def _speak(
+    engine: Any, body: SpeechRequest, request_id: str, policy: MediaPolicy
+) -> AsyncIterator[Any]:
     """The pipeline's outputs for one speech request (its prompt built by the family)."""
-    folder, family = _speaker(engine)
-    asked = body.model_dump(include={"voice", "language", "instructions", "task_type"})
-    speech = SpeechInput(body.input, non_streaming_mode=body.non_streaming_mode, **asked)
+    folder, family = speaker_of(engine)
+    asked = body.model_dump(
+        include={
+            "voice", "language", "instructions", "task_type", "ref_text", "x_vector_only_mode",
+        }
+    )  # fmt: skip
+    speech = SpeechInput(
+        body.input,
+        non_streaming_mode=body.non_streaming_mode,
+        ref_audio=await _reference(body, policy),
+        **asked,
+    )
     prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
     stream: AsyncIterator[Any] = engine.generate(
         prompt, body.sampling(), ["audio"], request_id=request_id
     )
     return stream
+
+
+MAX_REF_SECONDS = 30.0  # a reference clip, as vLLM-Omni bounds it
+REF_RATE = 24000  # what a Qwen3-TTS clone's encoders take
+
+
+async def _reference(body: SpeechRequest, policy: MediaPolicy) -> tuple[np.ndarray, int] | None:
+    """The clip a cloned voice speaks in: mono float32 samples at 24 kHz and the rate, or None
+    without one. ``ref_audio`` is an http(s) or ``file://`` URL, a ``data:audio/...`` URI or
+    plain base64, fetched and decoded under ``policy`` (a 400 naming ``ref_audio``: bad, too
+    big, undecodable, longer than ``MAX_REF_SECONDS``). Where an uploaded voice resolves."""
+    source = body.ref_audio
+    if source is None:
+        return None
+    where = "ref_audio"
+    scheme = source.split(":", 1)[0].lower() if ":" in source[:16] else ""
+    if scheme in ("http", "https"):
+        raw = await fetch(source, where, policy)
+    elif scheme == "file":
+        raw = await run_decode(policy.decode_workers, read_file, source, where, policy)
+    else:
+        data = data_url_payload(source, where, "audio") if scheme == "data" else source
+        if base64_size(data) > policy.max_media_bytes:
+            raise too_many_bytes(where, base64_size(data), policy)
+        raw = await run_decode(policy.decode_workers, base64_bytes, data, where)
+
+    def decode() -> tuple[np.ndarray, int]:
+        audio = decode_audio(raw, where, policy)
+        seconds = len(audio.samples) / audio.sampling_rate
+        if seconds > MAX_REF_SECONDS:
+            raise InvalidRequestError(
+                where, f"is {seconds:.1f} s, longer than the {MAX_REF_SECONDS:g} s a reference "
+                "clip may be"
+            )  # fmt: skip
+        audio = resample(audio, REF_RATE)
+        return np.ascontiguousarray(audio.samples, dtype=np.float32), audio.sampling_rate
+
+    return await run_decode(policy.decode_workers, decode)
+
+
+def _policy(request: Request) -> MediaPolicy:
+    """The server's media policy (the chat route's), or the defaults."""
+    return getattr(request.app.state, "media_policy", None) or MediaPolicy()
 
 
 class SpeechBatchRequest(_RequestBody):
@@ -181,13 +248,15 @@ async def create_speech_batch(
     audio in base64, or ``error`` with the 400's message): one bad item fails only itself."""
     check_model(request, body.model)
     batch_id = new_id("speech-batch")
+    policy = _policy(request)
 
     async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
         try:
             speech = SpeechRequest.model_validate({**body.shared, **item})
             if speech.streamed:
                 raise InvalidRequestError("stream_format", "a batch item is answered whole")
-            audio = await _whole(engine, _speak(engine, speech, f"{batch_id}-{index}"))
+            stream = await _speak(engine, speech, f"{batch_id}-{index}", policy)
+            audio = await _whole(engine, stream)
         except (ValidationError, InvalidRequestError) as exc:
             return {"index": index, "status": "error", "error": _said(exc)}
         fmt = speech.response_format
@@ -287,5 +356,5 @@ def _wav_header(rate: int) -> bytes:
 
 @router.get("/v1/audio/voices")
 async def list_voices(engine: EngineClientDep) -> dict[str, Any]:
-    folder, family = _speaker(engine)
+    folder, family = speaker_of(engine)
     return {"voices": family.speech_voices(folder), "uploaded_voices": []}
