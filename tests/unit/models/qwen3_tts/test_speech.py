@@ -1,7 +1,8 @@
 """A speech request's prompt (``qwen3_tts.speech``), checked as vLLM-Omni's Qwen3-TTS adapter
 checks it: the task is the checkpoint's; a CustomVoice request speaks a named voice (the first
 speaker by default); a VoiceDesign one needs its voice described and its text whole in the
-prompt; cloning (Base) is not served yet; each refusal names the field."""
+prompt; a clone's fields on another variant, or a Base request without its clip, are refused;
+each refusal names the field."""
 
 from __future__ import annotations
 
