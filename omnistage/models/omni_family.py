@@ -1,14 +1,15 @@
 """``OmniFamily``: the base of a multi-part omni checkpoint served as thinker → talker →
 code2wav, each part a stage (its ``pipeline.yaml`` beside the family). What the families share
-lives here — the pipeline template, the talker's request setup, the vocoder part's check —
-and each family says the rest: its decoder parts' configs, modules and renames, its prompt
-processor, its vocoder, its hand-offs (``processors``)."""
+lives here — the pipeline template, the talker's request setup, the vocoder part's check,
+speaking a given text (``omni_speech``) — and each family says the rest: its decoder parts'
+configs, modules and renames, its prompt processor, its vocoder, its hand-offs
+(``processors``), its speech prompt's system turn and voices (``speech``)."""
 
 from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,13 @@ from omnistage.models.interfaces import (
     ARFamily,
     SupportsMultiModal,
     SupportsProcessors,
+    SupportsSpeech,
     SupportsVocoder,
 )
 
 if TYPE_CHECKING:  # read before any model code loads (no torch at import)
     from omnistage.models.ar_config import ARModelConfig
+    from omnistage.models.interfaces import SpeechInput
     from omnistage.models.media import PromptProcessor
 
 VOCODER_PART = "code2wav"
@@ -57,12 +60,12 @@ class Checkpoint:
         return raw
 
 
-class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcessors):
+class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcessors, SupportsSpeech):
     """``label``: the family's name for people (in errors); ``package``: its package, which
     holds its ``pipeline.yaml``, its hand-offs (``processors.THINKER_TO_TALKER`` and
-    ``processors.TALKER_TO_CODE2WAV``: ``processors``, by short name) and what the talker asks
+    ``processors.TALKER_TO_CODE2WAV``: ``processors``, by short name), what the talker asks
     of its requests (``talker.request_setup``, a function of the folder: its voices and codec
-    ids). Where the rest of its code is (``module:name``, imported when first asked):
+    ids) and how it speaks a given text (``speech.SPEECH``, an ``OmniSpeech``). Where the rest of its code is (``module:name``, imported when first asked):
     ``prompt_processor_class`` (the thinker's prompt processor, built from the folder) and
     ``vocoder_class`` (the code2wav part's module, built from the folder and an arena)."""
 
@@ -78,6 +81,7 @@ class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcesso
             "talker_to_code2wav": f"{self.package}.processors:TALKER_TO_CODE2WAV",
         }
         self.talker_setup = f"{self.package}.talker:request_setup"
+        self.speech = f"{self.package}.speech:SPEECH"
 
     def pipeline(self) -> list[dict[str, Any]]:
         return load_template(self.package, "pipeline.yaml")
@@ -87,6 +91,17 @@ class OmniFamily(ARFamily, SupportsMultiModal, SupportsVocoder, SupportsProcesso
             return {}
         setup: dict[str, Any] = _load(self.talker_setup)(folder)
         return setup
+
+    def speech_prompt(
+        self, folder: str, encode: Callable[[str], list[int]], speech: SpeechInput
+    ) -> dict[str, Any]:
+        """The thinker's prompt for saying ``speech.text`` (``omni_speech``)."""
+        prompt: dict[str, Any] = _load(self.speech).prompt(folder, encode, speech)
+        return prompt
+
+    def speech_voices(self, folder: str) -> list[str]:
+        voices: list[str] = _load(self.speech).voices(folder)
+        return voices
 
     def prompt_processor(self, folder: str | Path) -> PromptProcessor:
         """The thinker's prompt processor (placeholders, encoder inputs, positions)."""
