@@ -1,12 +1,17 @@
-"""Qwen3-Omni's code2wav chunk by chunk while the talker still speaks, such that the chunks,
-joined, are the whole decode's waveform (``Code2WavSynthesis``: transformers'
-``chunked_decode``). The decoder is causal, so a decode of ``n`` frames makes the
-``n * samples_per_frame - samples_lost`` samples later frames cannot change (``samples_lost``,
-``context_samples``: ``DecoderReach``); a stream follows ``chunked_decode``'s 300-frame windows
-and, inside one, decodes its first frames as soon as they are final — over a multiple of
-``ROW_ALIGN`` frames, only once every convolution runs the kernel it runs in the whole window,
-starting ``context_samples`` before the first sample to hand out. Why each rule is needed,
-what is bit for bit and what is not: ``docs/qwen3-omni.md``, *Code2wav*, *Streamed*.
+"""Qwen3-Omni's code2wav (and Qwen3-TTS's decoder, built of the same parts) chunk by chunk
+while the talker still speaks, such that the chunks, joined, are the whole decode's waveform
+(``Code2WavSynthesis``: transformers' ``chunked_decode``). The decoder is causal, so a decode
+of ``n`` frames makes the ``n * samples_per_frame - samples_lost`` samples later frames cannot
+change (``samples_lost``, ``context_samples``: ``DecoderReach``; none lost where transposed
+convs trim only their right end, as Qwen3-TTS's); a stream follows ``chunked_decode``'s
+300-frame windows and, inside one, decodes its first frames as soon as they are final — over
+a multiple of ``ROW_ALIGN`` frames, only once every convolution (the stack's, and those before
+the pre-transformer) runs the kernel it runs in the whole window, starting ``context_samples``
+before the first sample to hand out, and handing out only the rows the pre-transformer has
+made final whatever the window's length turns out to be (``latents_settle``: all of them, or
+the first half of a decode where the CPU's GEMM splits a long attention's sum over the keys).
+Why each rule is needed, what is bit for bit and what is not: ``docs/qwen3-omni.md``,
+*Code2wav*, *Streamed*; ``docs/tts.md``, *Streamed speech*.
 
 ``chunks`` (the stage config's ``stream_chunks``) count frames (talker steps): the first chunk
 goes out when ``first_chunk`` frames are final, each later one when ``chunk`` more are, the
@@ -26,6 +31,14 @@ from omnistage.models.omni_vocoder import CodeStream
 ROW_ALIGN = 16  # AVX-512's float lanes; a multiple of AVX2's 8 and NEON's 4
 
 
+def _is_decoder(module: nn.Module) -> bool:
+    """A whole decoder (Qwen3-Omni's ``Qwen3OmniMoeCode2Wav``, Qwen3-TTS's
+    ``SpeechDecoder``): a pre-transformer, then the ``upsample`` and ``decoder`` stacks."""
+    return hasattr(module, "pre_transformer") and all(
+        isinstance(getattr(module, name, None), nn.ModuleList) for name in ("upsample", "decoder")
+    )
+
+
 def _walk(module: nn.Module, value: int, rule: Any) -> int:
     """Fold ``rule(kind, conv, value)`` over the convolutions of the decoder's stack (after
     the pre-transformer) in the order ``forward`` runs them; residual blocks take the longer of
@@ -40,7 +53,7 @@ def _walk(module: nn.Module, value: int, rule: Any) -> int:
         for child in module.children():
             body = _walk(child, body, rule)
         return max(body, value)
-    if kind == "Qwen3OmniMoeCode2Wav":
+    if _is_decoder(module):  # the stack only: the pre-transformer's part is not walked
         for blocks in module.upsample:  # type: ignore[union-attr]
             for block in blocks:
                 value = _walk(block, value, rule)
@@ -56,7 +69,10 @@ def _clean_from(kind: str, conv: Any, first_clean: int) -> int:
     """The first output index that does not see a layer's zero padding before its input."""
     if kind == "conv":  # causal: output t reads inputs t - padding .. t
         return first_clean + int(conv.padding)
-    inner = conv.conv  # transposed: output j (after the left cut) reads inputs up to j // s + 1
+    # transposed: output j (after the left cut) reads inputs (j + left_pad - kernel) // s + 1
+    # .. (j + left_pad) // s; a conv trimming only its right end (Qwen3-TTS's, left_pad 0)
+    # reads no input ahead, and its first s outputs read the input before the decode's first
+    inner = conv.conv
     stride, kernel = int(inner.stride[0]), int(inner.kernel_size[0])
     return max(0, (first_clean - 1) * stride + kernel - int(conv.left_pad))
 
@@ -97,8 +113,9 @@ def conv_inputs(module: nn.Module, frames: int) -> list[tuple[nn.Module, int]]:
 
 def samples_lost(module: nn.Module, samples_per_frame: int) -> int:
     """How many samples a decode of ``n`` frames falls short of ``n * samples_per_frame``
-    (555 in the real model): the last samples of each decoder block's transposed conv need the
-    next frame. ``chunked_decode`` loses them at every window end."""
+    (555 in the real Qwen3-Omni model): the last samples of each decoder block's transposed
+    conv need the next frame. ``chunked_decode`` loses them at every window end. None in
+    Qwen3-TTS's decoder, whose transposed convs trim only their right end."""
     frames = 4
     return frames * samples_per_frame - _walk(module, frames, _length)
 
@@ -126,26 +143,86 @@ def conv_backend(conv: nn.Module, width: int, device: torch.device) -> Any:
     )
 
 
+SETTLE_ALL, SETTLE_HALF, SETTLE_WINDOW = "all", "half", "window"
+
+
+@torch.inference_mode()
+def latents_settle(module: nn.Module, device: torch.device, window: int) -> str:
+    """Which rows of a decode of ``K`` frames the pre-transformer computes as every longer
+    decode does, probed on random inputs (a decode of ``K`` rows against the canonical rows:
+    each from the shortest ``ROW_ALIGN``-row decode that holds it). ``SETTLE_ALL``: all but
+    its last partial ``ROW_ALIGN`` block. ``SETTLE_HALF``: its first ``K // 2`` (the CPU's
+    GEMM splits a long attention's sum over the keys at half their count, so the rows whose
+    sliding window straddles that split, and the rows after them that attend to those, depend
+    on ``K``: Qwen3-TTS's heads of 32 and 64; Qwen3-Omni's tiny heads of 8 are not split).
+    ``SETTLE_WINDOW``: neither holds; only a finished window is final."""
+    transformer: Any = module.pre_transformer
+    width = int(transformer.config.hidden_size)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, window, width, generator=generator).to(device)
+
+    def decode(rows: int) -> torch.Tensor:
+        return transformer(inputs_embeds=x[:, :rows]).last_hidden_state[0]
+
+    blocks = [decode(rows) for rows in range(ROW_ALIGN, window + ROW_ALIGN, ROW_ALIGN)]
+    canonical = torch.cat([b[i * ROW_ALIGN : (i + 1) * ROW_ALIGN] for i, b in enumerate(blocks)])
+    lengths = [*range(ROW_ALIGN, window, 7), window]
+
+    def holds(keep: Any) -> bool:
+        return all(torch.equal(decode(k)[: keep(k)], canonical[: keep(k)]) for k in lengths)
+
+    if holds(lambda k: k // ROW_ALIGN * ROW_ALIGN):
+        return SETTLE_ALL
+    return SETTLE_HALF if holds(lambda k: k // 2) else SETTLE_WINDOW
+
+
 class DecoderReach:
     """A decoder's ``samples_lost`` and ``context_samples``, and the kernels a decode of a
-    given length runs (``conv_backends``, cached per length and torch thread count: a 1x1
-    convolution runs on oneDNN only with several threads)."""
+    given length runs (``conv_backends``: the stack's; ``front_backends``: the convolutions
+    before the pre-transformer, Qwen3-TTS's ``front_convs``; cached per length and torch
+    thread count: a 1x1 convolution runs on oneDNN only with several threads)."""
 
-    def __init__(self, module: nn.Module, samples_per_frame: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        samples_per_frame: int,
+        device: torch.device,
+        *,
+        settle: str | None = None,
+    ) -> None:
         self.module = module
         self.device = device
         self.samples_lost = samples_lost(module, samples_per_frame)
         self.context_samples = context_samples(module)
-        self._backends: dict[tuple[int, int], tuple[Any, ...]] = {}
+        # which rows of an unfinished window's decode are final (``latents_settle``)
+        self.settle = settle or SETTLE_ALL
+        front = getattr(module, "front_convs", None)
+        self.front: list[tuple[nn.Module, int]] = front() if front is not None else []
+        self._backends: dict[tuple[str, int, int], tuple[Any, ...]] = {}
 
     def conv_backends(self, frames: int) -> tuple[Any, ...]:
-        key = (frames, torch.get_num_threads())
+        key = ("stack", frames, torch.get_num_threads())
         if key not in self._backends:
             self._backends[key] = tuple(
                 conv_backend(conv, width, self.device)
                 for conv, width in conv_inputs(self.module, frames)
             )
         return self._backends[key]
+
+    def front_backends(self, frames: int) -> tuple[Any, ...]:
+        key = ("front", frames, torch.get_num_threads())
+        if key not in self._backends:
+            self._backends[key] = tuple(
+                conv_backend(conv, frames + extra, self.device) for conv, extra in self.front
+            )
+        return self._backends[key]
+
+    def kernels_agree(self, rows: int, frames: int) -> bool:
+        """Whether a decode of ``rows`` frames runs every convolution with the kernel a decode
+        of ``frames`` runs it with."""
+        return self.front_backends(rows) == self.front_backends(frames) and self.conv_backends(
+            rows
+        ) == self.conv_backends(frames)
 
 
 class Code2WavStream(CodeStream):
@@ -179,33 +256,32 @@ class Code2WavStream(CodeStream):
             raise ValueError(f"{len(codes)} codes are not whole frames of {self.groups} codes")
         self.codes.extend(codes)
 
-    def _next(self) -> tuple[int, int, int, bool] | None:
-        """The next decode: ``(first, start, rows, finished)`` — frames ``[first, first +
-        rows)`` of the current window, which keeps samples from frame ``start``; None when no
-        chunk is due."""
+    def _next(self) -> tuple[int, int, int, int] | None:
+        """The next decode: ``(first, start, rows, final)`` — frames ``[first, first + rows)``
+        of the current window, which keeps samples from frame ``start`` up to frame ``first +
+        final`` (all ``rows`` when the window is finished); None when no chunk is due."""
         first, start, end = self.vocoder.window(self.window_index)
         available = self.num_frames
         if available >= end:
-            rows, finished = end - first, True
-        elif self.ended:
-            if available <= start:
-                return None
-            rows, finished = available - first, True
-        else:
-            rows, finished = (available - first) // ROW_ALIGN * ROW_ALIGN, False
-            due = self.first_chunk if self.frames_out == 0 else self.chunk
-            if (
-                first + rows - self.frames_out < due
-                or self._stop(rows) <= self._keep(first, start)
-                # the whole decode's convolutions may still run other kernels than ours
-                or self.reach.conv_backends(rows) != self.reach.conv_backends(end - first)
-            ):
-                return None
-        return first, start, rows, finished
+            return first, start, end - first, end - first
+        if self.ended:
+            return None if available <= start else (first, start, *[available - first] * 2)
+        rows = (available - first) // ROW_ALIGN * ROW_ALIGN
+        final = {SETTLE_ALL: rows, SETTLE_HALF: rows // 2}.get(self.reach.settle, 0)
+        due = self.first_chunk if self.frames_out == 0 else self.chunk
+        if (
+            first + final - self.frames_out < due
+            or self._stop(final) <= self._keep(first, start)
+            # the whole decode's convolutions may still run other kernels than ours
+            or not self.reach.kernels_agree(rows, end - first)
+        ):
+            return None
+        return first, start, rows, final
 
-    def _stop(self, rows: int) -> int:
-        """The end of the samples a decode of ``rows`` frames makes (window samples)."""
-        return rows * int(self.vocoder.samples_per_frame) - int(self.reach.samples_lost)
+    def _stop(self, final: int) -> int:
+        """The end of the samples a decode makes final when its first ``final`` frames are
+        (window samples): less those that read the frame after (``samples_lost``)."""
+        return final * int(self.vocoder.samples_per_frame) - int(self.reach.samples_lost)
 
     def _keep(self, first: int, start: int) -> int:
         """The window's first sample not handed out yet."""
@@ -225,8 +301,9 @@ class Code2WavStream(CodeStream):
         step = self._next()
         if step is None:
             return
-        first, start, rows, finished = step
-        keep, stop = self._keep(first, start), self._stop(rows)
+        first, start, rows, final = step
+        finished = first + rows >= self.vocoder.window(self.window_index)[2] or self.ended
+        keep, stop = self._keep(first, start), self._stop(final)
         v, reach = self.vocoder, self.reach
         per_frame = int(v.samples_per_frame)
         g = self.groups
@@ -243,7 +320,7 @@ class Code2WavStream(CodeStream):
         wav = v.upsample(hidden[:, skip:]).reshape(-1)
         self._audio.append(wav[keep - skip * per_frame : stop - skip * per_frame].float().cpu())
         self.num_decodes += 1
-        self.frames_out = first + rows
+        self.frames_out = first + final
         if finished:
             self.window_index += 1
             self._handed = 0

@@ -181,13 +181,13 @@ def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
     return {"codes": codes}
 
 
-class TalkerFrames:
-    """The talker's frames as they come (flat, whole frames only), up to its codec end: the
-    streamed form of ``talker_to_code2wav``."""
+class CodecFrames:
+    """A talker's frames of ``groups`` codes as they come (flat, whole frames only), up to its
+    codec ``end``: the streamed form of a talker -> code2wav hand-off (no codes at all is an
+    ``InvalidRequestError`` naming ``field``)."""
 
-    def __init__(self, folder: str) -> None:
-        _, talker = checkpoint_tokens(folder)
-        self.groups, self.end = talker.groups, talker.eos
+    def __init__(self, groups: int, end: int, field: str) -> None:
+        self.groups, self.end, self.field = groups, end, field
         self.pending: list[int] = []
         self.num_codes = 0
         self.ended = False
@@ -204,8 +204,16 @@ class TalkerFrames:
         self.num_codes += len(codes)
         self.ended = final or reached
         if self.ended and self.num_codes == 0:
-            raise InvalidRequestError("talker_params", "the talker produced no speech codes")
+            raise InvalidRequestError(self.field, "the talker produced no speech codes")
         return codes, self.ended
+
+
+class TalkerFrames(CodecFrames):
+    """Qwen3-Omni's talker's frames as they come: the streamed form of ``talker_to_code2wav``."""
+
+    def __init__(self, folder: str) -> None:
+        _, talker = checkpoint_tokens(folder)
+        super().__init__(talker.groups, talker.eos, "talker_params")
 
 
 def _decode_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -286,8 +286,17 @@ class SpeechDecoder(nn.Module):
             raise ValueError(
                 f"Expected {self.config.num_quantizers} layer of codes, got {codes.shape[1]}"
             )
+        return self.upsample_latents(self.latents(codes))
+
+    def latents(self, codes: torch.Tensor) -> torch.Tensor:
+        """``forward``'s first half: the quantizers' latents through the ``pre_conv`` and the
+        transformer, ``[B, T, latent_dim]`` (a stream runs it from its window's first frame)."""
         hidden = self.quantizer.decode(codes)
-        hidden = self.pre_transformer.latents(self.pre_conv(hidden).transpose(1, 2))
+        return self.pre_transformer.latents(self.pre_conv(hidden).transpose(1, 2))
+
+    def upsample_latents(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``forward``'s second half, the convolutional stack on ``[B, T, latent_dim]``:
+        ``[B, 1, T * total_upsample]`` in [-1, 1]."""
         hidden = hidden.permute(0, 2, 1)
         for blocks in self.upsample:
             for block in blocks:  # type: ignore[attr-defined]
@@ -295,6 +304,13 @@ class SpeechDecoder(nn.Module):
         for block in self.decoder:
             hidden = block(hidden)
         return hidden.clamp(min=-1, max=1)
+
+    def front_convs(self) -> list[tuple[nn.Conv1d, int]]:
+        """The convolutions ``latents`` runs, each with how much longer than the codes its
+        input is (the quantizers' output projections, then the causal ``pre_conv``)."""
+        rvqs = (self.quantizer.rvq_first, self.quantizer.rvq_rest)
+        found = [(rvq.output_proj, 0) for rvq in rvqs]
+        return [*found, (self.pre_conv.conv, int(self.pre_conv.padding))]
 
     def chunked_decode(self, codes: torch.Tensor) -> torch.Tensor:
         """The reference's ``chunked_decode(codes, chunk_size=300, left_context_size=25)``:

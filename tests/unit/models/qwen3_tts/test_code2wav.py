@@ -194,13 +194,3 @@ def test_the_stage_speaks_the_same_after_sleeping(stage, level):
     stage.wake_up()
     stage.resume()
     assert torch.equal(spoken(stage, codes)["before"], before)
-
-
-def test_a_streamed_request_fails_naming_stream_and_the_stage_serves_on(stage):
-    from omnistage.stage.code2wav.params import Code2WavParams
-    from omnistage.stage.code2wav.wire import Code2WavStageRequest
-
-    stage.add_streamed_request("s", Code2WavStageRequest(codes=[], params=Code2WavParams()))
-    (failed,) = stage.step()
-    assert failed.request_id == "s" and "stream" in str(failed.error)
-    assert len(spoken(stage, {"after": codes_of(3)})["after"]) == 3 * SAMPLES_PER_FRAME
