@@ -3,9 +3,10 @@ openai client's ``audio.speech.create`` answers the official ``qwen-tts`` packag
 for the same ids (its greedy ``generate`` decoded by its speech tokenizer; 16-bit samples
 within one step, the server's stages computing on their own threads), as pcm and as wav;
 streamed as raw audio (``with_streaming_response ... iter_bytes``) and as Server-Sent Events,
-the same bytes; a seeded sampled request speaks the same twice; time to first audio and the
-real-time factor reach /metrics; a batch answers each item on its own. ``GET
-/v1/audio/voices`` lists the checkpoint's speakers.
+the same bytes; 8 requests at once each speak as alone; AAC and a faster speed answer the same
+speech; a seeded sampled request speaks the same twice; time to first audio and the real-time
+factor reach /metrics; a batch answers each item on its own. ``GET /v1/audio/voices`` lists
+the checkpoint's speakers.
 Bad input is a 400 naming the field, and the server speaks on."""
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def test_the_voices_are_the_checkpoints_speakers(server):
     [
         ({"voice": "nobody"}, "voice", "unknown voice 'nobody'"),
         ({"language": "klingon"}, "language", "unknown language 'klingon'"),
-        ({"response_format": "aac"}, "response_format", "aac is not encoded here"),
-        ({"speed": 2.0}, "speed", "only 1.0"),
+        ({"speed": 2.0, "stream_format": "audio"}, "speed", "not time-stretched"),
+        ({"speed": 5.0}, "speed", ""),
         ({"ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio", "cannot decode"),
         ({"ref_text": "hello"}, "ref_text", "which a Base checkpoint does"),
         ({"x_vector_only_mode": True}, "x_vector_only_mode", "which a Base checkpoint does"),
@@ -148,6 +149,46 @@ def test_bad_input_is_a_400_naming_the_field(server, change, param, said):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and said in error["message"]
+
+
+def test_eight_requests_at_once_each_speak_as_alone(server):
+    import asyncio
+
+    cases = [(text, voice) for text in (TEXT, "A second one", "Third", "And four") for voice in
+             ("vivian", "dylan")]  # fmt: skip
+
+    async def speak(http, text: str, voice: str) -> bytes:
+        body = {"input": text, "voice": voice, "response_format": "pcm", **GREEDY}
+        reply = await http.post(server.url + "/v1/audio/speech", json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.content
+
+    async def run() -> tuple[list[bytes], list[bytes]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            alone = [await speak(http, *case) for case in cases]
+            together = await asyncio.gather(*(speak(http, *case) for case in cases))
+            return alone, list(together)
+
+    alone, together = asyncio.run(run())
+    assert together == alone and len(set(alone)) == len(cases)
+
+
+def test_aac_and_another_speed_are_the_same_speech(client, spoken):
+    from omnistage.entrypoints.media.decode import decode_audio
+    from omnistage.entrypoints.media.policy import MediaPolicy
+
+    reply = client.audio.speech.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", response_format="aac",
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert reply.response.headers["content-type"] == "audio/aac"
+    heard = decode_audio(reply.content, "aac", MediaPolicy())
+    assert heard.sampling_rate == 24000 and abs(len(heard.samples) - len(spoken) // 2) <= 2048
+    faster = client.audio.speech.create(
+        model="tiny-qwen3-tts", input=TEXT, voice="vivian", response_format="pcm", speed=2.0,
+        extra_body=GREEDY,
+    )  # fmt: skip
+    assert len(faster.content) // 2 == len(spoken) // 2 // 2
 
 
 def test_the_server_speaks_on_after_bad_input(client, spoken):

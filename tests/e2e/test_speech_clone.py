@@ -4,7 +4,9 @@ the official ``qwen-tts`` package's ``generate_voice_clone`` for the same clip (
 codes decoded, the reference's frames cut), in context (``ref_text``) and with the x-vector
 only; plain base64 is the same clip. Each bad clone is a 400 naming the field (no clip, no
 transcript, an undecodable or too long clip, a task the checkpoint does not do), and the server
-speaks on."""
+speaks on. A voice uploaded through ``POST /v1/audio/voices`` (with or without its transcript)
+speaks as its clip given as ``ref_audio``; it is listed, deleted, and each bad upload is a 400
+naming the form field."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import base64
 import io
 import wave
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -72,7 +75,9 @@ def server(folder, tmp_path_factory):
     path = tmp_path_factory.mktemp("pipeline") / f"{PRESET}.yaml"
     path.write_text(yaml.safe_dump(data))
     env = {"OMNISTAGE_CACHE_DIR": str(folder[1])}
-    with running_server("--config", str(path), env=env) as server:
+    voices = tmp_path_factory.mktemp("voices")
+    args = ("--voice-storage-dir", str(voices), "--max-uploaded-voices", "2")
+    with running_server("--config", str(path), *args, env=env) as server:
         yield server
 
 
@@ -148,3 +153,53 @@ def test_a_bad_clone_is_a_400_naming_the_field(client, extra, field):
 
 def test_the_server_speaks_on(client):
     assert len(speak(client, ref_audio=DATA_URI, x_vector_only_mode=True)) >= 2 * 1920
+
+
+def upload(server, name: str, wav: bytes = WAV, **fields) -> httpx.Response:
+    form = {"name": name, "consent": "consent-1", **fields}
+    files = {"audio_sample": ("clip.wav", wav, "audio/wav")}
+    return httpx.post(server.url + "/v1/audio/voices", data=form, files=files, timeout=60)
+
+
+def delete(server, name: str) -> httpx.Response:
+    return httpx.delete(f"{server.url}/v1/audio/voices/{name}", timeout=30)
+
+
+def test_an_uploaded_voice_speaks_as_its_clip(server, client):
+    reply = upload(server, "Alice", ref_text=REF_TEXT)
+    assert reply.status_code == 200, reply.text
+    voice = reply.json()["voice"]
+    assert (voice["name"], voice["ref_text"], voice["file_size"]) == ("Alice", REF_TEXT, len(WAV))
+    assert upload(server, "bob").status_code == 200  # no transcript: the x-vector alone
+    try:
+        listed = httpx.get(server.url + "/v1/audio/voices", timeout=30).json()
+        assert [v["name"] for v in listed["uploaded_voices"]] == ["Alice", "bob"]
+        in_context = speak(client, ref_audio=DATA_URI, ref_text=REF_TEXT)
+        assert speak(client, voice="alice") == in_context  # names match in any case
+        assert speak(client, voice="bob") == speak(
+            client, ref_audio=DATA_URI, x_vector_only_mode=True
+        )
+        reply = upload(server, "carol")  # --max-uploaded-voices 2
+        assert reply.status_code == 400 and "name" in reply.text
+    finally:
+        assert delete(server, "ALICE").status_code == 200
+        assert delete(server, "bob").status_code == 200
+    assert delete(server, "bob").status_code == 404
+    assert httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["uploaded_voices"] == []
+
+
+@pytest.mark.parametrize(
+    ("name", "wav", "fields", "field"),
+    [
+        ("", WAV, {}, "name"),
+        ("../etc", WAV, {}, "name"),
+        ("dave", b"not audio", {}, "audio_sample"),
+        ("dave", clip_wav(31, 8000)[0], {}, "audio_sample"),
+        ("dave", WAV, {"speaker_embedding": "[0.1]"}, "speaker_embedding"),
+        ("dave", WAV, {"surprise": "1"}, "surprise"),
+    ],
+)
+def test_a_bad_upload_is_a_400_naming_the_field(server, name, wav, fields, field):
+    reply = upload(server, name, wav, **fields)
+    assert reply.status_code == 400 and field in reply.json()["error"]["message"], reply.text
+    assert httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["uploaded_voices"] == []

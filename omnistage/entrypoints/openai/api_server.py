@@ -24,9 +24,11 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     from omnistage.entrypoints.openai.metrics import ServerMetrics
     from omnistage.entrypoints.openai.served import accepted_model_names
     from omnistage.entrypoints.openai.video_jobs import VideoJobs
+    from omnistage.entrypoints.openai.voices import VoiceStore
     from omnistage.entrypoints.serve.auth import resolve_control_api_key
     from omnistage.entrypoints.serve.omni_control.journal import ControlJournal
     from omnistage.entrypoints.serve.stage_states import stage_states
+    from omnistage.pipelines import cache_dir
 
     state.engine_client = engine_client
     state.sleeping_stages = set()  # the seed's set, kept by the control routes
@@ -37,6 +39,11 @@ def init_app_state(engine_client: Any, state: Any, config: ServerConfig) -> None
     state.trust_request_chat_template = config.trust_request_chat_template
     state.video_jobs = VideoJobs(
         config.max_video_jobs, config.video_job_ttl_s, config.video_storage_dir
+    )
+    state.voice_store = VoiceStore(
+        config.voice_storage_dir or cache_dir().parent / "voices",
+        config.max_uploaded_voices,
+        config.max_voice_upload_bytes,
     )
     state.chat_dialect = config.chat_dialect
     state.default_modalities = config.default_modalities
@@ -111,6 +118,7 @@ def build_app(
         serving_images,
         serving_speech,
         serving_videos,
+        voices,
     )
     from omnistage.entrypoints.openai.body_limit import BodySizeLimit
     from omnistage.entrypoints.openai.http_metrics import HttpMetrics
@@ -166,6 +174,7 @@ def build_app(
     app.include_router(serving_images.router, dependencies=data)
     app.include_router(serving_videos.router, dependencies=data)
     app.include_router(serving_speech.router, dependencies=data)
+    app.include_router(voices.router, dependencies=data)
     app.include_router(models_router, dependencies=data)
     app.include_router(health_router)
     app.include_router(omni_control_router)

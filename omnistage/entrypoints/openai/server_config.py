@@ -168,6 +168,22 @@ class ServerConfig(MediaSettings):
         description="Folder for the MP4s of video jobs (default: a folder of the server's "
         "own, removed when it stops).",
     )
+    voice_storage_dir: str | None = Field(
+        default=None,
+        description="Folder of the voices uploaded through POST /v1/audio/voices, kept across "
+        "restarts (default: voices/ beside the model cache folder).",
+    )
+    max_uploaded_voices: int = Field(
+        default=100,
+        ge=1,
+        description="Uploaded voices kept at once; an upload past it is refused (400) until "
+        "one is deleted.",
+    )
+    max_voice_upload_bytes: int = Field(
+        default=10 * 1024 * 1024,
+        ge=1024,
+        description="Largest clip an uploaded voice may have, in bytes.",
+    )
     trust_request_chat_template: bool = Field(
         default=False,
         description="Render a chat request's own chat_template (sandboxed, as the "

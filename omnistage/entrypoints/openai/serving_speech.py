@@ -10,7 +10,10 @@ bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.de
 A cloned voice (a Base checkpoint): ``ref_audio`` (an http(s) or ``file://`` URL, a ``data:``
 URI or plain base64, fetched and decoded under the chat route's media policy, at most
 ``MAX_REF_SECONDS``, resampled to 24 kHz with soxr: ``_reference``, the one place a clip is
-resolved), ``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``.
+resolved), ``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``;
+or a ``voice`` uploaded through ``POST /v1/audio/voices`` (``voices.py``), whose clip and
+transcript stand for ``ref_audio`` and ``ref_text``. ``speed`` stretches a whole answer in
+time (``audio_speed``); ``aac`` is encoded by FFmpeg (``audio_formats``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ MEDIA_TYPES = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
 
 
@@ -85,12 +89,9 @@ class SpeechRequest(_RequestBody):
 
     @model_validator(mode="after")
     def _check(self) -> SpeechRequest:
-        if self.response_format == "aac":
-            raise field_error(
-                "response_format", "aac is not encoded here: use wav, pcm, flac, mp3 or opus"
-            )
-        if self.speed != 1.0:
-            raise field_error("speed", "only 1.0: the speech is not time-stretched here")
+        if self.streamed and self.speed != 1.0:
+            raise field_error("speed", "a streamed answer is not time-stretched: 1.0, or a "
+                              "whole answer")  # fmt: skip
         if self.streamed and self.response_format not in ("wav", "pcm"):
             raise field_error("response_format", "a streamed answer is wav or pcm")
         return self
@@ -141,9 +142,9 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
     check_model(request, body.model)
     log = RequestLog(request, new_id("speech"), "speech")
     log.received(format=body.response_format, stream=body.streamed)
-    stream = await _speak(engine, body, log.request_id, _policy(request))
+    stream = await _speak(engine, body, log.request_id, _policy(request), _voices(request))
     if not body.streamed:
-        audio = await _whole(engine, stream)
+        audio = await _at_speed(await _whole(engine, stream), body.speed)
         log.finished("stop", samples=len(audio.samples))
         return Response(
             encode_audio(audio, body.response_format), media_type=MEDIA_TYPES[body.response_format]
@@ -158,9 +159,22 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
 
 
 async def _speak(
-    engine: Any, body: SpeechRequest, request_id: str, policy: MediaPolicy
+    engine: Any, body: SpeechRequest, request_id: str, policy: MediaPolicy, voices: Any = None
 ) -> AsyncIterator[Any]:
-    """The pipeline's outputs for one speech request (its prompt built by the family)."""
+    """The pipeline's outputs for one speech request (its prompt built by the family; an
+    uploaded ``voice`` in ``voices`` stands for its clip and transcript)."""
+    folder, family = speaker_of(engine)
+    uploaded = _uploaded(body, voices, family.speech_voices(folder))
+    if uploaded is not None:
+        return await _speak_uploaded(engine, body, request_id, policy, voices, uploaded)
+    return await _speak_clip(engine, body, request_id, policy)
+
+
+async def _speak_clip(
+    engine: Any, body: SpeechRequest, request_id: str, policy: MediaPolicy,
+    clip: bytes | None = None,
+) -> AsyncIterator[Any]:  # fmt: skip
+    """``_speak`` once the clip is known: the body's ``ref_audio``, or ``clip``'s bytes."""
     folder, family = speaker_of(engine)
     asked = body.model_dump(
         include={
@@ -170,7 +184,7 @@ async def _speak(
     speech = SpeechInput(
         body.input,
         non_streaming_mode=body.non_streaming_mode,
-        ref_audio=await _reference(body, policy),
+        ref_audio=await _reference(body, policy, clip),
         **asked,
     )
     prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
@@ -184,12 +198,16 @@ MAX_REF_SECONDS = 30.0  # a reference clip, as vLLM-Omni bounds it
 REF_RATE = 24000  # what a Qwen3-TTS clone's encoders take
 
 
-async def _reference(body: SpeechRequest, policy: MediaPolicy) -> tuple[np.ndarray, int] | None:
+async def _reference(
+    body: SpeechRequest, policy: MediaPolicy, clip: bytes | None = None
+) -> tuple[np.ndarray, int] | None:
     """The clip a cloned voice speaks in: mono float32 samples at 24 kHz and the rate, or None
     without one. ``ref_audio`` is an http(s) or ``file://`` URL, a ``data:audio/...`` URI or
     plain base64, fetched and decoded under ``policy`` (a 400 naming ``ref_audio``: bad, too
-    big, undecodable, longer than ``MAX_REF_SECONDS``). Where an uploaded voice resolves."""
+    big, undecodable, longer than ``MAX_REF_SECONDS``); ``clip``: an uploaded voice's bytes."""
     source = body.ref_audio
+    if clip is not None:
+        return await reference_clip(clip, "ref_audio", policy)
     if source is None:
         return None
     where = "ref_audio"
@@ -203,6 +221,12 @@ async def _reference(body: SpeechRequest, policy: MediaPolicy) -> tuple[np.ndarr
         if base64_size(data) > policy.max_media_bytes:
             raise too_many_bytes(where, base64_size(data), policy)
         raw = await run_decode(policy.decode_workers, base64_bytes, data, where)
+    return await reference_clip(raw, where, policy)
+
+
+async def reference_clip(raw: bytes, where: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
+    """A reference clip's bytes decoded under ``policy``, at most ``MAX_REF_SECONDS``, as mono
+    float32 samples at 24 kHz (a 400 naming ``where`` otherwise)."""
 
     def decode() -> tuple[np.ndarray, int]:
         audio = decode_audio(raw, where, policy)
@@ -248,15 +272,15 @@ async def create_speech_batch(
     audio in base64, or ``error`` with the 400's message): one bad item fails only itself."""
     check_model(request, body.model)
     batch_id = new_id("speech-batch")
-    policy = _policy(request)
+    policy, voices = _policy(request), _voices(request)
 
     async def one(index: int, item: dict[str, Any]) -> dict[str, Any]:
         try:
             speech = SpeechRequest.model_validate({**body.shared, **item})
             if speech.streamed:
                 raise InvalidRequestError("stream_format", "a batch item is answered whole")
-            stream = await _speak(engine, speech, f"{batch_id}-{index}", policy)
-            audio = await _whole(engine, stream)
+            stream = await _speak(engine, speech, f"{batch_id}-{index}", policy, voices)
+            audio = await _at_speed(await _whole(engine, stream), speech.speed)
         except (ValidationError, InvalidRequestError) as exc:
             return {"index": index, "status": "error", "error": _said(exc)}
         fmt = speech.response_format
@@ -355,6 +379,58 @@ def _wav_header(rate: int) -> bytes:
 
 
 @router.get("/v1/audio/voices")
-async def list_voices(engine: EngineClientDep) -> dict[str, Any]:
+async def list_voices(request: Request, engine: EngineClientDep) -> dict[str, Any]:
+    """The model's own voices, and those uploaded (``POST /v1/audio/voices``)."""
     folder, family = speaker_of(engine)
-    return {"voices": family.speech_voices(folder), "uploaded_voices": []}
+    store = _voices(request)
+    uploaded = store.listed() if store is not None else []
+    return {"voices": family.speech_voices(folder), "uploaded_voices": uploaded}
+
+
+def _voices(request: Request) -> Any:
+    """The server's uploaded voices (``voices.VoiceStore``), or None (an app without one)."""
+    return getattr(request.app.state, "voice_store", None)
+
+
+def _uploaded(body: SpeechRequest, voices: Any, own: list[str]) -> Any:
+    """The uploaded voice ``body.voice`` names (not one of the model's own), if any; a
+    request with its own ``ref_audio`` speaks that clip instead."""
+    if voices is None or not body.voice or body.ref_audio is not None:
+        return None
+    if body.voice.lower() in {v.lower() for v in own}:
+        return None
+    return voices.get(body.voice)
+
+
+async def _speak_uploaded(
+    engine: Any, body: SpeechRequest, request_id: str, policy: MediaPolicy, voices: Any,
+    voice: Any,
+) -> AsyncIterator[Any]:  # fmt: skip
+    """``_speak`` with an uploaded voice's clip (and its transcript, unless the request gives
+    one or asks for the x-vector alone); a checkpoint that does not clone says so naming
+    ``voice``."""
+    clip = await asyncio.to_thread(voices.audio, voice.name)
+    update: dict[str, Any] = {"voice": None}
+    if body.ref_text is None and not body.x_vector_only_mode:
+        if voice.ref_text:
+            update["ref_text"] = voice.ref_text
+        else:
+            update["x_vector_only_mode"] = True
+    try:
+        return await _speak_clip(engine, body.model_copy(update=update), request_id, policy, clip)
+    except InvalidRequestError as exc:
+        if exc.field in ("ref_audio", "ref_text", "x_vector_only_mode", "task_type"):
+            raise InvalidRequestError(
+                "voice", f"{voice.name!r} is an uploaded voice, spoken as a clone: {exc.reason}"
+            ) from None
+        raise
+
+
+async def _at_speed(audio: OmniAudio, speed: float) -> OmniAudio:
+    """``audio`` played ``speed`` times as fast at the same pitch (``audio_speed``)."""
+    if speed == 1.0:
+        return audio
+    from omnistage.entrypoints.openai.audio_speed import time_stretch
+
+    samples = await asyncio.to_thread(time_stretch, audio.samples, speed)
+    return OmniAudio(samples, audio.sample_rate)
