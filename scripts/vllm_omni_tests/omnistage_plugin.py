@@ -76,6 +76,8 @@ def _model_target(model: str) -> tuple[str, str] | None:
         return ("pipeline", "tiny-qwen3-tts-customvoice")
     if base.startswith("qwen3-tts-") and base.endswith("-voicedesign"):
         return ("pipeline", "tiny-qwen3-tts-voicedesign")
+    if base.startswith("qwen3-tts-") and base.endswith("-base"):
+        return ("pipeline", "tiny-qwen3-tts-base")
     if base.startswith("flux.1-"):
         return ("pipeline", "tiny-flux")
     if base.startswith("wan2."):
