@@ -153,6 +153,7 @@ class ARModelConfig:
         from omnistage.models import registry
 
         raw = read_config_json(path)
+        raw.setdefault("_name_or_path", str(path))  # where it was read, as transformers keeps it
         return registry.as_ar(registry.family_of(raw, path), path).decoder_config(raw, model_stage)
 
 

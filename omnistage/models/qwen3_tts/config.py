@@ -155,6 +155,13 @@ def checkpoint_codec_ids(raw: Mapping[str, Any]) -> CodecIds:
     return CodecIds(*(_int(talker, k, where, d) for k, d in _CODEC_IDS.items()))
 
 
+def checkpoint_sampling(folder: str | Path | None) -> dict[str, Any]:
+    """The package's sampling defaults under ``folder``'s ``generation_config.json`` (the
+    defaults alone without a folder)."""
+    generation = _read_json(Path(folder) / "generation_config.json", False) if folder else {}
+    return {**SAMPLING_DEFAULTS, **{k: v for k, v in generation.items() if k in SAMPLING_DEFAULTS}}
+
+
 def is_tts_checkpoint(folder: str | Path) -> bool:
     try:
         raw = json.loads((Path(folder) / "config.json").read_text())
@@ -197,7 +204,6 @@ def read_config(folder: str | Path) -> TTSConfig:
             f"{tokenizer_where}: model_type must be {TOKENIZER_MODEL_TYPE!r} (the 12 Hz tokenizer), "
             f"got {tokenizer.get('model_type')!r}"
         )
-    generation = _read_json(folder / "generation_config.json", required=False)
     return TTSConfig(
         variant=variant,
         model_size=raw.get("tts_model_size"),
@@ -209,10 +215,7 @@ def read_config(folder: str | Path) -> TTSConfig:
         num_code_groups=_int(talker, "num_code_groups", talker_where, 32),
         vocab_size=_int(talker, "vocab_size", talker_where, 3072),
         hidden_size=_int(talker, "hidden_size", talker_where, 1024),
-        sampling={
-            **SAMPLING_DEFAULTS,
-            **{k: v for k, v in generation.items() if k in SAMPLING_DEFAULTS},
-        },
+        sampling=checkpoint_sampling(folder),
         sample_rate=_int(tokenizer, "output_sample_rate", tokenizer_where, 24000),
         samples_per_frame=_int(tokenizer, "decode_upsample_rate", tokenizer_where, 1920),
     )

@@ -41,6 +41,7 @@ from omnistage.models.qwen3_tts.config import (
     CodecIds,
     TextIds,
     checkpoint_codec_ids,
+    checkpoint_sampling,
     checkpoint_text_ids,
 )
 from omnistage.models.qwen3_tts.prompt import SPEAKER_VECTOR, TalkerPrompt, embed_prompt
@@ -72,6 +73,7 @@ def talker_config(raw: dict[str, Any]) -> ARModelConfig:
             "text_ids": dataclasses.asdict(checkpoint_text_ids(raw)),
             "codec_ids": dataclasses.asdict(checkpoint_codec_ids(raw)),
             "variant": raw.get("tts_model_type"),
+            "sampling": checkpoint_sampling(raw.get("_name_or_path")),
         }
         groups = int(talker["num_code_groups"])
     except (KeyError, TypeError, ValueError) as exc:

@@ -78,6 +78,11 @@ def test_the_settings_are_the_references(tmp_path, variant):
     assert ours.num_code_groups == 16 and ours.codebook_size == 64
     assert dict(ours.sampling) == wrapper._merge_generate_kwargs()
     assert (ours.sample_rate, ours.samples_per_frame) == (24000, 1920)
+    # the talker stage's code predictor draws as the folder's subtalker_* say
+    from omnistage.models.ar_config import ARModelConfig
+
+    talker_config = ARModelConfig.from_pretrained(tmp_path, "talker")
+    assert talker_config.extras["sampling"] == wrapper._merge_generate_kwargs()
 
 
 def test_the_small_custom_voice_takes_no_instruction(tmp_path):
