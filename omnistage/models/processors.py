@@ -53,6 +53,7 @@ class UpstreamResult:
     positions: torch.Tensor | None = None  # its prompt's multimodal rotary positions [3, L]
     position_delta: int = 0  # its generated token i sat at i + position_delta
     prompt_token_ids: list[int] = field(default_factory=list)  # with its hidden states
+    context_token_ids: list[int] = field(default_factory=list)  # streamed: before token_ids
     params: RequestParams = field(default_factory=dict)  # the request's parameters
 
 

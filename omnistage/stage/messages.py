@@ -71,6 +71,9 @@ class Handoff(msgspec.Struct):
     positions: torch.Tensor | None = None  # the prompt's multimodal rotary positions
     position_delta: int = 0
     prompt_token_ids: list[int] = []  # with hidden states: the prompt they are of
+    # a streamed edge's first input: the ids the next stage takes before the generated ones (a
+    # cloned voice's reference codes; a whole hand-off puts them in ``token_ids``)
+    context_token_ids: list[int] = []
 
 
 class Upstream(msgspec.Struct, frozen=True):

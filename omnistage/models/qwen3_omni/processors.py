@@ -184,7 +184,8 @@ def talker_to_code2wav(upstream: UpstreamResult, folder: str) -> dict[str, Any]:
 class CodecFrames:
     """A talker's frames of ``groups`` codes as they come (flat, whole frames only), up to its
     codec ``end``: the streamed form of a talker -> code2wav hand-off (no codes at all is an
-    ``InvalidRequestError`` naming ``field``)."""
+    ``InvalidRequestError`` naming ``field``); a clone's reference frames first
+    (``feed_update``)."""
 
     def __init__(self, groups: int, end: int, field: str) -> None:
         self.groups, self.end, self.field = groups, end, field
@@ -206,6 +207,12 @@ class CodecFrames:
         if self.ended and self.num_codes == 0:
             raise InvalidRequestError(self.field, "the talker produced no speech codes")
         return codes, self.ended
+
+    def feed_update(self, update: UpstreamResult, final: bool) -> tuple[list[int], bool]:
+        """``feed`` of an update, after the ids it says come first (``context_token_ids``: a
+        cloned voice's reference frames, on the talker's first output)."""
+        codes, ended = self.feed(list(update.token_ids), final)
+        return list(update.context_token_ids) + codes, ended
 
 
 class TalkerFrames(CodecFrames):

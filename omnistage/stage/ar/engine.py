@@ -282,6 +282,10 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
         output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
         if seq.stream_hidden_states:
             output.delta = streamed_rows(seq)
+        if seq.context_token_ids and seq.num_output_tokens == 1:
+            # a streamed edge's next stage takes them before the first generated id
+            context = {"context_token_ids": list(seq.context_token_ids)}
+            output.delta = {**(output.delta or {}), **context}
         self._queued_outputs.append(output)
         self.block_manager.cache_computed_blocks(seq)
         if seq.finish_reason is not None:
