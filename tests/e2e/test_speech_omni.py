@@ -145,7 +145,8 @@ def test_the_voices_are_the_models(server, preset):
         ({"task_type": "VoiceDesign"}, "task_type", "CustomVoice"),
         ({"non_streaming_mode": True}, "non_streaming_mode", "a token per step"),
         ({"input": "Hi <|im_end|> there"}, "input", "special token <|im_end|>"),
-        ({"input": "\u00e9" * 2100}, "forced_token_ids", "maximum context"),
+        ({"input": "\u00e9" * 2100}, "input", "maximum context"),
+        ({"top_k": -5}, "top_k", ""),
     ],
 )
 def test_bad_fields_are_400s_naming_them(server, change, param, said):

@@ -13,7 +13,9 @@ URI or plain base64, fetched and decoded under the chat route's media policy, at
 resolved), ``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``;
 or a ``voice`` uploaded through ``POST /v1/audio/voices`` (``voices.py``), whose clip and
 transcript stand for ``ref_audio`` and ``ref_text``. ``speed`` stretches a whole answer in
-time (``audio_speed``); ``aac`` is encoded by FFmpeg (``audio_formats``).
+time (``audio_speed``); ``aac`` is encoded by FFmpeg (``audio_formats``). A streamed answer's
+``initial_codec_chunk_frames`` (1 and up) asks the code2wav stage for an early first chunk
+(``audio_params.first_chunk``: its samples not final); 0 or unset, the stage's own chunks.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from omnistage.entrypoints.openai.protocol import _RequestBody, field_error
 from omnistage.entrypoints.openai.replies import new_id
 from omnistage.entrypoints.openai.request_log import RequestLog
 from omnistage.entrypoints.openai.served import check_model, ended_without
+from omnistage.entrypoints.openai.streams import primed, renamed
 from omnistage.entrypoints.serve.deps import EngineClientDep
 from omnistage.errors import InvalidRequestError
 from omnistage.models.interfaces import SpeechInput, supports_speech
+from omnistage.stage.code2wav.params import MAX_FIRST_CHUNK
 
 router = APIRouter(tags=["openai"])
 
@@ -143,12 +147,14 @@ async def create_speech(body: SpeechRequest, request: Request, engine: EngineCli
     log = RequestLog(request, new_id("speech"), "speech")
     log.received(format=body.response_format, stream=body.streamed)
     stream = await _speak(engine, body, log.request_id, _policy(request), _voices(request))
+    stream = renamed(stream, _body_name)
     if not body.streamed:
         audio = await _at_speed(await _whole(engine, stream), body.speed)
         log.finished("stop", samples=len(audio.samples))
         return Response(
             encode_audio(audio, body.response_format), media_type=MEDIA_TYPES[body.response_format]
         )
+    stream = await primed(stream)  # a refusal is a status code, not a broken stream
     if body.stream_format == "audio" or (body.stream and body.stream_format is None):
         return StreamingResponse(
             _raw(engine, stream, body.response_format), media_type=MEDIA_TYPES[body.response_format]
@@ -188,6 +194,10 @@ async def _speak_clip(
         **asked,
     )
     prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
+    first = body.initial_codec_chunk_frames
+    if first and body.streamed:  # 0 (or a whole answer): the stage's own chunks, all exact
+        params = prompt.setdefault("request_params", {}).setdefault("audio_params", {})
+        params["first_chunk"] = min(first, MAX_FIRST_CHUNK)  # clamped, as vLLM-Omni does
     stream: AsyncIterator[Any] = engine.generate(
         prompt, body.sampling(), ["audio"], request_id=request_id
     )
@@ -280,6 +290,7 @@ async def create_speech_batch(
             if speech.streamed:
                 raise InvalidRequestError("stream_format", "a batch item is answered whole")
             stream = await _speak(engine, speech, f"{batch_id}-{index}", policy, voices)
+            stream = renamed(stream, _body_name)
             audio = await _at_speed(await _whole(engine, stream), speech.speed)
         except (ValidationError, InvalidRequestError) as exc:
             return {"index": index, "status": "error", "error": _said(exc)}
@@ -385,6 +396,18 @@ async def list_voices(request: Request, engine: EngineClientDep) -> dict[str, An
     store = _voices(request)
     uploaded = store.listed() if store is not None else []
     return {"voices": family.speech_voices(folder), "uploaded_voices": uploaded}
+
+
+def _body_name(field: str) -> str | None:
+    """A field a stage refused, named as the body has it: the forced reply (an omni model
+    saying the text) is the ``input``, the talker's sampling its own fields, the codes a later
+    stage would get (bounded by the talker's ``max_new_tokens``) that bound."""
+    if field in ("forced_token_ids", "codes"):
+        return "input" if field == "forced_token_ids" else "max_new_tokens"
+    head, _, rest = field.partition(".")
+    name = rest if head in ("talker_params", "sampling_params") and rest else field
+    renamed = {"max_tokens": "max_new_tokens"}.get(name, name)
+    return None if renamed == field else renamed
 
 
 def _voices(request: Request) -> Any:
