@@ -111,6 +111,7 @@ class Code2WavVocoder(VocoderWeights):
 
     part = PART
     names_hint = _NAMES_HINT
+    early_first_chunk = True  # a stream honours a request's ``first_chunk``
 
     def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
         self.folder = Path(folder)

@@ -15,7 +15,10 @@ Why each rule is needed, what is bit for bit and what is not: ``docs/qwen3-omni.
 
 ``chunks`` (the stage config's ``stream_chunks``) count frames (talker steps): the first chunk
 goes out when ``first_chunk`` frames are final, each later one when ``chunk`` more are, the
-rest of a window when it is finished.
+rest of a window when it is finished. A request's own ``first_chunk`` (``Code2WavParams``)
+sends the first chunk once that many frames are in, decoded from them alone (not final); the
+rest as above. A clone's ``context_frames`` come first and their samples are cut
+(``Code2WavStream._cut``).
 """
 
 from __future__ import annotations
@@ -228,7 +231,14 @@ class DecoderReach:
 class Code2WavStream(CodeStream):
     """One utterance spoken chunk by chunk. ``add_codes`` as the talker produces frames (flat,
     whole frames), ``end_input`` after the last; ``advance()`` decodes the next chunk when
-    ``is_ready``; ``take_audio()`` returns the samples finished since the last call."""
+    ``is_ready``; ``take_audio()`` returns the samples finished since the last call.
+
+    ``params.context_frames`` (a clone's reference, the first frames to arrive): decoded with
+    the rest, their samples cut as ``Code2WavSynthesis`` cuts them — ``int(ref / total *
+    samples)``, which float rounding makes one sample short of ``ref * samples_per_frame`` for
+    some totals (4.3% of them): exact when the input has ended before anything is spoken,
+    else ``ref * samples_per_frame``. ``params.first_chunk``: the first chunk goes out once
+    that many frames follow the context, decoded from them alone (``early``)."""
 
     batch_key = None  # never shares a forward (see ``code2wav``)
 
@@ -236,13 +246,20 @@ class Code2WavStream(CodeStream):
         super().__init__()
         self.vocoder = vocoder
         self.voice = getattr(params, "voice", None) or vocoder.default_voice
-        self.first_chunk = max(1, int(chunks.first_chunk))
+        early = getattr(params, "first_chunk", None)
+        self.early = early is not None  # the first chunk from the frames so far, not final
+        self.first_chunk = max(1, int(early if early is not None else chunks.first_chunk))
         self.chunk = max(1, int(chunks.chunk))
         self.groups = int(vocoder.codes_per_frame)
         self.reach = vocoder.reach
-        self.window_index = 0  # the window being spoken
+        self.context = int(getattr(params, "context_frames", 0) or 0)
+        self._fixed_cut: int | None = None  # set by the first decode (``_cut``)
+        self.window_index = 0  # the window being spoken (windows wholly in the context: none)
+        while self.vocoder.window(self.window_index)[2] < self.context:
+            self.window_index += 1
         self._handed = 0  # samples of that window handed out, counted from its first frame
-        self.frames_out = 0  # frames up to the last chunk's end
+        self.frames_out = self.context  # frames up to the last chunk's end
+        self.num_chunks = 0
         self.num_decodes = 0
 
     @property
@@ -256,6 +273,21 @@ class Code2WavStream(CodeStream):
             raise ValueError(f"{len(codes)} codes are not whole frames of {self.groups} codes")
         self.codes.extend(codes)
 
+    def _cut(self) -> int:
+        """The utterance's first sample handed out: ``Code2WavSynthesis``'s cut when the input
+        ended before the first decode (the total known), else ``context * samples_per_frame``
+        (what the cut is but for float rounding)."""
+        if self._fixed_cut is not None:
+            return self._fixed_cut
+        per_frame = int(self.vocoder.samples_per_frame)
+        if not self.context:
+            return 0
+        if self.ended:
+            total = max(self.num_frames, 1)
+            context = min(self.context, total)
+            return int(context / total * (total * per_frame))
+        return self.context * per_frame
+
     def _next(self) -> tuple[int, int, int, int] | None:
         """The next decode: ``(first, start, rows, final)`` — frames ``[first, first + rows)``
         of the current window, which keeps samples from frame ``start`` up to frame ``first +
@@ -266,9 +298,13 @@ class Code2WavStream(CodeStream):
             return first, start, end - first, end - first
         if self.ended:
             return None if available <= start else (first, start, *[available - first] * 2)
+        if self.early and not self.num_chunks:
+            if available - self.frames_out < self.first_chunk:
+                return None
+            return first, start, available - first, available - first  # not final: early
         rows = (available - first) // ROW_ALIGN * ROW_ALIGN
         final = {SETTLE_ALL: rows, SETTLE_HALF: rows // 2}.get(self.reach.settle, 0)
-        due = self.first_chunk if self.frames_out == 0 else self.chunk
+        due = self.first_chunk if not self.num_chunks else self.chunk
         if (
             first + final - self.frames_out < due
             or self._stop(final) <= self._keep(first, start)
@@ -284,8 +320,9 @@ class Code2WavStream(CodeStream):
         return final * int(self.vocoder.samples_per_frame) - int(self.reach.samples_lost)
 
     def _keep(self, first: int, start: int) -> int:
-        """The window's first sample not handed out yet."""
-        return max(self._handed, (start - first) * int(self.vocoder.samples_per_frame))
+        """The window's first sample not handed out yet (none before the context's cut)."""
+        per_frame = int(self.vocoder.samples_per_frame)
+        return max(self._handed, (start - first) * per_frame, self._cut() - first * per_frame)
 
     @property
     def is_ready(self) -> bool:
@@ -301,16 +338,29 @@ class Code2WavStream(CodeStream):
         step = self._next()
         if step is None:
             return
+        self._fixed_cut = self._cut()
         first, start, rows, final = step
         finished = first + rows >= self.vocoder.window(self.window_index)[2] or self.ended
         keep, stop = self._keep(first, start), self._stop(final)
+        if stop > keep:  # else the window is all context: nothing to decode
+            self._decode(first, rows, keep, stop, whole=finished and not self._handed)
+        self.frames_out = max(self.frames_out, first + final)
+        if finished:
+            self.window_index += 1
+            self._handed = 0
+        else:
+            self._handed = stop
+
+    def _decode(self, first: int, rows: int, keep: int, stop: int, *, whole: bool) -> None:
+        """Frames ``[first, first + rows)`` of the window decoded, its samples ``[keep, stop)``
+        handed out."""
         v, reach = self.vocoder, self.reach
         per_frame = int(v.samples_per_frame)
         g = self.groups
         codes = v.codes_tensor(self.codes[first * g : (first + rows) * g])
         hidden = v.hidden_states(codes)
         skip = 0  # a window spoken in one decode is decoded as the whole decode decodes it
-        if not finished or self._handed:
+        if not whole:
             # the convolutions start far enough back for their zero padding to miss ``keep``,
             # and for each to run the kernel it runs in the whole decode
             skip = max(0, (keep - int(reach.context_samples)) // per_frame)
@@ -320,9 +370,4 @@ class Code2WavStream(CodeStream):
         wav = v.upsample(hidden[:, skip:]).reshape(-1)
         self._audio.append(wav[keep - skip * per_frame : stop - skip * per_frame].float().cpu())
         self.num_decodes += 1
-        self.frames_out = first + final
-        if finished:
-            self.window_index += 1
-            self._handed = 0
-        else:
-            self._handed = stop
+        self.num_chunks += 1

@@ -8,7 +8,8 @@ Streamed, the decoder is cut where Qwen3-Omni's is: ``hidden_states`` (the split
 ``pre_conv`` and the transformer: run over the window from its first frame) and ``upsample``
 (the convolutional stack, started ``context_samples`` before the first sample handed out).
 Its transposed convs trim only their right end, so a decode of n frames makes all of its
-``n * 1920`` samples (``samples_lost`` is 0) and a chunk needs no frame after its own. See
+``n * 1920`` samples (``samples_lost`` is 0) and a chunk needs no frame after its own. A
+clone in context streams too: its reference frames arrive first, their samples cut. See
 docs/tts.md, *Streamed speech*, and docs/qwen3-omni.md, *Code2wav* (why each rule)."""
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 import torch
 
-from omnistage.errors import InvalidRequestError
 from omnistage.memory import Arena
 from omnistage.models.qwen3_omni.code2wav import window
 from omnistage.models.qwen3_tts.code2wav import Qwen3TTSDecoder
@@ -33,6 +33,8 @@ class Qwen3TTSVocoder(Qwen3TTSDecoder):
     ``chunked_decode`` per step (Qwen3-Omni's ``Code2WavSynthesis``: the same windows), or
     streamed (Qwen3-Omni's ``Code2WavStream``). Its voices are the checkpoint's speakers (the
     talker speaks in them; the decoder has none)."""
+
+    early_first_chunk = True  # a stream honours a request's ``first_chunk``
 
     def __init__(self, folder: str | Path, arena: Arena, *, load: bool = True) -> None:
         super().__init__(folder, arena, load=load)
@@ -79,16 +81,9 @@ class Qwen3TTSVocoder(Qwen3TTSDecoder):
 
     def streaming_synthesis(self, params: Any, seed: int, chunks: Any) -> Any:
         """One utterance spoken chunk by chunk as its frames arrive (``chunks``: first_chunk
-        and chunk, in frames; ``seed`` unused). A cloned voice's speech is refused: its
-        reference codes reach code2wav only in a whole hand-off, and its cut is in proportion
-        to the whole waveform."""
+        and chunk, in frames; ``seed`` unused). A clone in context's reference frames come
+        first (``params.context_frames``), their samples cut as ``synthesis`` cuts them."""
         from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStream
-
-        if getattr(params, "context_frames", 0):
-            raise InvalidRequestError(
-                "stream",
-                "a cloned voice's speech is not streamed yet: serve it with --no-stream",
-            )
 
         return Code2WavStream(self, params, chunks)
 

@@ -59,7 +59,8 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
 
     def add_streamed_request(self, request_id: str, request: object) -> None:
         """A request whose codes arrive later (``append_input``), spoken chunk by chunk as
-        the stage config's ``stream_chunks`` say."""
+        the stage config's ``stream_chunks`` say (its ``params.first_chunk``, if set, sends
+        an early first chunk: ``Code2WavStream``)."""
         if not isinstance(request, Code2WavStageRequest):
             raise InvalidRequestError(
                 "request",
@@ -109,6 +110,13 @@ class Code2WavStageEngine(JobEngine[Code2WavWorker, Code2WavRequest]):
 
     def _check_request(self, request: Code2WavRequest) -> None:
         validate_request(request, self.limits)
+        early = request.streamed and request.params.first_chunk is not None
+        if early and not getattr(self.vocoder, "early_first_chunk", False):
+            raise InvalidRequestError(
+                "audio_params.first_chunk",
+                "this model's stream sends no early first chunk (its chunks are the stage's "
+                "stream_chunks)",
+            )
 
     def _make_job(self, requests: list[Code2WavRequest]) -> StepJob:
         (request,) = requests

@@ -13,6 +13,7 @@ from omnistage.stage.media import OmniAudio
 
 SEED_RANGE = (-(2**63), 2**64)
 MAX_NUM_STEPS = 100
+MAX_FIRST_CHUNK = 300  # frames: a decode window (``chunked_decode``'s 300)
 
 
 class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -22,7 +23,11 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     None; ``num_steps``, ``guidance_scale``, ``sway_coefficient``: the DiT's ODE solve, with
     transformers' defaults; ``context_frames``: the codes' first frames are context only (a
     cloned voice's reference, which the talker stage puts before its own): decoded with the
-    rest, their samples dropped as Qwen3-TTS's ``generate_voice_clone`` cuts them."""
+    rest, their samples dropped as Qwen3-TTS's ``generate_voice_clone`` cuts them;
+    ``first_chunk``: a streamed utterance's first chunk goes out as soon as this many frames
+    (after the context) have arrived, decoded from them alone — its samples are not final, so
+    they may differ from the whole decode's; the rest are the exact ones (None: the stage's
+    ``stream_chunks``, every chunk exact; ignored by a whole hand-off)."""
 
     voice: str | None = None
     seed: int | None = None
@@ -30,6 +35,7 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     guidance_scale: float = 0.5
     sway_coefficient: float = -1.0
     context_frames: int = 0
+    first_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.voice is not None and (not isinstance(self.voice, str) or not self.voice):
@@ -49,6 +55,16 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         frames = self.context_frames
         if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
             raise InvalidRequestError("context_frames", f"must be an integer >= 0, got {frames!r}")
+        first = self.first_chunk
+        if first is not None and (
+            not isinstance(first, int)
+            or isinstance(first, bool)
+            or not 1 <= first <= MAX_FIRST_CHUNK
+        ):
+            raise InvalidRequestError(
+                "first_chunk",
+                f"must be an integer in [1, {MAX_FIRST_CHUNK}] or None, got {first!r}",
+            )
         for name in ("guidance_scale", "sway_coefficient"):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool)

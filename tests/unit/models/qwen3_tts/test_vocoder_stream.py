@@ -6,8 +6,12 @@ windows; the first chunk goes out long before the last frame. The decoder's reac
 modules say (its transposed convs trim only their right end: no sample lost), and its
 transformer's rows past half a decode depend on the decode's length (the CPU's GEMM splits a
 long attention's key sum), so a stream hands out only a decode's first half before its window
-is finished — without that rule the samples would differ. Through a code2wav stage with the
-pipeline's processor, a streamed utterance joins into the whole one."""
+is finished — without that rule the samples would differ. A clone's reference frames come
+first and their samples are cut as the whole decode cuts them (one sample apart where float
+rounding cuts the whole one early and the stream spoke before its end); a request's
+``first_chunk`` goes out early, not final, and every later sample is exact. Through a code2wav
+stage with the pipeline's processor, a streamed utterance (a clone's too) joins into the whole
+one."""
 
 from __future__ import annotations
 
@@ -57,10 +61,24 @@ def whole(vocoder, codes: list[int]) -> torch.Tensor:
     return synthesis.waveform()
 
 
+CHUNKS = SimpleNamespace(first_chunk=16, chunk=32)
+
+
+def whole_clone(vocoder, codes: list[int], context: int) -> torch.Tensor:
+    synthesis = vocoder.synthesis(codes, SimpleNamespace(voice=None, context_frames=context), 0)
+    while not synthesis.is_done:
+        vocoder.advance_together([synthesis])
+    return synthesis.waveform()
+
+
 def streamed(vocoder, codes: list[int], first: int, chunk: int, frames_per_piece: int = 1):
     """The joined chunks of a stream fed ``frames_per_piece`` frames at a time, and the frame
     count received when each chunk went out."""
     stream = vocoder.streaming_synthesis(PARAMS, 0, SimpleNamespace(first_chunk=first, chunk=chunk))
+    return feed(vocoder, stream, codes, frames_per_piece)
+
+
+def feed(vocoder, stream, codes: list[int], frames_per_piece: int, *, joined: bool = True):
     step = frames_per_piece * GROUPS
     pieces, at = [], []
     for start in range(0, len(codes), step):
@@ -74,7 +92,9 @@ def streamed(vocoder, codes: list[int], first: int, chunk: int, frames_per_piece
         vocoder.advance_together([stream])
         pieces.append(stream.take_audio())
         at.append(stream.num_frames)
-    return torch.cat([p for p in pieces if p is not None]), at
+    kept = [(p, n) for p, n in zip(pieces, at, strict=True) if p is not None and p.numel()]
+    audio = [p for p, _ in kept]
+    return (torch.cat(audio) if joined else audio), [n for _, n in kept]
 
 
 def test_the_decoders_reach(vocoder):
@@ -137,13 +157,55 @@ def test_a_chunk_goes_out_once_its_rows_are_final(vocoder):
     assert not stream.is_ready and not stream.is_done
 
 
-def test_a_cloned_voices_context_is_not_streamed(vocoder):
-    with pytest.raises(InvalidRequestError, match="cloned voice"):
-        vocoder.streaming_synthesis(
-            SimpleNamespace(voice=None, context_frames=3),
-            0,
-            SimpleNamespace(first_chunk=16, chunk=32),
-        )
+def clone_params(context: int, first_chunk: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(voice=None, context_frames=context, first_chunk=first_chunk)
+
+
+@pytest.mark.parametrize(
+    ("context", "frames", "piece"), [(22, 260, 1), (22, 40, 62), (7, 48, 55), (320, 640, 9)]
+)
+def test_a_streamed_clone_is_the_whole_clone(vocoder, context, frames, piece):
+    """The reference's frames come first and their samples are cut as the whole decode cuts
+    them (of 55 frames, ``int(7 / 55 * samples)`` is one short of 7 x 1920: exact here, the
+    input ended before the first decode); a context longer than a window skips it."""
+    codes = flat(codes_of(context + frames))
+    expected = whole_clone(vocoder, codes, context)
+    stream = vocoder.streaming_synthesis(clone_params(context), 0, CHUNKS)
+    audio, at = feed(vocoder, stream, codes, piece)
+    assert torch.equal(audio, expected)
+    if context == 7:
+        assert audio.numel() == 48 * 1920 + 1
+    if piece == 1:
+        assert len(at) >= 3 and at[0] < context + frames  # spoken while the frames came
+
+
+def test_a_clone_streamed_before_its_end_cuts_the_reference_frames_samples(vocoder):
+    """Where float rounding cuts the whole clone one sample early (22 of 321 frames), a stream
+    that spoke before its last frame cut ``22 x 1920``: the whole's samples but its first."""
+    context, codes = 22, flat(codes_of(321))
+    expected = whole_clone(vocoder, codes, context)
+    assert expected.numel() == 299 * 1920 + 1
+    stream = vocoder.streaming_synthesis(clone_params(context), 0, CHUNKS)
+    audio, at = feed(vocoder, stream, codes, 3)
+    assert at[0] < 321 and torch.equal(audio, expected[1:])
+
+
+@pytest.mark.parametrize(("context", "first"), [(0, 8), (22, 4)])
+def test_an_early_first_chunk_then_the_exact_samples(vocoder, context, first):
+    """A request's ``first_chunk``: the first chunk goes out once that many frames follow the
+    context, decoded from them alone (not final: it may differ from the whole decode's first
+    samples, by little); every later sample is the whole decode's."""
+    codes = flat(codes_of(context + 250))
+    expected = whole_clone(vocoder, codes, context)
+    stream = vocoder.streaming_synthesis(clone_params(context, first), 0, CHUNKS)
+    pieces, at = feed(vocoder, stream, codes, 1, joined=False)
+    assert at[0] == context + first and pieces[0].numel() == first * 1920
+    audio = torch.cat(pieces)
+    assert audio.numel() == expected.numel()
+    n = pieces[0].numel()
+    assert torch.equal(audio[n:], expected[n:])  # exact from the second chunk on
+    assert (audio[:n] - expected[:n]).abs().max() < 0.01  # measured: 0.0028, 0.0018
+    assert at[1] > at[0]  # the second chunk waits for final rows
 
 
 # -- through a code2wav stage, with the pipeline's hand-off --------------------------------
@@ -167,23 +229,52 @@ def stage(checkpoint):
     engine.shutdown()
 
 
-def test_a_streamed_request_joins_into_the_whole_one(stage, vocoder):
+@pytest.mark.parametrize("context", [0, 22])
+def test_a_streamed_request_joins_into_the_whole_one(stage, vocoder, context):
+    """A clone's reference frames come in the talker's first update (the hand-off stream's
+    ``feed_update``), before its frames."""
+    from omnistage.models.processors import UpstreamResult
+    from omnistage.models.qwen3_tts.processors import TalkerFrames
     from omnistage.stage.code2wav.params import Code2WavParams
     from omnistage.stage.code2wav.wire import Code2WavStageRequest
 
-    codes = flat(codes_of(260))
-    stage.add_streamed_request("s", Code2WavStageRequest(codes=[], params=Code2WavParams()))
+    codes = flat(codes_of(context + 260))
+    params = Code2WavParams(context_frames=context)
+    stage.add_streamed_request("s", Code2WavStageRequest(codes=[], params=params))
+    frames = TalkerFrames(str(stage.config.model))
     outputs = []
     step = 10 * GROUPS
-    for at in range(0, len(codes), step):
-        stage.append_input("s", codes[at : at + step], at + step >= len(codes))
+    talker = codes[context * GROUPS :]
+    for at in range(0, len(talker), step):
+        update = UpstreamResult(token_ids=talker[at : at + step])
+        if at == 0:
+            update.context_token_ids = codes[: context * GROUPS]
+        stage.append_input("s", *frames.feed_update(update, at + step >= len(talker)))
         while stage.has_runnable_work():
             outputs.extend(stage.step())
     *partial, last = outputs
     assert partial and not any(o.finished for o in partial)  # before the end
     assert last.finished and last.finish_reason == "stop" and last.media[0].codes == codes
     joined = torch.cat([o.media[0].samples for o in outputs])
-    assert torch.equal(joined, whole(vocoder, codes))
+    assert torch.equal(joined, whole_clone(vocoder, codes, context))
+
+
+def test_an_early_first_chunk_through_the_stage(stage):
+    from omnistage.stage.code2wav.params import Code2WavParams
+    from omnistage.stage.code2wav.wire import Code2WavStageRequest
+
+    codes = flat(codes_of(40))
+    request = Code2WavStageRequest(codes=[], params=Code2WavParams(first_chunk=2))
+    stage.add_streamed_request("e", request)
+    stage.append_input("e", codes[: 2 * GROUPS], False)
+    first = [o for o in stage.step() if o.media]
+    assert first and not first[0].finished
+    assert first[0].media[0].samples.numel() == 2 * 1920
+    stage.append_input("e", codes[2 * GROUPS :], True)
+    outputs = []
+    while stage.has_unfinished_requests():
+        outputs.extend(stage.step())
+    assert outputs[-1].finished and outputs[-1].media[0].codes == codes
 
 
 def test_the_hand_off_streams_whole_frames_up_to_the_codec_end(checkpoint):

@@ -56,6 +56,9 @@ def test_prepare_builds_the_wire_request(preparer):
         ({"guidance_scale": float("nan")}, "audio_params.guidance_scale"),
         ({"sway_coefficient": True}, "audio_params.sway_coefficient"),
         ({"speed": 2}, "audio_params.speed"),
+        ({"first_chunk": 0}, "audio_params.first_chunk"),
+        ({"first_chunk": 301}, "audio_params.first_chunk"),
+        ({"first_chunk": True}, "audio_params.first_chunk"),
     ],
 )
 def test_bad_audio_params_name_the_field(preparer, audio_params, field):

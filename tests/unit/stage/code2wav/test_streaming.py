@@ -114,6 +114,17 @@ def test_a_streamed_request_hands_out_chunks_as_they_are_done(engine):
     assert torch.equal(audio, expected)
 
 
+def test_an_early_first_chunk_is_refused_naming_the_field(engine):
+    """Qwen2.5-Omni's stream sends its chunks as ``stream_chunks`` says, none early."""
+    from omnistage.errors import InvalidRequestError
+
+    params = Code2WavParams(seed=5, num_steps=STEPS, first_chunk=4)
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_streamed_request("early", Code2WavStageRequest(codes=[], params=params))
+    assert info.value.field == "audio_params.first_chunk"
+    assert not engine.has_unfinished_requests()
+
+
 def test_a_bad_code_fails_only_its_request(engine):
     engine.add_streamed_request("bad", Code2WavStageRequest(codes=[], params=PARAMS))
     engine.add_streamed_request("good", Code2WavStageRequest(codes=[], params=PARAMS))
