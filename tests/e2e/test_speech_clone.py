@@ -2,7 +2,8 @@
 openai client's ``audio.speech.create`` with ``ref_audio`` (a ``data:`` URI of a WAV) answers
 the official ``qwen-tts`` package's ``generate_voice_clone`` for the same clip (its greedy
 codes decoded, the reference's frames cut), in context (``ref_text``) and with the x-vector
-only; plain base64 is the same clip. Each bad clone is a 400 naming the field (no clip, no
+only; plain base64 is the same clip; streamed (the preset's code2wav edge streams), a clone in
+context's joined bytes are the whole answer's. Each bad clone is a 400 naming the field (no clip, no
 transcript, an undecodable or too long clip, a task the checkpoint does not do), and the server
 speaks on. A voice uploaded through ``POST /v1/audio/voices`` (with or without its transcript)
 speaks as its clip given as ``ref_audio``; it is listed, deleted, and each bad upload is a 400
@@ -124,6 +125,18 @@ def assert_same(got: bytes, want: np.ndarray) -> None:
 def test_a_clone_in_context_is_the_packages(client, reference):
     got = speak(client, ref_audio=DATA_URI, ref_text=REF_TEXT)
     assert_same(got, reference_pcm(reference, xvec=False))
+
+
+def test_a_streamed_clone_in_context_joins_into_the_whole_answer(client):
+    """The preset's code2wav edge streams: the reference's frames reach it first (the talker's
+    first update), their samples cut as the whole decode cuts them."""
+    body = {**GREEDY, "task_type": "Base", "ref_audio": DATA_URI, "ref_text": REF_TEXT}
+    with client.audio.speech.with_streaming_response.create(
+        model=PRESET, input=TEXT, voice="clone", response_format="pcm", stream_format="audio",
+        extra_body=body,
+    ) as reply:  # fmt: skip
+        joined = b"".join(reply.iter_bytes())
+    assert joined == speak(client, ref_audio=DATA_URI, ref_text=REF_TEXT)
 
 
 def test_an_x_vector_clone_is_the_packages(client, reference):

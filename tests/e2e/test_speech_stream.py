@@ -3,7 +3,8 @@
 openai client's ``with_streaming_response ... iter_bytes`` gets the first audio long before the
 last (the talker still speaking), and the joined bytes are the non-streamed answer's for the
 same seed, bit for bit; Server-Sent Events carry the same speech in several pieces, the first
-of them a part. (The tiny decoder's convolutions run the whole window's kernels from 161
+of them a part. ``initial_codec_chunk_frames`` sends an early first piece of that many frames
+(not final), every later byte the whole answer's. (The tiny decoder's convolutions run the whole window's kernels from 161
 frames on, so its speech streams past 176 frames: docs/tts.md, *Streamed speech*.)"""
 
 from __future__ import annotations
@@ -69,3 +70,16 @@ def test_server_sent_events_carry_the_speech_in_pieces(server, whole):
     pieces = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
     assert [len(p) // FRAME_BYTES for p in pieces] == [88, 32, 139]
     assert b"".join(pieces) == whole
+
+
+def test_an_early_first_chunk_then_the_exact_bytes(server, whole):
+    """``initial_codec_chunk_frames``: the first piece is those frames, decoded from them alone
+    (not final: near the whole answer's, not equal); every later byte is the whole answer's."""
+    body = {**SPEECH, **EXTRA, "stream_format": "sse", "initial_codec_chunk_frames": 8}
+    reply = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")]
+    pieces = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+    assert len(pieces[0]) == 8 * FRAME_BYTES and len(pieces) >= 3
+    joined = b"".join(pieces)
+    assert len(joined) == len(whole) and joined[len(pieces[0]) :] == whole[len(pieces[0]) :]
