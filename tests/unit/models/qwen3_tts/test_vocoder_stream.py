@@ -292,7 +292,10 @@ def test_the_hand_off_streams_whole_frames_up_to_the_codec_end(checkpoint):
         empty.feed([eos], False)
 
 
-@pytest.mark.parametrize("pipeline", ["tiny-qwen3-tts-customvoice", "tiny-qwen3-tts-voicedesign"])
+@pytest.mark.parametrize(
+    "pipeline",
+    ["tiny-qwen3-tts-customvoice", "tiny-qwen3-tts-voicedesign", "tiny-qwen3-tts-base"],
+)
 def test_the_speech_streams_and_no_stream_hands_the_frames_over_whole(pipeline, checkpoint):
     from omnistage.pipelines import load_pipeline, pipeline_from_model
 
