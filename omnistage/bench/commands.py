@@ -139,6 +139,19 @@ _ORDER = (  # `all` runs them in this order
         ("pipelines",),
         "tiny-qwen2.5-omni,bench-qwen2.5-omni",
     ),
+    Benchmark(
+        "tts",
+        "Qwen3-TTS over /v1/audio/speech against the qwen-tts package",
+        "Qwen3-TTS CustomVoice speech over /v1/audio/speech (streamed raw PCM) on "
+        "tiny-qwen3-tts-customvoice and bench-qwen3-tts-customvoice: time to first audio "
+        "against the whole audio, real-time factor and requests/s one at a time and 8 at once, "
+        "against the official qwen-tts package's generate_custom_voice on the same folder one "
+        "call per request and one batched call of the 8, in the same run, and whether each "
+        "request's speech is the package's.",
+        "about 3-6 minutes",
+        ("pipelines",),
+        "tiny-qwen3-tts-customvoice,bench-qwen3-tts-customvoice",
+    ),
 )
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in _ORDER}
 

@@ -152,6 +152,11 @@ GLOSSARY: dict[str, str] = {
     "after_wake_vs_warm": "first_token_after_wake_p50_ms / warm_first_token_p50_ms",
     "hit_speedup": "miss_ms / hit_ms",
     "rtf": "real-time factor: wall seconds per second of audio (lower is better)",
+    "ttfa_vs_e2e": "ttfa_ms / e2e_ms of the same requests (how early the first audio comes)",
+    "speech_s": "seconds of speech per request (mean)",
+    "vs_reference_1": "requests_per_s / the reference's, one call per request",
+    "vs_reference_batch": "requests_per_s / the reference's, one batched call of them all",
+    "as_package": "requests whose 16-bit speech is the qwen-tts package's (within one step)",
     # memory freed
     "freed_mib": "memory the sleep gave back, from its ACK (MiB)",
     "rss_drop_mib": "drop of this process's RSS around the sleep (MiB)",

@@ -28,15 +28,17 @@ PRESETS: dict[str, str] = {
     "bench-qwen2.5-omni": "omnistage.models.qwen2_5_omni.tiny:build_bench",
     "tiny-qwen3-tts-customvoice": "omnistage.models.qwen3_tts.tiny:build_custom_voice",
     "tiny-qwen3-tts-voicedesign": "omnistage.models.qwen3_tts.tiny:build_voice_design",
+    "bench-qwen3-tts-customvoice": "omnistage.models.qwen3_tts.tiny:build_bench",
     "tiny-qwen3-tts-base": "omnistage.models.qwen3_tts.tiny:build_base",
 }
 
 _DONE_MARKER = ".omnistage-built"
 # Raised whenever a builder writes other files or other bytes: a build whose marker names an
 # older version is rebuilt (it is omnistage's own, so it is replaced, never edited).
-BUILD_VERSION = 4  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media;
+BUILD_VERSION = 5  # 2: Qwen2.5-Omni's preprocessor config and the chat template with media;
 # 3: the tiny Qwen3-Omni's code2wav speaks 240 samples per frame; 4: the tiny Qwen3-TTS
-# CustomVoice has the published checkpoint's speakers and languages
+# CustomVoice has the published checkpoint's speakers and languages; 5: every Qwen3-TTS speech
+# tokenizer has its preprocessor_config.json (the qwen-tts package loads the folder)
 
 
 def _marker(preset: str) -> str:

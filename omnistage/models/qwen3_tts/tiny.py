@@ -1,11 +1,13 @@
 """Tiny random Qwen3-TTS checkpoints (presets ``tiny-qwen3-tts-customvoice``,
-``tiny-qwen3-tts-voicedesign`` and ``tiny-qwen3-tts-base``), written by omnistage's own
-modules in the published layout: ``config.json`` and ``generation_config.json``, the talker's
+``tiny-qwen3-tts-voicedesign`` and ``tiny-qwen3-tts-base``; ``bench-qwen3-tts-customvoice``,
+wider and deeper for ``omnistage bench tts``, never ending an utterance before its bound),
+written by omnistage's own modules in the
+published layout: ``config.json`` and ``generation_config.json``, the talker's
 weights under the names ``Qwen3TTSForConditionalGeneration`` saves (its tests check them
 against the package's own classes), a Qwen-style tokenizer, and ``speech_tokenizer/`` with the
-decoder's weights. The Base checkpoint adds its speaker encoder (``speaker_encoder.*``) and the
-speech tokenizer's Mimi encoder (``encoder.*``, the published flat names, its codebooks
-random too) with its ``preprocessor_config.json``. Seeded: same bytes each build."""
+decoder's weights and its ``preprocessor_config.json``. The Base checkpoint adds its speaker
+encoder (``speaker_encoder.*``) and the speech tokenizer's Mimi encoder (``encoder.*``, the
+published flat names, its codebooks random too). Seeded: same bytes each build."""
 
 from __future__ import annotations
 
@@ -64,8 +66,24 @@ PREPROCESSOR = {
 }  # fmt: skip
 
 
-def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
-    """``config.json`` of a tiny checkpoint of ``variant``."""
+# bench-size: the talker's and the decoder's widths and depths cut down from the published
+# 0.6B's (talker 1024 wide, 28 layers; code predictor 5 layers; decoder 8 layers, 1536 wide)
+BENCH_TALKER = {
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "text_hidden_size": 256,
+}  # fmt: skip
+BENCH_PREDICTOR = {
+    "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+}  # fmt: skip
+BENCH_DECODER = {
+    **DECODER, "hidden_size": 128, "latent_dim": 256, "codebook_dim": 64, "head_dim": 64,
+    "sliding_window": 72, "intermediate_size": 256, "decoder_dim": 256,
+}  # fmt: skip
+
+
+def configs(variant: str, text_ids: dict[str, int], bench: bool = False) -> dict[str, Any]:
+    """``config.json`` of a tiny checkpoint of ``variant`` (``bench``: the bench size)."""
     talker = {
         "vocab_size": 1024 + CODEBOOK, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -80,6 +98,9 @@ def configs(variant: str, text_ids: dict[str, int]) -> dict[str, Any]:
         },
         **SPECIAL_CODEC,
     }  # fmt: skip
+    if bench:
+        talker.update(BENCH_TALKER)
+        talker["code_predictor_config"].update(BENCH_PREDICTOR)  # type: ignore[attr-defined]
     talker["spk_id"], talker["spk_is_dialect"] = {}, {}  # a designed voice has no names
     if variant == "custom_voice":  # the published CustomVoice's speakers, as clients name them
         talker["spk_id"] = {name: 1010 + i for i, name in enumerate(SPEAKERS)}
@@ -204,7 +225,9 @@ def _speaker_weights(seed: int) -> dict[str, torch.Tensor]:
     return {f"speaker_encoder.{k}": v.contiguous() for k, v in model.state_dict().items()}
 
 
-def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path:
+def build(
+    out: str | Path, variant: str = "custom_voice", seed: int = 0, bench: bool = False
+) -> Path:
     from omnistage.models.qwen3_omni.tiny import build_tokenizer
 
     out = Path(out)
@@ -218,24 +241,27 @@ def build(out: str | Path, variant: str = "custom_voice", seed: int = 0) -> Path
         "tts_pad_token_id": TEXT_VOCAB - 3, "tts_bos_token_id": TEXT_VOCAB - 2,
         "tts_eos_token_id": TEXT_VOCAB - 1,
     }  # fmt: skip
-    raw = configs(variant, text_ids)
+    raw = configs(variant, text_ids, bench)
     tiny_ar.write_json(out / "config.json", raw)
     tiny_ar.write_json(out / "generation_config.json", {"max_new_tokens": 256})
     weights = _talker_weights(raw, seed)
+    if bench:  # the codec end's logit 0, under every frame's best code: speaks to the bound
+        weights["talker.codec_head.weight"][SPECIAL_CODEC["codec_eos_token_id"]] = 0.0
     if variant == "base":
         weights.update(_speaker_weights(seed + 2))
     save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
     tok = out / "speech_tokenizer"
     tok.mkdir(exist_ok=True)
     codec = {
-        "model_type": "qwen3_tts_tokenizer_12hz", "decoder_config": DECODER,
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "decoder_config": BENCH_DECODER if bench else DECODER,
         "encoder_valid_num_quantizers": GROUPS, "input_sample_rate": 24000,
         "output_sample_rate": 24000, "decode_upsample_rate": 1920, "encode_downsample_rate": 1920,
     }  # fmt: skip
     codec_weights = _decoder_weights(codec, seed + 1)
+    tiny_ar.write_json(tok / "preprocessor_config.json", PREPROCESSOR)
     if variant == "base":
         codec["encoder_config"] = dict(ENCODER)
-        tiny_ar.write_json(tok / "preprocessor_config.json", PREPROCESSOR)
         codec_weights.update(_encoder_weights(seed + 3))
     tiny_ar.write_json(tok / "config.json", codec)
     save_file(codec_weights, str(tok / "model.safetensors"), {"format": "pt"})
@@ -252,3 +278,8 @@ def build_voice_design(out: str | Path) -> Path:
 
 def build_base(out: str | Path) -> Path:
     return build(out, "base")
+
+
+def build_bench(out: str | Path) -> Path:
+    """``bench-qwen3-tts-customvoice``: CustomVoice at the bench size."""
+    return build(out, "custom_voice", bench=True)
