@@ -12,7 +12,9 @@ Bad input is a 400 naming the field, and the server speaks on."""
 from __future__ import annotations
 
 import base64
+import io
 import json
+import wave
 
 import httpx
 import numpy as np
@@ -39,9 +41,10 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint):
+def server(checkpoint, tmp_path_factory):
     args = ("--model", str(checkpoint[0]), "--served-model-name", "tiny-qwen3-tts")
     args += ("--max-model-len", "256", "--kv-cache-memory", "4MiB")
+    args += ("--voice-storage-dir", str(tmp_path_factory.mktemp("voices")))
     with running_server(*args) as server:
         yield server
 
@@ -88,9 +91,6 @@ def test_the_openai_client_gets_the_packages_speech(checkpoint, spoken):
 
 
 def test_a_wav_carries_the_same_samples(client, spoken):
-    import io
-    import wave
-
     reply = client.audio.speech.create(
         model="tiny-qwen3-tts", input=TEXT, voice="vivian", extra_body=GREEDY
     )
@@ -189,6 +189,26 @@ def test_aac_and_another_speed_are_the_same_speech(client, spoken):
         extra_body=GREEDY,
     )  # fmt: skip
     assert len(faster.content) // 2 == len(spoken) // 2 // 2
+
+
+def test_an_uploaded_voice_on_a_checkpoint_that_does_not_clone_is_a_400_naming_voice(server):
+    clip = io.BytesIO()
+    with wave.open(clip, "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(24000)
+        wav.writeframes(np.zeros(24000, "<i2").tobytes())
+    files = {"audio_sample": ("clip.wav", clip.getvalue(), "audio/wav")}
+    form = {"name": "mine", "consent": "c-1"}
+    reply = httpx.post(server.url + "/v1/audio/voices", data=form, files=files, timeout=60)
+    assert reply.status_code == 200, reply.text
+    try:
+        body = {"input": TEXT, "voice": "mine", **GREEDY}
+        reply = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "voice", reply.text
+        assert "uploaded voice" in reply.json()["error"]["message"]
+    finally:
+        httpx.delete(server.url + "/v1/audio/voices/mine", timeout=30)
 
 
 def test_the_server_speaks_on_after_bad_input(client, spoken):

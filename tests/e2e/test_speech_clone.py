@@ -5,7 +5,8 @@ codes decoded, the reference's frames cut), in context (``ref_text``) and with t
 only; plain base64 is the same clip; streamed (the preset's code2wav edge streams), a clone in
 context's joined bytes are the whole answer's. Each bad clone is a 400 naming the field (no clip, no
 transcript, an undecodable or too long clip, a task the checkpoint does not do), and the server
-speaks on. A voice uploaded through ``POST /v1/audio/voices`` (with or without its transcript)
+speaks on; a clone is the same after each stage slept at level 1 and 2 (the talker's encoders
+reloaded from their files). A voice uploaded through ``POST /v1/audio/voices`` (with or without its transcript)
 speaks as its clip given as ``ref_audio``; it is listed, deleted, and each bad upload is a 400
 naming the form field."""
 
@@ -78,6 +79,7 @@ def server(folder, tmp_path_factory):
     env = {"OMNISTAGE_CACHE_DIR": str(folder[1])}
     voices = tmp_path_factory.mktemp("voices")
     args = ("--voice-storage-dir", str(voices), "--max-uploaded-voices", "2")
+    args += ("--enable-sleep-mode",)
     with running_server("--config", str(path), *args, env=env) as server:
         yield server
 
@@ -216,3 +218,15 @@ def test_a_bad_upload_is_a_400_naming_the_field(server, name, wav, fields, field
     reply = upload(server, name, wav, **fields)
     assert reply.status_code == 400 and field in reply.json()["error"]["message"], reply.text
     assert httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["uploaded_voices"] == []
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_clone_is_the_same_after_each_stage_slept(server, client, level):
+    before = speak(client, ref_audio=DATA_URI, ref_text=REF_TEXT)
+    for stage in (0, 1):
+        body = {"stage_ids": [stage], "level": level}
+        reply = httpx.post(server.url + "/v1/omni/sleep", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        reply = httpx.post(server.url + "/v1/omni/wakeup", json={"stage_ids": [stage]}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["status"] == "SUCCESS", reply.text
+    assert speak(client, ref_audio=DATA_URI, ref_text=REF_TEXT) == before

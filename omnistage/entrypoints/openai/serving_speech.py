@@ -401,9 +401,12 @@ async def list_voices(request: Request, engine: EngineClientDep) -> dict[str, An
 def _body_name(field: str) -> str | None:
     """A field a stage refused, named as the body has it: the forced reply (an omni model
     saying the text) is the ``input``, the talker's sampling its own fields, the codes a later
-    stage would get (bounded by the talker's ``max_new_tokens``) that bound."""
-    if field in ("forced_token_ids", "codes"):
-        return "input" if field == "forced_token_ids" else "max_new_tokens"
+    stage would get (bounded by the talker's ``max_new_tokens``) that bound, the early first
+    chunk ``initial_codec_chunk_frames``."""
+    body = {"forced_token_ids": "input", "codes": "max_new_tokens",
+            "audio_params.first_chunk": "initial_codec_chunk_frames"}.get(field)  # fmt: skip
+    if body is not None:
+        return body
     head, _, rest = field.partition(".")
     name = rest if head in ("talker_params", "sampling_params") and rest else field
     renamed = {"max_tokens": "max_new_tokens"}.get(name, name)

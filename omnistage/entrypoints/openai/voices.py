@@ -65,8 +65,7 @@ class VoiceStore:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._voices: dict[str, Voice] = {}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for path in sorted(self.folder.glob("*.json")):
+        for path in sorted(self.folder.glob("*.json")):  # none before the first upload
             try:
                 voice = Voice(**json.loads(path.read_text()))
             except (OSError, ValueError, TypeError) as exc:
@@ -98,6 +97,7 @@ class VoiceStore:
                     "name", f"the server keeps at most {self.max_voices} uploaded voices "
                     "(--max-uploaded-voices): delete one first"
                 )  # fmt: skip
+            self.folder.mkdir(parents=True, exist_ok=True)
             _write(self.folder / f"{key}.audio", audio)
             _write(self.folder / f"{key}.json", json.dumps(asdict(voice)).encode())
             self._voices[key] = voice
