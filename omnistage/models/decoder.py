@@ -24,16 +24,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.errors import CheckpointError, InvalidRequestError
+from omnistage.errors import CheckpointError
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.attention import AttentionMetadata, KVCacheLayer, causal_attention
+from omnistage.models.decoder_hooks import PartHooks
 from omnistage.models.meta import no_weight_init
 from omnistage.models.tensor_parallel import (
     REPLICATED,
@@ -349,7 +349,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope)
 
 
-class CausalLM(nn.Module):
+class CausalLM(PartHooks, nn.Module):
     """A decoder-only causal LM; ``forward`` returns final hidden states, not logits."""
 
     def __init__(
@@ -384,26 +384,6 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings ``[T, embedding_size]`` (what ``inputs_embeds`` are made of)."""
         return self.model.embed_tokens(input_ids)
-
-    def embed_prompt_spec(
-        self, spec: dict[str, Any]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """A ``prompt_spec`` as ``(prompt_embeds, decode_embeds, context_ids)`` (a speech
-        talker's; ``context_ids``: what the next stage takes before the generated ids)."""
-        raise InvalidRequestError("prompt_spec", "this model builds no prompt from a spec")
-
-    @property
-    def component_tags(self) -> list[str]:
-        """The arena tags of what the model runs beside its decoder (``adopt_components``)."""
-        return []
-
-    def adopt_components(self, arena: Any, folder: Path, *, load: bool) -> None:
-        """Build what the model runs beside its decoder into ``arena`` under their own tags
-        (a voice-cloning talker's encoders), filled from ``folder`` with ``load``; none here."""
-
-    def load_components(self, path: Path, tags: list[str]) -> int:
-        """Refill the components under ``tags`` from a weight source; returns the bytes."""
-        return 0
 
     def project_embeds(self, rows: torch.Tensor) -> torch.Tensor:
         """A request's input embeddings in the width of the token embeddings (the identity

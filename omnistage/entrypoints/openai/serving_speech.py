@@ -8,9 +8,9 @@ bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.de
 ``speech.audio.done``).
 
 A cloned voice (a Base checkpoint): ``ref_audio`` (an http(s) or ``file://`` URL, a ``data:``
-URI or plain base64, fetched and decoded under the chat route's media policy, at most
-``MAX_REF_SECONDS``, resampled to 24 kHz with soxr: ``_reference``, the one place a clip is
-resolved), ``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``;
+URI or plain base64, fetched and decoded under the chat route's media policy, at most 30 s,
+resampled to 24 kHz with soxr: ``speech_clips``, the one place a clip is resolved),
+``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``;
 or a ``voice`` uploaded through ``POST /v1/audio/voices`` (``voices.py``), whose clip and
 transcript stand for ``ref_audio`` and ``ref_text``. ``speed`` stretches a whole answer in
 time (``audio_speed``); ``aac`` is encoded by FFmpeg (``audio_formats``). A streamed answer's
@@ -27,27 +27,18 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError, model_validator
 
 from omnistage.engine.outputs import OmniAudio
-from omnistage.entrypoints.media.decode import decode_audio, resample
-from omnistage.entrypoints.media.policy import MediaPolicy, too_many_bytes
-from omnistage.entrypoints.media.pool import run_decode
-from omnistage.entrypoints.media.sources import (
-    base64_bytes,
-    base64_size,
-    data_url_payload,
-    fetch,
-    read_file,
-)
+from omnistage.entrypoints.media.policy import MediaPolicy
 from omnistage.entrypoints.openai.audio_formats import encode_audio
 from omnistage.entrypoints.openai.protocol import _RequestBody, field_error
 from omnistage.entrypoints.openai.replies import new_id
 from omnistage.entrypoints.openai.request_log import RequestLog
 from omnistage.entrypoints.openai.served import check_model, ended_without
+from omnistage.entrypoints.openai.speech_clips import reference
 from omnistage.entrypoints.openai.streams import primed, renamed
 from omnistage.entrypoints.serve.deps import EngineClientDep
 from omnistage.errors import InvalidRequestError
@@ -190,7 +181,7 @@ async def _speak_clip(
     speech = SpeechInput(
         body.input,
         non_streaming_mode=body.non_streaming_mode,
-        ref_audio=await _reference(body, policy, clip),
+        ref_audio=await reference(body.ref_audio, policy, clip),
         **asked,
     )
     prompt = family.speech_prompt(folder, _tokenizer(folder).encode, speech)
@@ -202,54 +193,6 @@ async def _speak_clip(
         prompt, body.sampling(), ["audio"], request_id=request_id
     )
     return stream
-
-
-MAX_REF_SECONDS = 30.0  # a reference clip, as vLLM-Omni bounds it
-REF_RATE = 24000  # what a Qwen3-TTS clone's encoders take
-
-
-async def _reference(
-    body: SpeechRequest, policy: MediaPolicy, clip: bytes | None = None
-) -> tuple[np.ndarray, int] | None:
-    """The clip a cloned voice speaks in: mono float32 samples at 24 kHz and the rate, or None
-    without one. ``ref_audio`` is an http(s) or ``file://`` URL, a ``data:audio/...`` URI or
-    plain base64, fetched and decoded under ``policy`` (a 400 naming ``ref_audio``: bad, too
-    big, undecodable, longer than ``MAX_REF_SECONDS``); ``clip``: an uploaded voice's bytes."""
-    source = body.ref_audio
-    if clip is not None:
-        return await reference_clip(clip, "ref_audio", policy)
-    if source is None:
-        return None
-    where = "ref_audio"
-    scheme = source.split(":", 1)[0].lower() if ":" in source[:16] else ""
-    if scheme in ("http", "https"):
-        raw = await fetch(source, where, policy)
-    elif scheme == "file":
-        raw = await run_decode(policy.decode_workers, read_file, source, where, policy)
-    else:
-        data = data_url_payload(source, where, "audio") if scheme == "data" else source
-        if base64_size(data) > policy.max_media_bytes:
-            raise too_many_bytes(where, base64_size(data), policy)
-        raw = await run_decode(policy.decode_workers, base64_bytes, data, where)
-    return await reference_clip(raw, where, policy)
-
-
-async def reference_clip(raw: bytes, where: str, policy: MediaPolicy) -> tuple[np.ndarray, int]:
-    """A reference clip's bytes decoded under ``policy``, at most ``MAX_REF_SECONDS``, as mono
-    float32 samples at 24 kHz (a 400 naming ``where`` otherwise)."""
-
-    def decode() -> tuple[np.ndarray, int]:
-        audio = decode_audio(raw, where, policy)
-        seconds = len(audio.samples) / audio.sampling_rate
-        if seconds > MAX_REF_SECONDS:
-            raise InvalidRequestError(
-                where, f"is {seconds:.1f} s, longer than the {MAX_REF_SECONDS:g} s a reference "
-                "clip may be"
-            )  # fmt: skip
-        audio = resample(audio, REF_RATE)
-        return np.ascontiguousarray(audio.samples, dtype=np.float32), audio.sampling_rate
-
-    return await run_decode(policy.decode_workers, decode)
 
 
 def _policy(request: Request) -> MediaPolicy:

@@ -27,7 +27,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.datastructures import UploadFile
 
-from omnistage.entrypoints.openai.serving_speech import reference_clip, speaker_of
+from omnistage.entrypoints.openai.serving_speech import speaker_of
+from omnistage.entrypoints.openai.speech_clips import reference_clip
 from omnistage.errors import InvalidRequestError, ResourceNotFoundError
 
 logger = logging.getLogger(__name__)

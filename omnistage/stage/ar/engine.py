@@ -24,7 +24,7 @@ from omnistage.stage.ar.block_manager import BlockManager
 from omnistage.stage.ar.kv_cache import resolved_max_model_len
 from omnistage.stage.ar.logprobs import position_logprobs, prompt_logprobs
 from omnistage.stage.ar.multi_modal import modalities
-from omnistage.stage.ar.output import ExecutedStep, abort_output, append_token, streamed_rows
+from omnistage.stage.ar.output import ExecutedStep, abort_output, append_token, step_delta
 from omnistage.stage.ar.ranks import TensorParallelWorker, make_worker
 from omnistage.stage.ar.requests import RequestTable, embed_prompt_spec, from_wire
 from omnistage.stage.ar.resolve import resolve_ar_stage
@@ -280,12 +280,8 @@ class ARStageEngine(StreamedInput, StageEngineBase[ARWorker | TensorParallelWork
             )
         self.num_generated_tokens += 1
         output = append_token(seq, token_id, self.eos_token_ids, self.max_model_len, entry)
-        if seq.stream_hidden_states:
-            output.delta = streamed_rows(seq)
-        if seq.context_token_ids and seq.num_output_tokens == 1:
-            # a streamed edge's next stage takes them before the first generated id
-            context = {"context_token_ids": list(seq.context_token_ids)}
-            output.delta = {**(output.delta or {}), **context}
+        if seq.stream_hidden_states or seq.context_token_ids:
+            output.delta = step_delta(seq)
         self._queued_outputs.append(output)
         self.block_manager.cache_computed_blocks(seq)
         if seq.finish_reason is not None:

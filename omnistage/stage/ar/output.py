@@ -151,3 +151,13 @@ class ExecutedStep:
     @property
     def last_hidden(self) -> torch.Tensor | None:
         return self.result.last_hidden
+
+
+def step_delta(seq: SequenceState) -> dict[str, Any] | None:
+    """What a streamed edge's next stage takes from this step: the fresh hidden-state rows
+    (``streamed_rows``, when the sequence streams them) and, with its first generated id, the
+    context ids it takes before them (a cloned voice's reference codes)."""
+    delta = streamed_rows(seq) if seq.stream_hidden_states else None
+    if seq.context_token_ids and seq.num_output_tokens == 1:
+        delta = {**(delta or {}), "context_token_ids": list(seq.context_token_ids)}
+    return delta

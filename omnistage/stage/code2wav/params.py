@@ -23,7 +23,7 @@ class Code2WavParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     None; ``num_steps``, ``guidance_scale``, ``sway_coefficient``: the DiT's ODE solve, with
     transformers' defaults; ``context_frames``: the codes' first frames are context only (a
     cloned voice's reference, which the talker stage puts before its own): decoded with the
-    rest, their samples dropped as Qwen3-TTS's ``generate_voice_clone`` cuts them;
+    rest, their samples dropped where the model's reference cuts a clone's;
     ``first_chunk``: a streamed utterance's first chunk goes out as soon as this many frames
     (after the context) have arrived, decoded from them alone — its samples are not final, so
     they may differ from the whole decode's; the rest are the exact ones (None: the stage's
