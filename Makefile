@@ -54,7 +54,7 @@ serve: install
 # and other e2e tests, whose bounds are timings, run after the unit tests. The second run's
 # output is shown when both are done; any of them failing fails the target.
 SIDE_E2E := tests/e2e/test_speech_api.py tests/e2e/test_speech_stream.py \
-	tests/e2e/test_speech_clone.py tests/e2e/test_speech_omni.py tests/e2e/test_docs_examples.py
+	tests/e2e/test_speech_clone.py tests/e2e/test_docs_examples.py
 test: install
 	@side_log=$$(mktemp); \
 	( $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests/e2e/test_packaging.py; \

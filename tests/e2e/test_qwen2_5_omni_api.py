@@ -20,6 +20,7 @@ import pytest
 
 from omnistage.pipelines import load_pipeline
 from tests.e2e.server import running_server
+from tests.e2e.speech_omni import *  # noqa: F403 - the speech route's tests, on this server
 from tests.qwen2_5_omni_media import openai_parts, png_url
 
 SPEAK = {
@@ -32,6 +33,12 @@ SPEAK = {
 EXTRA = {"talker_params": {"temperature": 0, "max_tokens": 16}, "audio_params": {"num_steps": 4}}
 MESSAGES = [{"role": "user", "content": "Say something"}]
 MODEL = "tiny-qwen2.5-omni"  # the checkpoint folder's name: the served model's
+
+
+@pytest.fixture(scope="module")
+def preset() -> str:
+    """The built-in pipeline whose folder this module's server serves (``speech_omni``)."""
+    return "tiny-qwen2.5-omni"
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 
 from omnistage.stage.media import OmniAudio
 from tests.e2e.server import running_server
+from tests.e2e.speech_omni import *  # noqa: F403 - the speech route's tests, on this server
 from tests.qwen3_omni_reference import reference_generate
 
 MODEL = "tiny-qwen3-omni"  # the checkpoint folder's name: the served model's
@@ -29,6 +30,12 @@ MESSAGES = [{"role": "user", "content": "Hello there"}]
 EXTRA = {"talker_params": {"temperature": 0, "max_tokens": TALKER_TOKENS}}
 VOICES = ["aiden", "chelsie", "ethan"]  # talker_config.speaker_id's names
 pytestmark = pytest.mark.filterwarnings("ignore:Passing `repetition_penalty`:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def preset() -> str:
+    """The built-in pipeline whose folder this module's server serves (``speech_omni``)."""
+    return "tiny-qwen3-omni"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The omni models speak a given text on ``/v1/audio/speech`` (``omnistage serve --pipeline
-tiny-qwen2.5-omni`` / ``tiny-qwen3-omni``, one server per preset for the module): the official
+"""The omni models speak a given text on ``/v1/audio/speech``: tests that
+``test_qwen2_5_omni_api.py`` and ``test_qwen3_omni_api.py`` import and run on their own
+servers (each module gives ``server``, ``client`` and ``preset``): the official
 ``openai`` client's ``audio.speech.create`` with input T answers, bit for bit, the audio of a
 chat (the same conversation, seed and voice) whose thinker replied T — the thinker says T on
 the speech route (``forced_token_ids``), so the talker and the vocoder get what they got on
@@ -7,8 +8,8 @@ chat. A random thinker never ends its turn by itself: the chat's reply is its gr
 ended right after T by a stop string (the token that ends a turn is never fed back, so which
 one it is reaches no later stage). T is a prefix of that reply whose text tokenizes back to
 the same ids (random ids need not: a text is spoken as it tokenizes). Streamed (raw audio,
-Server-Sent Events) the same bytes, in the code2wav stage's pieces; the voices are listed; bad fields
-are 400s naming them."""
+Server-Sent Events) the same bytes, in the code2wav stage's pieces; the voices are listed;
+bad fields are 400s naming them."""
 
 from __future__ import annotations
 
@@ -17,13 +18,11 @@ import importlib
 import json
 
 import httpx
-import openai
 import pytest
 
 from omnistage.models import registry
 from omnistage.models.tokenizer import Tokenizer
 from omnistage.pipelines import load_pipeline
-from tests.e2e.server import running_server
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -35,22 +34,6 @@ REPLY_TOKENS = 12  # of the greedy reply a prefix is chosen from
 CODES = 48  # the talker's codes at most (max_new_tokens: the talker's on this route)
 VOICES = {"tiny-qwen2.5-omni": ("Ethan", ["Chelsie", "Ethan"]),
           "tiny-qwen3-omni": ("aiden", ["aiden", "chelsie", "ethan"])}  # fmt: skip
-
-
-@pytest.fixture(scope="module", params=sorted(VOICES))
-def preset(request):
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def server(preset):
-    with running_server("--pipeline", preset) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
