@@ -25,6 +25,7 @@ from torch import nn
 
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary
+from omnistage.stage.ar.sampler import filter_scores
 
 TOP_K = 50
 TOP_P = 0.8
@@ -168,12 +169,9 @@ def choose_codes(
     for row, is_greedy in enumerate(greedy):
         if is_greedy:
             continue
-        scaled = logits[row].float() if temperature == 1.0 else logits[row].float() / temperature
-        values, ids = torch.topk(scaled, min(top_k, logits.shape[-1]))
-        probs = torch.softmax(values.double(), dim=-1)
-        # top-p as transformers keeps it: the fewest most likely codes reaching top_p
-        keep = probs.cumsum(0) - probs < top_p
-        probs = torch.where(keep, probs, torch.zeros_like(probs)).float()
-        pick = torch.multinomial(probs, 1, generator=generators[row])
-        chosen[row] = ids[pick.to(ids.device)].squeeze()
+        # Over the whole row, as the sampler draws a token: the generator moves as it does
+        # under transformers' ``generate``, so a seeded draw is the reference's draw.
+        filtered = filter_scores(logits[row], temperature, top_k, top_p)
+        probs = torch.softmax(filtered, dim=-1).float()
+        chosen[row] = torch.multinomial(probs, 1, generator=generators[row]).to(chosen.device)[0]
     return chosen

@@ -3,7 +3,8 @@
 from the talker, the others from its code predictor) — against the official ``qwen-tts``
 package's greedy ``Qwen3TTSForConditionalGeneration.generate`` on a tiny random checkpoint
 saved by the package itself: every codebook of every frame is the same, for each variant's
-prompt and both text modes, and after the talker slept (level 1 and 2) and woke."""
+prompt and both text modes, and after the talker slept (level 1 and 2) and woke; and a seeded
+sampled request draws the package's codes under ``torch.manual_seed`` of that seed."""
 
 from __future__ import annotations
 
@@ -42,19 +43,32 @@ def talker(checkpoint):
     engine.shutdown()
 
 
-def reference_frames(model, case: dict, non_streaming_mode: bool) -> list[list[int]]:
+SEED = 123
+SAMPLED = {"temperature": 0.9, "top_k": 50, "top_p": 1.0}  # the checkpoint's subtalker_* too
+
+
+def reference_frames(
+    model, case: dict, non_streaming_mode: bool, seed: int | None = None
+) -> list[list[int]]:
     instruct = [torch.tensor([INSTRUCT])] if case.get("instruct") else [None]
+    sampled: dict = {"do_sample": False, "subtalker_dosample": False}
+    if seed is not None:  # the package draws from the global generator
+        torch.manual_seed(seed)
+        sampled = {"do_sample": True, "subtalker_dosample": True, **SAMPLED}
+        sampled.update({f"subtalker_{k}": v for k, v in SAMPLED.items()})
     with torch.no_grad():
         codes, _ = model.generate(
             input_ids=[torch.tensor([TEXT])], instruct_ids=instruct,
             languages=[case["language"]], speakers=[case["speaker"]],
-            non_streaming_mode=non_streaming_mode, max_new_tokens=FRAMES, do_sample=False,
-            subtalker_dosample=False, repetition_penalty=PENALTY,
+            non_streaming_mode=non_streaming_mode, max_new_tokens=FRAMES,
+            repetition_penalty=PENALTY, **sampled,
         )  # fmt: skip
     return codes[0].tolist()
 
 
-def our_frames(engine: ARStageEngine, folder, case: dict, non_streaming_mode: bool):
+def our_frames(
+    engine: ARStageEngine, folder, case: dict, non_streaming_mode: bool, seed: int | None = None
+):
     tts = read_config(folder)
     prompt = talker_prompt(
         tts, TEXT, language=case["language"], speaker=case["speaker"],
@@ -64,9 +78,10 @@ def our_frames(engine: ARStageEngine, folder, case: dict, non_streaming_mode: bo
     model = engine.worker.runner.model
     with torch.no_grad():
         rows, trailing = embed_prompt(prompt, model.embed_text, model.embed)
+    sampled = {"temperature": 0.0} if seed is None else {**SAMPLED, "seed": seed}
     params = SamplingParams(
-        temperature=0.0, max_tokens=FRAMES, min_tokens=2, repetition_penalty=PENALTY,
-        stop_token_ids=[tts.codec.eos],
+        max_tokens=FRAMES, min_tokens=2, repetition_penalty=PENALTY,
+        stop_token_ids=[tts.codec.eos], **sampled,
     )  # fmt: skip
     # the prompt's ids count for lengths only: the codec pad, which the talker never draws
     engine.add_request(
@@ -97,6 +112,16 @@ def test_every_codebook_equals_the_packages(checkpoint, talker, case, non_stream
     want = reference_frames(model, case, non_streaming_mode)
     assert len(want) >= 2
     assert our_frames(talker, folder, case, non_streaming_mode) == want
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_seeded_draw_is_the_packages(checkpoint, talker, case):
+    """Every code drawn — the talker's first of each frame and its code predictor's 15 — is the
+    package's under the same seed: each draw is over the whole row, in the package's order."""
+    folder, model = checkpoint
+    want = reference_frames(model, case, True, seed=SEED)
+    assert want != reference_frames(model, case, True)  # a draw, not the argmax
+    assert our_frames(talker, folder, case, True, seed=SEED) == want
 
 
 @pytest.mark.parametrize("level", [1, 2])
