@@ -88,7 +88,8 @@ class SpeechInput:
     the checkpoint's), and whether the whole text goes into the prompt (None: the model's
     default). A cloned voice: ``ref_audio`` (mono float32 samples and their rate, already
     decoded), ``ref_text`` (what the clip says: the clone in context) or
-    ``x_vector_only_mode`` (the clip's speaker embedding alone)."""
+    ``x_vector_only_mode`` (the clip's speaker embedding alone); or ``speaker_embedding``, that
+    embedding given already (an x-vector clone without a clip)."""
 
     text: str
     voice: str | None = None
@@ -99,6 +100,7 @@ class SpeechInput:
     ref_audio: tuple[Any, int] | None = None  # (np.ndarray float32 [n], sampling rate)
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    speaker_embedding: tuple[float, ...] | None = None
 
 
 @runtime_checkable

@@ -13,7 +13,8 @@ The other fields: ``instructions`` join the user turn (the talker hears the prom
 the thinker); ``language`` is ``auto`` only (the model speaks the text's own);
 ``task_type`` is ``CustomVoice`` (a named voice) if given; ``non_streaming_mode`` is false
 if given (the talker takes the text a token per step, as the thinker says it); a cloned
-voice (``ref_audio``, ``ref_text``, ``x_vector_only_mode``) is not one an omni model speaks.
+voice (``ref_audio``, ``ref_text``, ``x_vector_only_mode``, ``speaker_embedding``) is not
+one an omni model speaks.
 Anything else is a 400 naming the field.
 """
 
@@ -109,7 +110,7 @@ def check_fields(speech: SpeechInput) -> None:
         raise InvalidRequestError(
             "task_type", "an omni model speaks a named voice: CustomVoice (or leave it out)"
         )
-    for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
+    for name in ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding"):
         if getattr(speech, name, None) is not None:
             raise InvalidRequestError(
                 name, "an omni model speaks its own voices: it clones none (use voice)"

@@ -8,7 +8,8 @@ transcript, an undecodable or too long clip, a task the checkpoint does not do),
 speaks on; a clone is the same after each stage slept at level 1 and 2 (the talker's encoders
 reloaded from their files). A voice uploaded through ``POST /v1/audio/voices`` (with or without its transcript)
 speaks as its clip given as ``ref_audio``; it is listed, deleted, and each bad upload is a 400
-naming the form field."""
+naming the form field. A ``speaker_embedding`` (the clip's x-vector, computed already: in the
+body or uploaded as a voice) speaks as the clip's x-vector clone."""
 
 from __future__ import annotations
 
@@ -166,13 +167,40 @@ def test_a_bad_clone_is_a_400_naming_the_field(client, extra, field):
     assert field in str(err.value)
 
 
+def x_vector(reference) -> list[float]:
+    """The package's x-vector of the clip (``extract_speaker_embedding``), as JSON floats."""
+    with torch.no_grad():
+        vector = reference.model.extract_speaker_embedding(SAMPLES, 24000)
+    return [float(x) for x in vector.float()]
+
+
+def test_a_given_embedding_speaks_as_its_clips_x_vector(client, reference):
+    """float32 values as JSON numbers and back are the same bits: the same speech."""
+    got = speak(client, speaker_embedding=x_vector(reference))
+    assert got == speak(client, ref_audio=DATA_URI, x_vector_only_mode=True)
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"speaker_embedding": [0.1, 0.2]}, "speaker_embedding"),
+        ({"speaker_embedding": [0.1] * 8, "ref_audio": DATA_URI}, "speaker_embedding"),
+        ({"speaker_embedding": "0.1"}, "speaker_embedding"),
+    ],
+)
+def test_a_bad_embedding_is_a_400_naming_it(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        speak(client, **extra)
+    assert field in str(err.value)
+
+
 def test_the_server_speaks_on(client):
     assert len(speak(client, ref_audio=DATA_URI, x_vector_only_mode=True)) >= 2 * 1920
 
 
-def upload(server, name: str, wav: bytes = WAV, **fields) -> httpx.Response:
+def upload(server, name: str, wav: bytes | None = WAV, **fields) -> httpx.Response:
     form = {"name": name, "consent": "consent-1", **fields}
-    files = {"audio_sample": ("clip.wav", wav, "audio/wav")}
+    files = {"audio_sample": ("clip.wav", wav, "audio/wav")} if wav is not None else None
     return httpx.post(server.url + "/v1/audio/voices", data=form, files=files, timeout=60)
 
 
@@ -203,6 +231,20 @@ def test_an_uploaded_voice_speaks_as_its_clip(server, client):
     assert httpx.get(server.url + "/v1/audio/voices", timeout=30).json()["uploaded_voices"] == []
 
 
+def test_an_uploaded_embedding_speaks_as_its_clips_x_vector(server, client, reference):
+    import json
+
+    vector = x_vector(reference)
+    reply = upload(server, "Eve", None, speaker_embedding=json.dumps(vector))
+    assert reply.status_code == 200, reply.text
+    voice = reply.json()["voice"]
+    assert (voice["embedding_source"], voice["embedding_dim"]) == ("direct", len(vector))
+    try:
+        assert speak(client, voice="eve") == speak(client, speaker_embedding=vector)
+    finally:
+        assert delete(server, "eve").status_code == 200
+
+
 @pytest.mark.parametrize(
     ("name", "wav", "fields", "field"),
     [
@@ -210,7 +252,11 @@ def test_an_uploaded_voice_speaks_as_its_clip(server, client):
         ("../etc", WAV, {}, "name"),
         ("dave", b"not audio", {}, "audio_sample"),
         ("dave", clip_wav(31, 8000)[0], {}, "audio_sample"),
-        ("dave", WAV, {"speaker_embedding": "[0.1]"}, "speaker_embedding"),
+        ("dave", WAV, {"speaker_embedding": "[0.1]"}, "speaker_embedding"),  # both
+        ("dave", None, {"speaker_embedding": "[0.1, 0.2]"}, "speaker_embedding"),  # its width
+        ("dave", None, {"speaker_embedding": "[0.1,"}, "speaker_embedding"),
+        ("dave", None, {"speaker_embedding": '["a"]'}, "speaker_embedding"),
+        ("dave", None, {}, "audio_sample"),
         ("dave", WAV, {"surprise": "1"}, "surprise"),
     ],
 )

@@ -10,9 +10,10 @@ bytes as they come (``audio``) or Server-Sent Events (``sse``: ``speech.audio.de
 A cloned voice (a Base checkpoint): ``ref_audio`` (an http(s) or ``file://`` URL, a ``data:``
 URI or plain base64, fetched and decoded under the chat route's media policy, at most 30 s,
 resampled to 24 kHz with soxr: ``speech_clips``, the one place a clip is resolved),
-``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``;
+``ref_text`` (its transcript: the clone in context) or ``x_vector_only_mode``; a
+``speaker_embedding`` (the clip's x-vector, computed already: a clone with it alone);
 or a ``voice`` uploaded through ``POST /v1/audio/voices`` (``voices.py``), whose clip and
-transcript stand for ``ref_audio`` and ``ref_text``. ``speed`` stretches a whole answer in
+transcript (or embedding) stand for ``ref_audio`` and ``ref_text`` (or ``speaker_embedding``). ``speed`` stretches a whole answer in
 time (``audio_speed``); ``aac`` is encoded by FFmpeg (``audio_formats``). A streamed answer's
 ``initial_codec_chunk_frames`` (1 and up) asks the code2wav stage for an early first chunk
 (``audio_params.first_chunk``: its samples not final); 0 or unset, the stage's own chunks.
@@ -24,6 +25,7 @@ import asyncio
 import base64
 import functools
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -76,6 +78,7 @@ class SpeechRequest(_RequestBody):
     ref_audio: str | None = None
     ref_text: str | None = None
     x_vector_only_mode: bool | None = None
+    speaker_embedding: list[float] | None = Field(default=None, min_length=1, max_length=8192)
     # the talker's sampling, named as on chat (temperature 0: greedy, its code predictor too)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_k: int | None = Field(default=None, ge=-1)
@@ -89,6 +92,12 @@ class SpeechRequest(_RequestBody):
                               "whole answer")  # fmt: skip
         if self.streamed and self.response_format not in ("wav", "pcm"):
             raise field_error("response_format", "a streamed answer is wav or pcm")
+        if self.speaker_embedding is not None:
+            if self.ref_audio is not None:
+                raise field_error("speaker_embedding", "stands for the clip's x-vector: give "
+                                  "it or ref_audio, not both")  # fmt: skip
+            if not all(math.isfinite(x) for x in self.speaker_embedding):
+                raise field_error("speaker_embedding", "must be finite numbers")
         return self
 
     @property
@@ -178,8 +187,10 @@ async def _speak_clip(
             "voice", "language", "instructions", "task_type", "ref_text", "x_vector_only_mode",
         }
     )  # fmt: skip
+    embedding = body.speaker_embedding
     speech = SpeechInput(
         body.input,
+        speaker_embedding=None if embedding is None else tuple(embedding),
         non_streaming_mode=body.non_streaming_mode,
         ref_audio=await reference(body.ref_audio, policy, clip),
         **asked,
@@ -363,8 +374,10 @@ def _voices(request: Request) -> Any:
 
 def _uploaded(body: SpeechRequest, voices: Any, own: list[str]) -> Any:
     """The uploaded voice ``body.voice`` names (not one of the model's own), if any; a
-    request with its own ``ref_audio`` speaks that clip instead."""
-    if voices is None or not body.voice or body.ref_audio is not None:
+    request with its own ``ref_audio`` or ``speaker_embedding`` speaks that instead."""
+    if voices is None or not body.voice:
+        return None
+    if body.ref_audio is not None or body.speaker_embedding is not None:
         return None
     if body.voice.lower() in {v.lower() for v in own}:
         return None
@@ -376,11 +389,15 @@ async def _speak_uploaded(
     voice: Any,
 ) -> AsyncIterator[Any]:  # fmt: skip
     """``_speak`` with an uploaded voice's clip (and its transcript, unless the request gives
-    one or asks for the x-vector alone); a checkpoint that does not clone says so naming
-    ``voice``."""
-    clip = await asyncio.to_thread(voices.audio, voice.name)
+    one or asks for the x-vector alone) or its embedding; a checkpoint that does not clone
+    says so naming ``voice``."""
     update: dict[str, Any] = {"voice": None}
-    if body.ref_text is None and not body.x_vector_only_mode:
+    clip = None
+    if voice.embedding_dim:
+        update["speaker_embedding"] = await asyncio.to_thread(voices.embedding, voice.name)
+    else:
+        clip = await asyncio.to_thread(voices.audio, voice.name)
+    if not voice.embedding_dim and body.ref_text is None and not body.x_vector_only_mode:
         if voice.ref_text:
             update["ref_text"] = voice.ref_text
         else:
@@ -388,7 +405,8 @@ async def _speak_uploaded(
     try:
         return await _speak_clip(engine, body.model_copy(update=update), request_id, policy, clip)
     except InvalidRequestError as exc:
-        if exc.field in ("ref_audio", "ref_text", "x_vector_only_mode", "task_type"):
+        if exc.field in ("ref_audio", "ref_text", "x_vector_only_mode", "task_type",
+                         "speaker_embedding"):  # fmt: skip
             raise InvalidRequestError(
                 "voice", f"{voice.name!r} is an uploaded voice, spoken as a clone: {exc.reason}"
             ) from None

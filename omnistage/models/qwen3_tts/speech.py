@@ -6,8 +6,10 @@ are a ``prompt_spec`` the talker embeds, with as many prompt ids (the codec pad:
 for lengths only). A clone's spec carries its clip (24 kHz float32 bytes, 53 ms to
 ``MAX_REF_SECONDS``) and, in context (ICL: ``ref_text``), the reference text's ids and the
 clip's frame count; the code2wav stage is then told to drop those frames' samples
-(``request_params``: ``audio_params.context_frames``). As the package's ``generate_voice_clone``, a clone takes
-one text token per step unless ``non_streaming_mode`` says otherwise."""
+(``request_params``: ``audio_params.context_frames``). A ``speaker_embedding`` (vLLM-Omni's
+precomputed x-vector, as wide as the talker) stands for the clip's x-vector: a clone with the
+x-vector alone, no clip. As the package's ``generate_voice_clone``, a clone takes one text
+token per step unless ``non_streaming_mode`` says otherwise."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ TASKS = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "
 MAX_INSTRUCTIONS = 500  # characters, as vLLM-Omni bounds them
 MAX_REF_SECONDS = 30.0  # a clone's clip, as vLLM-Omni bounds it
 MAX_REF_TEXT = 2000  # characters of a clone's reference text
-CLONE_FIELDS = ("ref_audio", "ref_text", "x_vector_only_mode")
+CLONE_FIELDS = ("ref_audio", "ref_text", "x_vector_only_mode", "speaker_embedding")
 
 
 @functools.lru_cache(maxsize=8)
@@ -113,8 +115,12 @@ def clone_prompt(
     ``x_vector_only_mode``, the reference text and the clip's frames in context (ICL)."""
     if speech.instructions:
         raise InvalidRequestError("instructions", "a Base model speaks no instruction")
-    if speech.ref_audio is None:  # (a voice named alone would be an uploaded one: not yet)
-        raise InvalidRequestError("ref_audio", "a Base model clones a voice: give its clip")
+    if speech.speaker_embedding is not None:
+        return embedding_prompt(folder, encode, speech)
+    if speech.ref_audio is None:
+        raise InvalidRequestError(
+            "ref_audio", "a Base model clones a voice: give its clip (or its speaker_embedding)"
+        )
     # with a clip, a named voice is not read (as vLLM-Omni: the openai client always sends one)
     samples, rate = speech.ref_audio
     want, least, per_frame = clone_settings(folder)
@@ -162,3 +168,50 @@ def clone_prompt(
     if frames:  # the code2wav stage drops the reference's samples
         out["request_params"] = {"audio_params": {"context_frames": frames}}
     return out
+
+
+def embedding_prompt(
+    folder: str, encode: Callable[[str], list[int]], speech: SpeechInput
+) -> dict[str, Any]:
+    """A clone from a given x-vector (``speaker_embedding``): the speaker row is that vector,
+    as wide as the talker; no clip, so no reference frames and no transcript."""
+    if speech.ref_audio is not None:
+        raise InvalidRequestError(
+            "speaker_embedding", "stands for the clip's x-vector: give it or ref_audio, not both"
+        )
+    if speech.ref_text is not None:
+        raise InvalidRequestError(
+            "ref_text", "a speaker_embedding clones with the x-vector alone: no transcript"
+        )
+    if speech.x_vector_only_mode is False:
+        raise InvalidRequestError(
+            "x_vector_only_mode", "a speaker_embedding clones with the x-vector alone: true"
+        )
+    config = served_config(folder)
+    vector = np.asarray(speech.speaker_embedding, dtype=np.float64)
+    width = embedding_width(folder)
+    if vector.shape != (width,):
+        raise InvalidRequestError(
+            "speaker_embedding", f"has {vector.size} values; this checkpoint's x-vector has {width}"
+        )
+    if not np.isfinite(vector).all() or np.abs(vector).max() > np.finfo(np.float32).max:
+        raise InvalidRequestError("speaker_embedding", "must be finite float32 values")
+    non_streaming = speech.non_streaming_mode
+    prompt = talker_prompt(
+        config,
+        encode(assistant_text(speech.text)),
+        language=speech.language or AUTO_LANGUAGE,
+        speaker_vector=True,
+        non_streaming_mode=False if non_streaming is None else non_streaming,
+    )
+    spec = {**prompt.spec(), "speaker_embedding": vector.astype("<f4").tobytes()}
+    return {"prompt_token_ids": [config.codec.pad] * len(prompt), "prompt_spec": spec}
+
+
+@functools.lru_cache(maxsize=8)
+def embedding_width(folder: str) -> int:
+    """How many values a Base checkpoint's x-vector has (its speaker encoder's output)."""
+    from omnistage.models.qwen3_tts.speaker import encoder_config
+
+    where = Path(folder) / "config.json"
+    return int(encoder_config(json.loads(where.read_text()), str(where)).enc_dim)

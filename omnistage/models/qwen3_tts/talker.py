@@ -214,6 +214,17 @@ class Talker(FrameTalker):
             return (*embed_prompt(prompt, self.embed_text, self.embed), [])
         if not self.clone_parts:
             raise InvalidRequestError("ref_audio", "this checkpoint clones no voice (not Base)")
+        if "speaker_embedding" in spec:  # given: an x-vector clone without a clip
+            if prompt.ref_frames:
+                raise InvalidRequestError(
+                    "prompt_spec.ref_frames", "a given speaker_embedding comes with no clip"
+                )
+            vector = given_embedding(spec, self.config.hidden_size)
+            device = self.model.embed_tokens.weight.device
+            rows, trailing = embed_prompt(
+                prompt, self.embed_text, self.embed, vector.to(device), None
+            )
+            return rows, trailing, []
         clip = reference_clip(spec)
         vector = self.clone_parts["speaker"].embed(clip)
         frames, context = None, []
@@ -240,6 +251,19 @@ def reference_clip(spec: dict[str, Any]) -> np.ndarray:
     if not np.isfinite(clip).all():
         raise InvalidRequestError("prompt_spec.ref_audio", "has samples that are not finite")
     return clip.astype(np.float32)
+
+
+def given_embedding(spec: dict[str, Any], width: int) -> torch.Tensor:
+    """A clone spec's given x-vector: ``speaker_embedding``, ``width`` float32 values."""
+    raw = spec.get("speaker_embedding")
+    if not isinstance(raw, bytes | bytearray) or len(raw) != 4 * width:
+        raise InvalidRequestError(
+            "prompt_spec.speaker_embedding", f"must be {width} float32 values (bytes)"
+        )
+    vector = np.frombuffer(bytes(raw), dtype="<f4")
+    if not np.isfinite(vector).all():
+        raise InvalidRequestError("prompt_spec.speaker_embedding", "has values that are not finite")
+    return torch.from_numpy(vector.astype(np.float32))
 
 
 def build_talker(config: ARModelConfig, dtype: torch.dtype, tp: TPGroup | None = None) -> Talker:

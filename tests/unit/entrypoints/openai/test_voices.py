@@ -25,6 +25,23 @@ def test_a_voice_survives_a_restart_with_its_clip_and_transcript(tmp_path) -> No
                                "embedding_source": "audio"}]  # fmt: skip
 
 
+def test_an_embedding_voice_survives_a_restart_and_replaces_a_clip(tmp_path) -> None:
+    from omnistage.entrypoints.openai.voices import _embedding_file
+
+    store = VoiceStore(tmp_path, max_voices=4, max_bytes=1024)
+    store.add(_voice("eve"), b"RIFF")
+    data = _embedding_file([0.25, -1.5, 3.0])
+    voice = _voice("Eve", file_size=len(data), mime_type="application/x-safetensors",
+                   embedding_dim=3)  # fmt: skip
+    store.add(voice, data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eve.json", "eve.safetensors"]
+    again = VoiceStore(tmp_path, max_voices=4, max_bytes=1024)
+    assert again.get("EVE") == voice and again.embedding("eve") == [0.25, -1.5, 3.0]
+    (listed,) = again.listed()
+    assert (listed["embedding_source"], listed["embedding_dim"]) == ("direct", 3)
+    assert again.delete("eve") and list(tmp_path.iterdir()) == []
+
+
 def test_the_store_is_bounded_and_a_same_name_upload_replaces(tmp_path) -> None:
     store = VoiceStore(tmp_path, max_voices=2, max_bytes=1024)
     store.add(_voice("a"), b"1")

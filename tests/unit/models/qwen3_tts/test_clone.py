@@ -3,7 +3,8 @@ against the official ``qwen-tts`` package's ``generate_voice_clone`` on a tiny B
 written by its own classes: the prompt rows equal ``generate``'s (ICL and x-vector-only, both
 text modes), the talker's greedy codes (every codebook) and the whole waveform are the
 package's bit for bit, the stage's encoders sleep apart under their own tags, and a bad clone
-is a 400 naming its field while the stages serve on."""
+is a 400 naming its field while the stages serve on. A given ``speaker_embedding`` speaks as the
+package's ``generate_voice_clone`` with that vector as its ``voice_clone_prompt``."""
 
 from __future__ import annotations
 
@@ -184,3 +185,52 @@ def test_the_stages_serve_on_after_a_bad_spec(checkpoint, omni):
         omni.generate(bad, GREEDY, ["audio"])
     (out,) = omni.generate(prompt, GREEDY, ["audio"])
     assert len(out.audio[0].samples) > 0
+
+
+def embedding_reference(model, vector: torch.Tensor):
+    """``generate_voice_clone`` from a precomputed x-vector (a ``VoiceClonePromptItem``)."""
+    from qwen_tts import VoiceClonePromptItem
+
+    item = VoiceClonePromptItem(
+        ref_code=None, ref_spk_embedding=vector, x_vector_only_mode=True, icl_mode=False
+    )
+    wavs, rate = model.generate_voice_clone(
+        TEXT, language="english", voice_clone_prompt=[item], max_new_tokens=FRAMES,
+        do_sample=False, subtalker_dosample=False,
+    )  # fmt: skip
+    assert rate == 24000
+    return wavs[0]
+
+
+def test_a_given_embedding_speaks_the_packages_clone(checkpoint, omni):
+    folder, model = checkpoint
+    width = model.model.config.talker_config.hidden_size
+    vector = torch.randn(width, generator=torch.Generator().manual_seed(5))
+    expected = embedding_reference(model, vector)
+    given = SpeechInput(TEXT, language="english", speaker_embedding=tuple(vector.tolist()))
+    prompt, audio_params = prompt_of(folder, given)
+    assert audio_params is None and "ref_audio" not in prompt["prompt_spec"]
+    (out,) = omni.generate(prompt, GREEDY, ["audio"])
+    assert len(expected) > 0
+    assert np.array_equal(out.audio[0].samples, expected.astype(np.float32))
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda width: {"speaker_embedding": (0.5,) * (width - 1)}, "speaker_embedding"),
+        (lambda width: {"speaker_embedding": (float("nan"),) * width}, "speaker_embedding"),
+        (lambda width: {"ref_audio": (clip(0.5), 24000)}, "speaker_embedding"),
+        (lambda width: {"ref_text": REF_TEXT}, "ref_text"),
+        (lambda width: {"x_vector_only_mode": False}, "x_vector_only_mode"),
+    ],
+)
+def test_a_bad_given_embedding_is_named(checkpoint, change, field):
+    import dataclasses
+
+    folder, model = checkpoint
+    width = model.model.config.talker_config.hidden_size
+    good = SpeechInput(TEXT, speaker_embedding=(0.1,) * width)
+    with pytest.raises(InvalidRequestError) as err:
+        prompt_of(folder, dataclasses.replace(good, **change(width)))
+    assert err.value.field == field

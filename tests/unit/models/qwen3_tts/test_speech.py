@@ -63,6 +63,8 @@ def test_a_voice_design_request_describes_its_voice(folders):
         ("custom_voice", SpeechInput("hi", ref_text="hello"), "ref_text", "Base checkpoint"),
         ("voice_design", SpeechInput("hi", instructions="deep", x_vector_only_mode=True),
          "x_vector_only_mode", "Base checkpoint"),
+        ("custom_voice", SpeechInput("hi", speaker_embedding=(0.1,)), "speaker_embedding",
+         "Base checkpoint"),
     ],
 )  # fmt: skip
 def test_a_bad_request_names_the_field(folders, variant, speech, field, said):
