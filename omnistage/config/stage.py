@@ -139,6 +139,25 @@ class StageConfig(Frozen):
     torch_threads: int | None = Field(
         default=None, gt=0, description="torch threads in the stage process (in each rank's)."
     )
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Processes running this stage, each with its own copy of the weights (and "
+        "its own tensor_parallel_size ranks); requests are balanced over them and sleep and "
+        "wake reach each (replica_ids picks some).",
+    )
+    replica_devices: list[str] | None = Field(
+        default=None,
+        description="On CUDA, each replica's device ('cuda:N'; a replica's TP ranks follow it); "
+        "unset: replica i starts at the stage's device plus i x tensor_parallel_size.",
+    )
+    replica_id: int = Field(
+        default=0,
+        ge=0,
+        description="Which replica a stage process is (set by the launcher; 0 for a stage of "
+        "one replica).",
+    )
     step_threads: int = Field(
         default=1,
         ge=1,
@@ -209,12 +228,48 @@ class StageConfig(Frozen):
         for kind, section in options.KIND_OPTIONS.items():
             if kind != self.kind and getattr(self, kind) != section():
                 raise ValueError(f"{kind}: a {self.kind!r} stage takes no {kind!r} options")
+        self._check_replicas()
         if self.ar.gpu_memory_utilization is not None and not self.device.startswith("cuda"):
             raise ValueError(
                 "ar.gpu_memory_utilization applies to CUDA stages; size the KV cache of a "
                 f"{self.device!r} stage with ar.kv_cache_memory (bytes)"
             )
         return self
+
+    def _check_replicas(self) -> None:
+        if self.replica_id >= self.replicas:
+            raise ValueError(f"replica_id {self.replica_id} is not below replicas {self.replicas}")
+        devices = self.replica_devices
+        if devices is None:
+            return
+        if not self.device.startswith("cuda"):
+            raise ValueError("replica_devices: replicas are placed on CUDA devices only")
+        if len(devices) != self.replicas:
+            raise ValueError(
+                f"replica_devices: {len(devices)} devices for {self.replicas} replicas"
+            )
+        for device in devices:
+            if not device.startswith("cuda") or not _DEVICE_RE.match(device):
+                raise ValueError(f"replica_devices: {device!r} is not 'cuda' or 'cuda:N'")
+        share = self.ar.gpu_memory_utilization
+        for device in set(devices):
+            count = sum(d == device for d in devices)
+            if count > 1 and (share is None or count * share > 1.0):
+                said = "unset (each takes the whole)" if share is None else f"{share:g} each"
+                raise ValueError(
+                    f"replica_devices: {count} replicas on {device} with "
+                    f"ar.gpu_memory_utilization {said} add up past 1"
+                )
+
+    def replica_config(self, replica_id: int) -> StageConfig:
+        """The config of replica ``replica_id``'s process: this one, on its own device."""
+        update: dict[str, Any] = {"replica_id": replica_id}
+        if self.replica_devices is not None:
+            update["device"] = self.replica_devices[replica_id]
+        elif self.device.startswith("cuda") and replica_id:
+            base = int(self.device.partition(":")[2] or 0)
+            update["device"] = f"cuda:{base + replica_id * self.tensor_parallel_size}"
+        return self.model_copy(update=update)
 
     @property
     def display_name(self) -> str:

@@ -10,6 +10,7 @@ default). The public control methods return ACKs as plain dicts, vLLM-Omni's sha
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.control import StageControl
 from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, StageLauncher
 from omnistage.engine.outputs import OmniRequestOutput
+from omnistage.engine.replicas import check_replicas, replicated
 from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
 from omnistage.engine.spawn import SpawnedStage, stage_threads, uses_ray
@@ -105,9 +107,10 @@ class AsyncOmni:
                         f"stages.{stage.stage_id}.stream: processor {stage.input_processor!r} "
                         "cannot stream its input; set stream: false"
                     )
+        check_replicas(config, on_cpu_cores=os.cpu_count() or 1, cuda_devices=_cuda_devices())
         if launcher is None:
-            num_stages = len(config.stages)
-            threads = lambda stage: stage_threads(stage, num_stages)  # noqa: E731
+            num_processes = sum(stage.replicas for stage in config.stages)
+            threads = lambda stage: stage_threads(stage, num_processes)  # noqa: E731
             if in_process:
                 launcher = InProcessLauncher()
             elif uses_ray(config, distributed_executor_backend):
@@ -118,7 +121,12 @@ class AsyncOmni:
                 launcher = LocalProcessLauncher(
                     threads, ready_timeout_s=stage_init_timeout_s, prestarted=prestarted
                 )
-        clients = [StageClient(stage, launcher) for stage in config.stages]
+        clients = [
+            replicated(
+                [StageClient(stage.replica_config(i), launcher) for i in range(stage.replicas)]
+            )
+            for stage in config.stages
+        ]
         try:
             for client in clients:
                 client.start()
@@ -253,9 +261,15 @@ class AsyncOmni:
         level: int = 2,
         mode: str = "abort",
         tags: Sequence[str] | None = None,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[dict[str, Any]]:
+        """``replica_ids``: only those replicas of each stage (``StageControl.sleep``)."""
         self._attach()
-        return _dicts(await self.control.sleep(stage_ids, level=level, mode=mode, tags=tags))
+        return _dicts(
+            await self.control.sleep(
+                stage_ids, level=level, mode=mode, tags=tags, replica_ids=replica_ids
+            )
+        )
 
     async def wake_up(
         self,
@@ -263,10 +277,13 @@ class AsyncOmni:
         tags: Sequence[str] | None = None,
         reload: bool = True,
         resume: bool | None = None,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[dict[str, Any]]:
         self._attach()
         return _dicts(
-            await self.control.wake_up(stage_ids, tags=tags, reload=reload, resume=resume)
+            await self.control.wake_up(
+                stage_ids, tags=tags, reload=reload, resume=resume, replica_ids=replica_ids
+            )
         )
 
     async def pause_generation(
@@ -415,3 +432,13 @@ class AsyncOmni:
 
 def _dicts(acks: list[Ack]) -> list[dict[str, Any]]:
     return [ack.to_dict() for ack in acks]
+
+
+def _cuda_devices() -> int:
+    """CUDA devices this process sees (0 without CUDA; torch is not imported for it)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.device_count())

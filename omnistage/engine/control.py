@@ -77,11 +77,38 @@ class StageControl:
             if not self.config.stages[sid].enable_sleep_mode:
                 raise SleepModeDisabledError(sid)
 
-    async def _call_each(self, stage_ids: list[int], op: ops.ControlOp) -> dict[int, Any]:
-        """One control call per stage, all at once; exceptions are returned, not raised."""
+    def _check_replica_ids(self, stage_ids: list[int], replica_ids: Sequence[int]) -> None:
+        """Each replica id names a replica of every stage addressed (400 naming
+        ``replica_ids``)."""
+        from omnistage.errors import InvalidRequestError
+
+        if not replica_ids:
+            raise InvalidRequestError("replica_ids", "must name at least one replica")
+        for sid in stage_ids:
+            count = self.config.stages[sid].replicas
+            bad = [r for r in replica_ids if not 0 <= r < count]
+            if bad:
+                raise InvalidRequestError(
+                    "replica_ids", f"stage {sid} has replicas 0 to {count - 1}; {bad} is not one"
+                )
+
+    def _serves_beside(self, sid: int, replica_ids: Sequence[int]) -> bool:
+        """Whether a replica of stage ``sid`` outside ``replica_ids`` takes requests: then a
+        sleep of those is the replicas' own, the stage serving on."""
+        serving = getattr(self.clients[sid], "serving", None)
+        return serving is not None and bool(set(serving()) - set(replica_ids))
+
+    async def _call_each(
+        self, stage_ids: list[int], op: ops.ControlOp, replica_ids: Sequence[int] | None = None
+    ) -> dict[int, Any]:
+        """One control call per stage (to ``replica_ids`` of a replicated one, None: all), all
+        at once; exceptions are returned, not raised."""
 
         async def one(sid: int) -> Any:
-            return await self.clients[sid].call(op)
+            client = self.clients[sid]
+            if replica_ids is not None and hasattr(client, "replicas"):
+                return await client.call(op, replica_ids)  # type: ignore[call-arg]
+            return await client.call(op)
 
         if len(stage_ids) == 1:  # no task to schedule for the common case: one event-loop turn
             (sid,) = stage_ids
@@ -102,16 +129,65 @@ class StageControl:
         tags: Sequence[str] | None = None,
         *,
         trigger: str = TRIGGER_API,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[Ack]:
-        """``trigger`` (what asked: ``api``, ``auto_wake``, ``idle_sleep``) goes to the log."""
+        """``trigger`` (what asked: ``api``, ``auto_wake``, ``idle_sleep``) goes to the log.
+        ``replica_ids``: only those replicas of each stage; while another replica of a stage
+        serves, the stage stays awake (serving on the others), else it sleeps as a whole."""
         ids = self.check_stage_ids(stage_ids)
         op = ops.Sleep(level=level, mode=mode, tags=None if tags is None else list(tags))
         self._check_sleep_mode(ids)
         if not ids:
             return []
+        flat: list[Ack] = []
+        if replica_ids is not None:
+            self._check_replica_ids(ids, replica_ids)
+            beside = [
+                sid
+                for sid in ids
+                if self.gate.stages[sid].state == adm.AWAKE
+                and self._serves_beside(sid, replica_ids)
+            ]
+            if beside:
+                flat += await asyncio.shield(
+                    self._replicas_op("sleep", beside, op, replica_ids, trigger=trigger)
+                )
+            ids = [sid for sid in ids if sid not in beside]
+            if not ids:
+                return flat
         previous = self.gate.begin_transition(ids, adm.SLEEPING, level=op.level)
         was_paused = {sid: self.gate.stages[sid].paused for sid in ids}
-        return await asyncio.shield(self._sleep(ids, previous, was_paused, op, trigger=trigger))
+        return flat + await asyncio.shield(
+            self._sleep(ids, previous, was_paused, op, trigger=trigger, replica_ids=replica_ids)
+        )
+
+    async def _replicas_op(
+        self,
+        operation: str,
+        ids: list[int],
+        op: ops.Sleep | ops.WakeUp,
+        replica_ids: Sequence[int],
+        *,
+        trigger: str,
+    ) -> list[Ack]:
+        """A sleep or wake of some replicas of stages that serve on: no stage transition
+        (the replicated client keeps requests off a replica from before its sleep)."""
+        start = time.perf_counter()
+        results = await self._call_each(ids, op, replica_ids)
+        metadata = {"level": op.level, "mode": op.mode} if isinstance(op, ops.Sleep) else {}
+        acks = {sid: as_acks(sid, results[sid], **metadata) for sid in ids}
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        for sid in ids:
+            if isinstance(op, ops.Sleep):
+                log_sleep(logger, self._name(sid), acks[sid][0], trigger=trigger,
+                          elapsed_ms=elapsed_ms)  # fmt: skip
+            else:
+                log_wake(logger, self._name(sid), acks[sid][0], trigger=trigger,
+                         elapsed_ms=elapsed_ms, reload=op.reload)  # fmt: skip
+        flat = [ack for sid in ids for ack in acks[sid]]
+        self.notify(operation, flat)
+        raise_if_gone(results)
+        return flat
 
     async def _sleep(
         self,
@@ -121,6 +197,7 @@ class StageControl:
         op: ops.Sleep,
         *,
         trigger: str,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[Ack]:
         start = time.perf_counter()
         await self.gate.close_and_drain_admission(ids, sleep_mode=op.mode)
@@ -136,9 +213,9 @@ class StageControl:
             # when their input has stopped coming (a streamed edge), so its drain timeout
             # counts from then, not from the upstream stage's own drain.
             for wave in self._upstream_first(ids):
-                results.update(await self._call_each(wave, op))
+                results.update(await self._call_each(wave, op, replica_ids))
         elif not results:
-            results = await self._call_each(ids, op)
+            results = await self._call_each(ids, op, replica_ids)
         acks = {sid: as_acks(sid, results[sid], level=op.level, mode=op.mode) for sid in ids}
         elapsed_ms = (time.perf_counter() - start) * 1e3
         for sid in ids:
@@ -181,7 +258,10 @@ class StageControl:
         resume: bool | None = None,
         *,
         trigger: str = TRIGGER_API,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[Ack]:
+        """``replica_ids``: only those replicas of each stage (a stage that serves on its
+        other replicas takes them back without a transition; an asleep one wakes on them)."""
         ids = self.check_stage_ids(stage_ids)
         should_resume = self.resume_after_wake if resume is None else resume
         # The stage resumes itself once wholly awake: no second round trip.
@@ -191,8 +271,21 @@ class StageControl:
         self._check_sleep_mode(ids)
         if not ids:
             return []
+        flat: list[Ack] = []
+        if replica_ids is not None:
+            self._check_replica_ids(ids, replica_ids)
+            serving = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
+            if serving:
+                flat += await asyncio.shield(
+                    self._replicas_op("wake_up", serving, op, replica_ids, trigger=trigger)
+                )
+            ids = [sid for sid in ids if sid not in serving]
+            if not ids:
+                return flat
         previous = self.gate.begin_transition(ids, adm.WAKING)
-        return await asyncio.shield(self._wake_up(ids, previous, op, trigger=trigger))
+        return flat + await asyncio.shield(
+            self._wake_up(ids, previous, op, trigger=trigger, replica_ids=replica_ids)
+        )
 
     async def _wake_up(
         self,
@@ -201,9 +294,10 @@ class StageControl:
         op: ops.WakeUp,
         *,
         trigger: str,
+        replica_ids: Sequence[int] | None = None,
     ) -> list[Ack]:
         start = time.perf_counter()
-        results = await self._call_each(ids, op)
+        results = await self._call_each(ids, op, replica_ids)
         acks = {sid: as_acks(sid, results[sid]) for sid in ids}
         elapsed_ms = (time.perf_counter() - start) * 1e3
         for sid in ids:
@@ -247,11 +341,20 @@ class StageControl:
         (sid,) = self.check_stage_ids([stage_id], "stage_id")
         self.gate.check_alive(sid)
         op = ops.UpdateWeights(path=str(path), check_finite=check_finite)
+        # Replicas take the new weights together: no request enters the stage until every
+        # replica has them (those running finish on theirs, as on a stage of one process).
+        together = self.config.stages[sid].replicas > 1
+        was_paused = self.gate.stages[sid].paused
+        if together:
+            await self.gate.close_and_drain_admission([sid])
         try:
             acks: list[Ack] = await self.clients[sid].call(op)
         except Exception as exc:
             log_weights(logger, "update_weights", sid, self._name(sid), exc, path=str(path))
             raise
+        finally:
+            if together and not was_paused:
+                await self.gate.reopen([sid])
         log_weights(logger, "update_weights", sid, self._name(sid), acks[0], path=str(path))
         if acks[0].status == "SUCCESS":
             self.gate.set_weights_valid(sid, True)

@@ -59,8 +59,11 @@ class Supervisor:
         self._weight_sources: list[list[str]] = [[] for _ in self.clients]
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._replica_recent: dict[tuple[int, int], list[float]] = {}
         for client in self.clients:
             client.on_death(self._on_death)
+            if hasattr(client, "on_replica_death"):
+                client.on_replica_death(self._on_replica_death)
 
     def observe_control(self, operation: str, acks: list[Ack]) -> None:
         """Control listener: remember what a restart must replay (weight updates)."""
@@ -181,6 +184,84 @@ class Supervisor:
             message = f"{name} is back (pid {client.pid}, {state})"
             log_event(logger, logging.INFO, "stage_restarted", message, **fields)
             return
+
+    # -- one replica of a stage that serves on ---------------------------------------------
+
+    def _on_replica_death(self, stage_id: int, replica_id: int) -> bool:
+        """A replica died while another of its stage lives: the stage serves on (the gate is
+        not told); the replica comes back on its own budget, as it was (awake or asleep),
+        with the stage's weight updates."""
+        client: Any = self.clients[stage_id]
+        replica = client.replicas[replica_id]
+        now = time.monotonic()
+        recent = [
+            t
+            for t in self._replica_recent.get((stage_id, replica_id), [])
+            if now - t < self.policy.window_s
+        ]
+        self._replica_recent[(stage_id, replica_id)] = recent
+        restart = not self._stopped and len(recent) < self.policy.max_restarts
+        level = client.levels[replica_id] if client.states[replica_id] != "awake" else None
+        if any(s.startswith(SYNC_PREFIX) for s in self._weight_sources[stage_id]):
+            level = 2  # pushed weights left with it (see _on_death)
+        name = f"stage {stage_id} ({self.names[stage_id]}) replica {replica_id}"
+        then = "restarting it; the other replicas serve on" if restart else "it stays dead"
+        log_event(
+            logger, logging.ERROR, "stage_died",
+            f"{name} died ({replica.death_reason}); {then}",
+            **self._fields(stage_id, replica_id=replica_id, pid=replica.pid,
+                           reason=replica.death_reason, exit_code=replica.exit_code,
+                           will_restart=restart),
+        )  # fmt: skip
+        if not restart:
+            return False
+        client.restarting.add(replica_id)
+        task = asyncio.get_running_loop().create_task(
+            self._restart_replica(stage_id, replica_id, level)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _restart_replica(self, stage_id: int, replica_id: int, level: int | None) -> None:
+        client: Any = self.clients[stage_id]
+        name = f"stage {stage_id} ({self.names[stage_id]}) replica {replica_id}"
+        recent = self._replica_recent[(stage_id, replica_id)]
+        try:
+            while True:
+                recent.append(time.monotonic())
+                attempt = len(recent)
+                await asyncio.sleep(
+                    min(self.policy.backoff_s * 2 ** (attempt - 1), self.policy.max_backoff_s)
+                )
+                options = StartupOptions(
+                    sleep_level=level, weight_sources=self._weight_sources[stage_id]
+                )
+                started = time.monotonic()
+                try:
+                    await client.restart_replica(replica_id, options)
+                except (StageStartupError, OSError) as exc:
+                    retry = not self._stopped and len(recent) < self.policy.max_restarts
+                    log_event(
+                        logger, logging.ERROR, "stage_restart_failed",
+                        f"{name} failed to restart",
+                        **self._fields(stage_id, replica_id=replica_id, attempt=attempt,
+                                       error=str(exc), will_retry=retry),
+                    )  # fmt: skip
+                    if retry:
+                        continue
+                    return
+                state = "awake" if level is None else f"asleep at level {level}"
+                log_event(
+                    logger, logging.INFO, "stage_restarted",
+                    f"{name} is back (pid {client.replicas[replica_id].pid}, {state})",
+                    **self._fields(stage_id, replica_id=replica_id, attempt=attempt,
+                                   state=state,
+                                   startup_ms=round((time.monotonic() - started) * 1e3, 1)),
+                )  # fmt: skip
+                return
+        finally:
+            client.restarting.discard(replica_id)
 
     def stop(self) -> None:
         """No more restarts; restarts in progress are cancelled."""

@@ -68,9 +68,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument("--mode", choices=SLEEP_MODES, help="What happens to in-flight requests.")
     s.add_argument("--tags", nargs="+", choices=KNOWN_TAGS, help="Only these memory tags.")
+    s.add_argument("--replica-ids", type=int, nargs="+", help="Only these replicas of each stage.")
     w = ops.add_parser("wakeup", parents=[common], help="Wake stages.")
     w.add_argument("stage_ids", type=int, nargs="+", help="Stage ids.")
     w.add_argument("--tags", nargs="+", choices=KNOWN_TAGS, help="Only these memory tags.")
+    w.add_argument("--replica-ids", type=int, nargs="+", help="Only these replicas of each stage.")
     w.add_argument(
         "--no-reload", action="store_true", help="After level 2, leave weights for update-weights."
     )
@@ -108,6 +110,8 @@ def _body(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
             body["mode"] = args.mode
         if args.tags:
             body["tags"] = args.tags
+        if args.replica_ids:
+            body["replica_ids"] = args.replica_ids
         return "POST", "/v1/omni/sleep", body
     if args.op == "wakeup":
         body = {"stage_ids": args.stage_ids}
@@ -117,6 +121,8 @@ def _body(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]:
             body["reload"] = False
         if args.no_resume:
             body["resume"] = False
+        if args.replica_ids:
+            body["replica_ids"] = args.replica_ids
         return "POST", "/v1/omni/wakeup", body
     if args.op in ("pause", "resume"):
         body = {"stage_ids": args.stage_ids or None}
@@ -160,13 +166,36 @@ def _stage_row(s: dict[str, Any]) -> list[str]:
     ]
 
 
+def _stage_rows(s: dict[str, Any]) -> list[list[str]]:
+    """A stage's row, then one per replica (``STAGE.REPLICA``) for a replicated stage."""
+    rows = [_stage_row(s)]
+    for r in s.get("replicas") or []:
+        rows.append(
+            [
+                f"{s.get('stage_id')}.{r.get('replica_id')}",
+                "replica",
+                str(r.get("state")),
+                "-" if r.get("level") is None else str(r.get("level")),
+                "-",
+                str(r.get("in_flight")),
+                "-",
+                _mib((r.get("memory") or {}).get("resident_bytes")),
+            ]
+        )
+    return rows
+
+
 ACK_HEADER = ["STAGE", "STATUS", "FREED MiB", "LATENCY ms", "GB/s", "TAGS", "ERROR"]
 
 
 def _ack_row(a: dict[str, Any]) -> list[str]:
     meta = a.get("metadata") or {}
+    stage = str(a.get("stage_id"))
+    if a.get("replica_id") is not None:
+        stage += f".{a['replica_id']}"
     return [
-        *_texts(a, "stage_id", "status"),
+        stage,
+        str(a.get("status")),
         _mib(a.get("freed_bytes")),
         f"{float(meta.get('latency_ms') or 0):.1f}",
         f"{float(meta.get('gbps') or 0):.2f}" if meta.get("gbps") else "-",
@@ -178,7 +207,7 @@ def _ack_row(a: dict[str, Any]) -> list[str]:
 def format_response(op: str, data: Any) -> str:
     if op == "status":
         stages = data.get("stages", data) if isinstance(data, dict) else data
-        return table([STAGE_HEADER, *map(_stage_row, stages)])
+        return table([STAGE_HEADER, *(row for s in stages for row in _stage_rows(s))])
     lines = [
         f"status: {data.get('status')}" + (f" ({data['reason']})" if data.get("reason") else "")
     ]

@@ -70,6 +70,7 @@ class Ack(msgspec.Struct):
     stage_id: int
     rank: int = 0
     freed_bytes: int = 0
+    replica_id: int | None = None  # which of the stage's replicas answered (None: it has one)
     error_msg: str | None = None
     metadata: AckMetadata = msgspec.field(default_factory=AckMetadata)
     rank_acks: list[Ack] = []
@@ -82,6 +83,8 @@ class Ack(msgspec.Struct):
     def to_dict(self) -> dict[str, Any]:
         data = dict(msgspec.to_builtins(self))
         data.pop("rank_acks", None)
+        if data.get("replica_id") is None:
+            data.pop("replica_id", None)
         return data
 
 

@@ -138,6 +138,21 @@ STAGE_SERIES: tuple[tuple[_Family, str, str, Callable[[dict[str, Any]], Any]], .
 )
 
 
+REPLICA_STATES = ("awake", "draining", "asleep", "dead")
+# A replica's own series: name (after ``replica_``), help, and its number in the replica's row.
+REPLICA_SERIES: tuple[tuple[str, str, Callable[[dict[str, Any]], Any]], ...] = (
+    ("in_flight_requests", "Requests the server has in flight at a replica.",
+     lambda row: row.get("in_flight")),
+    ("num_requests_running", "Requests a replica is running now.",
+     lambda row: row.get("num_running")),
+    ("num_requests_waiting", "Requests waiting in a replica's queue.",
+     lambda row: row.get("num_waiting")),
+    ("resident_bytes", "Memory a replica holds now (its arena).",
+     _part("memory", "resident_bytes")),
+    ("released_bytes", "Memory a replica's sleeps gave back.", _part("memory", "released_bytes")),
+)  # fmt: skip
+
+
 class ServerMetrics:
     def __init__(self, model_name: str = "omnistage") -> None:
         self.model_name = model_name
@@ -332,3 +347,30 @@ class StageStateCollector(Collector):
                     metric.add_metric(ids, number)
         yield from (state, sleep)
         yield from (metric for metric, _ in families)
+        yield from self._replicas()
+
+    def _replicas(self) -> Iterator[Metric]:
+        """The replicas of replicated stages (``replicas`` in a stage's status), each series
+        with a ``replica`` label beside ``stage``."""
+        labels = ["model_name", "stage", "replica"]
+        state = GaugeMetricFamily(
+            PREFIX + "replica_state",
+            "1 for the state each replica of a replicated stage is in (awake, draining, "
+            "asleep, dead).",
+            labels=[*labels, "state"],
+        )
+        series = [
+            (GaugeMetricFamily(PREFIX + "replica_" + name, doc, labels=labels), value)
+            for name, doc, value in REPLICA_SERIES
+        ]
+        for row in self.rows:
+            for replica in row.get("replicas") or []:
+                ids = [self.model_name, str(row["stage_id"]), str(replica["replica_id"])]
+                for name in REPLICA_STATES:
+                    state.add_metric([*ids, name], 1.0 if replica["state"] == name else 0.0)
+                for metric, value in series:
+                    number = value(replica)
+                    if number is not None:
+                        metric.add_metric(ids, number)
+        yield state
+        yield from (metric for metric, _ in series)

@@ -196,6 +196,12 @@ class ServerConfig(MediaSettings):
         "one inline medium of --max-media-bytes, base64, plus 1 MiB).",
     )
     max_image_pixels: int | None = stage_flag("max_image_pixels")
+    stage_replicas: list[str] | None = Field(
+        default=None,
+        description="STAGE=N entries: run stage STAGE (its id or name) as N replicas, each a "
+        "process of its own with its own weights, requests balanced over them (a pipeline "
+        "file's replicas: N).",
+    )
     max_stage_restarts: int = Field(
         default=3,
         ge=0,
@@ -293,7 +299,7 @@ class ServerConfig(MediaSettings):
         and checks what can be checked before a stage starts (``ConfigError``)."""
         from omnistage.stage.kinds import preflight
 
-        config = self._pipeline_config(on_build)
+        config = with_replicas(self._pipeline_config(on_build), self.stage_replicas or [])
         preflight(config)
         return config
 
@@ -318,6 +324,32 @@ class ServerConfig(MediaSettings):
             ensure_models(config, on_build)  # type: ignore[arg-type]
             return config
         return load_pipeline(self.pipeline or "tiny-omni", on_build=on_build, **overrides)  # type: ignore[arg-type]
+
+
+def with_replicas(config: PipelineConfig, entries: list[str]) -> PipelineConfig:
+    """``config`` with the replica counts of ``--stage-replicas`` (``STAGE=N``, STAGE a stage
+    id or display name; ``ConfigError`` naming the flag)."""
+    from omnistage.config import ConfigError
+
+    if not entries:
+        return config
+    stages = list(config.stages)
+    for entry in entries:
+        key, sep, count = entry.partition("=")
+        named = [s for s in stages if key.strip() in (str(s.stage_id), s.name, s.display_name)]
+        if not sep or not count.strip().isdigit() or len(named) != 1:
+            raise ConfigError(
+                f"--stage-replicas: {entry!r} is not STAGE=N with STAGE one stage's id or name "
+                f"({[s.display_name for s in stages]})"
+            )
+        stage = named[0]
+        try:
+            stages[stage.stage_id] = StageConfig.model_validate(
+                {**stage.model_dump(exclude_unset=True), "replicas": int(count)}
+            )
+        except ValueError as exc:
+            raise ConfigError(f"--stage-replicas: {entry!r}: {exc}") from None
+    return config.model_copy(update={"stages": stages})
 
 
 def _pipeline_name(path: str) -> str:

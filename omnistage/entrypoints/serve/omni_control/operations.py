@@ -109,14 +109,18 @@ async def sleep_stages(
     *,
     mode: str | None = None,
     tags: Sequence[str] | None = None,
+    replica_ids: Sequence[int] | None = None,
 ) -> OmniControlResponse:
-    """Sleep ``stage_ids``; SKIPPED when every one was asleep already."""
+    """Sleep ``stage_ids`` (``replica_ids``: those replicas of each); SKIPPED when every one
+    was asleep already."""
     require_capability(engine_client, "sleep")
     check_stage_ids(engine_client, stage_ids)
     try:
         acks = normalize_acks(
             await engine_client.sleep(
-                stage_ids=stage_ids, level=level, **_sent(mode=mode, tags=tags)
+                stage_ids=stage_ids,
+                level=level,
+                **_sent(mode=mode, tags=tags, replica_ids=replica_ids),
             )
         )
     finally:  # an engine with its own truth may have slept some stages before failing
@@ -133,17 +137,20 @@ async def wake_stages(
     tags: Sequence[str] | None = None,
     reload: bool | None = None,
     resume: bool | None = None,
+    replica_ids: Sequence[int] | None = None,
 ) -> OmniControlResponse:
-    """Wake ``stage_ids`` if any of them sleeps, else SKIPPED without calling the engine."""
+    """Wake ``stage_ids`` if any of them sleeps, else SKIPPED without calling the engine
+    (with ``replica_ids`` the engine is asked: a replica may sleep in a stage that serves)."""
     require_capability(engine_client, "wake_up")
     check_stage_ids(engine_client, stage_ids)
-    if not states.sleeping_stage_ids() & set(stage_ids):
+    if replica_ids is None and not states.sleeping_stage_ids() & set(stage_ids):
         acks = skipped_acks(stage_ids, "not asleep")
         return OmniControlResponse(status="SKIPPED", acks=acks, reason=NOT_SLEEPING)
     try:
         acks = normalize_acks(
             await engine_client.wake_up(
-                stage_ids=stage_ids, **_sent(tags=tags, reload=reload, resume=resume)
+                stage_ids=stage_ids,
+                **_sent(tags=tags, reload=reload, resume=resume, replica_ids=replica_ids),
             )
         )
     finally:

@@ -63,6 +63,7 @@ def _one_of(values: tuple[Any, ...]) -> Any:
 
 
 StageId = Annotated[StrictInt, Field(ge=0)]
+ReplicaIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
 SleepLevel = Annotated[StrictInt, _checked(check_level), _one_of(SLEEP_LEVELS)]
 QuerySleepLevel = Annotated[int, _checked(check_level), _one_of(SLEEP_LEVELS)]  # "?level=2"
 SleepMode = Annotated[StrictStr, _checked(check_mode), _one_of(SLEEP_MODES)]
@@ -88,6 +89,9 @@ class ControlRequest(BaseModel):
 class OmniSleepRequest(ControlRequest):
     """Body of ``POST /v1/omni/sleep``.
 
+    ``replica_ids`` (omnistage's): only those replicas of each stage; a stage that serves on
+    its other replicas stays awake.
+
     ``level``: 1 offloads weights to host memory and discards the KV cache, 2 discards both
     (wake reloads weights from the checkpoint), 0 pauses scheduling only. ``mode`` says what
     happens to requests in flight (engine default: ``abort``); ``tags`` limits which memory is
@@ -98,10 +102,13 @@ class OmniSleepRequest(ControlRequest):
     level: SleepLevel = DEFAULT_SLEEP_LEVEL
     mode: SleepMode | None = None
     tags: MemoryTags | None = None
+    replica_ids: ReplicaIds | None = None
 
 
 class OmniWakeupRequest(ControlRequest):
     """Body of ``POST /v1/omni/wakeup``.
+
+    ``replica_ids`` (omnistage's): only those replicas of each stage.
 
     ``tags`` wakes only that memory (engine default: all); ``reload: false`` leaves level-2
     weights invalid for the caller to push new ones (``update_weights``); ``resume: false`` keeps
@@ -112,6 +119,7 @@ class OmniWakeupRequest(ControlRequest):
     tags: MemoryTags | None = None
     reload: StrictBool | None = None
     resume: StrictBool | None = None
+    replica_ids: ReplicaIds | None = None
 
 
 class OmniPauseRequest(ControlRequest):

@@ -57,8 +57,9 @@ async def omni_sleep(
     """Put ``stage_ids`` to sleep at ``level``; they are recorded as sleeping."""
     _warn_ignored("/v1/omni/sleep", body)
     return await sleep_stages(
-        engine_client, states, body.stage_ids, body.level, mode=body.mode, tags=body.tags
-    )
+        engine_client, states, body.stage_ids, body.level, mode=body.mode, tags=body.tags,
+        replica_ids=body.replica_ids,
+    )  # fmt: skip
 
 
 @router.post("/wakeup", response_model_exclude_none=True)
@@ -74,6 +75,7 @@ async def omni_wakeup(
         tags=body.tags,
         reload=body.reload,
         resume=body.resume,
+        replica_ids=body.replica_ids,
     )
 
 
