@@ -22,8 +22,8 @@ from omnistage.engine.replicas import (
 from omnistage.engine.stage_client import StageClient
 from omnistage.entrypoints.openai.server_config import with_replicas
 from omnistage.stage.ar.sampling_params import SamplingParams
-from omnistage.stage.control import make_ack
 from omnistage.stage.ar.wire import ARStageRequest
+from omnistage.stage.control import make_ack
 
 
 def _stage(**extra) -> StageConfig:
@@ -142,8 +142,10 @@ def test_each_replica_has_its_own_device() -> None:
 
 def test_replicas_beyond_the_cores_or_devices_are_refused() -> None:
     pipeline = PipelineConfig(
-        stages=[_stage(), StageConfig(stage_id=1, kind="ar", model="m", replicas=2,
-                                      torch_threads=2)]  # fmt: skip
+        stages=[
+            _stage(),
+            StageConfig(stage_id=1, kind="ar", model="m", replicas=2, torch_threads=2),
+        ]  # fmt: skip
     )
     check_replicas(pipeline, on_cpu_cores=4, cuda_devices=0)
     with pytest.raises(ConfigError, match=r"stages\.1\.replicas: 2 replicas x 1 ranks x 2"):
