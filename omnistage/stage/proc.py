@@ -143,13 +143,20 @@ COMM_MAX = 15  # /proc/<pid>/comm holds 15 characters
 
 
 def process_title(config: StageConfig) -> str:
-    """``omnistage-stage<id>-<display name>``: what ``ps`` shows for the stage's process."""
-    return f"omnistage-stage{config.stage_id}-{config.display_name}"
+    """``omnistage-stage<id>-<display name>``: what ``ps`` shows for the stage's process
+    (``omnistage-stage<id>.<replica>-<display name>`` for a replica of a replicated stage)."""
+    return f"omnistage-stage{_stage_label(config)}-{config.display_name}"
+
+
+def _stage_label(config: StageConfig) -> str:
+    if config.replicas > 1:
+        return f"{config.stage_id}.{config.replica_id}"
+    return str(config.stage_id)
 
 
 def short_name(config: StageConfig) -> str:
     """The 15-character process name (``comm``: ``top``, ``ps -e``): ``stage0-thinker``."""
-    return f"stage{config.stage_id}-{config.display_name}"[:COMM_MAX]
+    return f"stage{_stage_label(config)}-{config.display_name}"[:COMM_MAX]
 
 
 def set_process_title(title: str, short: str | None = None) -> None:
