@@ -270,7 +270,7 @@ class LocalProcessLauncher:
 
     def launch(self, config: StageConfig, options: StartupOptions) -> ProcessStageHandle:
         spawned = None
-        if options == StartupOptions():
+        if options == StartupOptions() and config.replica_id == 0:  # prestart's: replica 0's
             spawned = self.prestarted.pop(config.stage_id, None)
         return ProcessStageHandle(
             config,

@@ -29,14 +29,17 @@ from omnistage.stage.startup import (
 
 def uses_ray(pipeline: PipelineConfig, backend: str = "mp") -> bool:
     """Whether the pipeline's stages start as Ray actors: the backend says so, or a stage
-    has a ``placement``."""
+    has a ``placement`` (or ``replica_placements``)."""
     if backend not in ("mp", "ray"):
         raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
-    return backend == "ray" or any(s.placement is not None for s in pipeline.stages)
+    return backend == "ray" or any(
+        s.placement is not None or s.replica_placements is not None for s in pipeline.stages
+    )
 
 
 def stage_threads(stage: StageConfig, num_stages: int) -> int:
-    """A stage's torch threads: its ``torch_threads``, else an equal share of the cores."""
+    """A stage's torch threads: its ``torch_threads``, else an equal share of the cores
+    among ``num_stages`` stage processes (every replica counts)."""
     return stage.torch_threads or max(1, (os.cpu_count() or 1) // num_stages)
 
 
@@ -95,10 +98,13 @@ def prestart(pipeline: PipelineConfig) -> dict[int, SpawnedStage]:
     """Spawn every stage of ``pipeline`` (fresh, awake) now; a ``LocalProcessLauncher`` given
     the result takes them over instead of spawning them again."""
     spawned: dict[int, SpawnedStage] = {}
+    num_processes = sum(stage.replicas for stage in pipeline.stages)
     try:
-        for stage in pipeline.stages:
-            threads = stage_threads(stage, len(pipeline.stages))
-            spawned[stage.stage_id] = spawn_stage(stage, StartupOptions(), threads)
+        for stage in pipeline.stages:  # a replicated stage's first replica (the others: later)
+            threads = stage_threads(stage, num_processes)
+            spawned[stage.stage_id] = spawn_stage(
+                stage.replica_config(0), StartupOptions(), threads
+            )
     except BaseException:
         for stage_process in spawned.values():
             stage_process.discard()
