@@ -152,6 +152,12 @@ class StageConfig(Frozen):
         description="On CUDA, each replica's device ('cuda:N'; a replica's TP ranks follow it); "
         "unset: replica i starts at the stage's device plus i x tensor_parallel_size.",
     )
+    replica_placements: list[Placement] | None = Field(
+        default=None,
+        description="Ray: each replica's placement, overriding `placement` for that replica "
+        "(one per replica, e.g. one per node); unset: every replica asks for `placement`, and "
+        "Ray spreads them over the nodes that can hold them.",
+    )
     replica_id: int = Field(
         default=0,
         ge=0,
@@ -239,6 +245,11 @@ class StageConfig(Frozen):
     def _check_replicas(self) -> None:
         if self.replica_id >= self.replicas:
             raise ValueError(f"replica_id {self.replica_id} is not below replicas {self.replicas}")
+        placements = self.replica_placements
+        if placements is not None and len(placements) != self.replicas:
+            raise ValueError(
+                f"replica_placements: {len(placements)} placements for {self.replicas} replicas"
+            )
         devices = self.replica_devices
         if devices is None:
             return
@@ -262,11 +273,18 @@ class StageConfig(Frozen):
                 )
 
     def replica_config(self, replica_id: int) -> StageConfig:
-        """The config of replica ``replica_id``'s process: this one, on its own device."""
+        """The config of replica ``replica_id``'s process: this one, on its own device, with
+        its own Ray placement (``replica_placements``). A replica whose placement asks Ray for
+        GPUs keeps the stage's device: Ray hands each replica its own GPUs, which it sees from
+        ``cuda:0`` on."""
         update: dict[str, Any] = {"replica_id": replica_id}
+        placement = self.placement
+        if self.replica_placements is not None:
+            placement = update["placement"] = self.replica_placements[replica_id]
+        ray_gpus = placement is not None and placement.num_gpus > 0
         if self.replica_devices is not None:
             update["device"] = self.replica_devices[replica_id]
-        elif self.device.startswith("cuda") and replica_id:
+        elif self.device.startswith("cuda") and replica_id and not ray_gpus:
             base = int(self.device.partition(":")[2] or 0)
             update["device"] = f"cuda:{base + replica_id * self.tensor_parallel_size}"
         return self.model_copy(update=update)
