@@ -9,6 +9,12 @@ actor, which serves the stage exactly as a stage process does (``proc.serve_stag
 messages, heartbeats, ACKs, so admission, the control plane, supervision and metrics are the
 ones of local processes. A rank-0 actor starts its other ranks as processes on its node.
 
+Replicas (``replicas: N``) are launched one by one, each in a placement group of its own: with
+``replica_placements`` each asks for its own; without, each asks for the stage's ``placement``
+and replica i's group is steered to a node (``spread_node``) — node i mod k of the k live nodes
+whose resources could hold the group, in node-id order — softly: when that node has no room at
+the moment, Ray places the group on another, so a one-node cluster holds them all.
+
 Ray is an optional dependency (``pip install 'omnistage[ray]'``): only this module imports it,
 and only when a pipeline asks for Ray.
 """
@@ -34,15 +40,13 @@ from omnistage.stage.ar.ray_ranks import ActorRank
 from omnistage.stage.handoff import SOCKET
 from omnistage.stage.startup import StartupOptions, encode_startup
 
-ACTOR_NAME_PREFIX = "omnistage-stage"
-
 
 def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
         raise StageStartupError(
-            "this pipeline runs on Ray (a stage has 'placement', or "
+            "this pipeline runs on Ray (a stage has 'placement' or 'replica_placements', or "
             "--distributed-executor-backend ray) but ray is not installed: "
             "pip install 'omnistage[ray]'"
         ) from exc
@@ -159,28 +163,90 @@ class RayStageHandle(ProcessStageHandle):
             watcher.join(5.0)
 
 
+def spread_node(
+    nodes: list[dict[str, Any]], config: StageConfig, bundle: dict[str, float]
+) -> str | None:
+    """The node a replica's placement group is steered to (softly) when its stage runs several
+    replicas with no ``replica_placements``: of the live ``nodes`` (``ray.nodes()``) whose
+    resources could hold the stage's ``tensor_parallel_size`` bundles, in node-id order, the
+    one at ``replica_id`` modulo their number (None: one replica, placements given, or no such
+    node, where Ray alone chooses)."""
+    if config.replicas == 1 or config.replica_placements is not None:
+        return None
+    need = {key: value * config.tensor_parallel_size for key, value in bundle.items() if value}
+    fit = sorted(
+        str(node["NodeID"])
+        for node in nodes
+        if node.get("Alive")
+        and all(node.get("Resources", {}).get(key, 0) >= value for key, value in need.items())
+    )
+    return fit[config.replica_id % len(fit)] if fit else None
+
+
+def stage_bundle(config: StageConfig) -> dict[str, float]:
+    """What each rank of the stage (of the replica) asks Ray for: its ``placement``."""
+    placement = config.placement
+    gpus = placement.num_gpus if placement else 0.0
+    return {
+        "CPU": placement.num_cpus if placement else 1.0,
+        **({"GPU": gpus} if gpus else {}),
+        **(placement.resources if placement else {}),
+    }
+
+
+SPREAD_SETTLE_S = 2.0  # how long a replica's group asks again for its node (see below)
+
+
+def placement_group_for(ray: Any, config: StageConfig, ready_timeout_s: float) -> Any:
+    """The stage's (replica's) placement group, ready: one ``stage_bundle`` per rank, packed on
+    one node (``STRICT_PACK``), steered to ``spread_node``'s node for a replica to spread.
+
+    A replica that comes back after a death asks for the node it had; Ray releases the group
+    of its last life asynchronously (~0.1 s), and a soft target without room at that moment
+    lands elsewhere: a group placed off its target is given back and asked for again, for up
+    to ``SPREAD_SETTLE_S``, then taken wherever Ray put it."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    bundle = stage_bundle(config)
+    bundles = [bundle] * config.tensor_parallel_size
+    target = spread_node(ray.nodes(), config, bundle)
+    hint = {} if target is None else {"_soft_target_node_id": target}
+    settle_by = time.monotonic() + SPREAD_SETTLE_S
+    while True:
+        group = placement_group(bundles, strategy="STRICT_PACK", **hint)
+        try:
+            ray.get(group.ready(), timeout=ready_timeout_s)
+        except Exception as exc:
+            ray.util.remove_placement_group(group)
+            which = f"stage {config.stage_id}"
+            if config.replicas > 1:
+                which += f" replica {config.replica_id}"
+            raise StageStartupError(
+                f"{which}: no Ray node offers {bundle} x "
+                f"{config.tensor_parallel_size} (placement) within {ready_timeout_s:g}s"
+            ) from exc
+        if target is None or time.monotonic() >= settle_by:
+            return group
+        if placement_group_table(group)["bundles_to_node_id"].get(0) == target:
+            return group
+        ray.util.remove_placement_group(group)
+        time.sleep(0.1)
+
+
 def spawn_actor(
     config: StageConfig, options: StartupOptions, num_threads: int, ready_timeout_s: float
 ) -> SpawnedStage:
     """Bind the front end's sockets on this node's address and start the stage's actor."""
     ray = ensure_ray()
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from omnistage.stage.proc import process_title
 
     placement = config.placement
     resources = dict(placement.resources) if placement else {}
     cpus = placement.num_cpus if placement else 1.0
     gpus = placement.num_gpus if placement else 0.0
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **resources}
-    group = placement_group([bundle] * config.tensor_parallel_size, strategy="STRICT_PACK")
-    try:
-        ray.get(group.ready(), timeout=ready_timeout_s)
-    except Exception as exc:
-        ray.util.remove_placement_group(group)
-        raise StageStartupError(
-            f"stage {config.stage_id}: no Ray node offers {bundle} x "
-            f"{config.tensor_parallel_size} (placement) within {ready_timeout_s:g}s"
-        ) from exc
+    group = placement_group_for(ray, config, ready_timeout_s)
     host = ray.util.get_node_ip_address()
     ctx: zmq.Context[Any] = zmq.Context()
     to_stage, from_stage = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
@@ -189,7 +255,7 @@ def spawn_actor(
     to_stage.setsockopt(zmq.SNDHWM, 0)
     in_port = to_stage.bind_to_random_port(f"tcp://{host}")
     out_port = from_stage.bind_to_random_port(f"tcp://{host}")
-    name = f"{ACTOR_NAME_PREFIX}{config.stage_id}-{config.display_name}"
+    name = process_title(config)  # omnistage-stage<id>[.<replica>]-<name>
     actor = (
         ray.remote(StageActor)
         .options(

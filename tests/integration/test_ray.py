@@ -1,7 +1,9 @@
 """Stages placed by Ray: a simulated two-node cluster (``ray.cluster_utils.Cluster``, custom
 resources ``node_a`` / ``node_b``) serves tiny-omni with stage 0 pinned to node A and stage 1
 to node B; chat text + image works, the seed's sleep/wake sequence works on both stages, a
-tensor-parallel stage runs its ranks on one node, and shutdown leaves no actor behind.
+tensor-parallel stage runs its ranks on one node, a stage's two replicas run one per node
+(by their replica_placements, or spread by the launcher), both serve, and a killed replica
+comes back while the other serves; shutdown leaves no actor behind.
 One cluster for the module (it takes ~4 s to start)."""
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 import pytest_asyncio  # noqa: E402
 
-from omnistage.config import PipelineConfig  # noqa: E402
+from omnistage.config import PipelineConfig, StageConfig  # noqa: E402
 from omnistage.engine.async_omni import AsyncOmni  # noqa: E402
+from omnistage.engine.supervisor import RestartPolicy  # noqa: E402
+from omnistage.entrypoints.openai.server_config import with_replicas  # noqa: E402
 from omnistage.pipelines import load_pipeline  # noqa: E402
 from tests.integration.helpers import GREEDY, collect  # noqa: E402
 
@@ -122,6 +126,67 @@ async def test_a_tensor_parallel_stage_keeps_its_ranks_on_one_node(cluster):
     finally:
         engine.shutdown()
     assert not [a for a in alive_actors() if a["ActorClassName"] == "RankActor"]
+
+
+def test_each_replicas_group_goes_where_its_placement_or_the_spread_says(cluster):
+    from omnistage.engine.ray_launcher import placement_group_for
+
+    _, node_a, node_b = cluster
+    on_b, on_a = {"resources": {"node_b": 1}}, {"resources": {"node_a": 1}}
+    pinned = StageConfig(
+        stage_id=0, kind="ar", model="m", replicas=2, replica_placements=[on_b, on_a]
+    )
+    spread = StageConfig(stage_id=0, kind="ar", model="m", replicas=2)
+
+    def nodes(stage: StageConfig) -> list[str]:
+        groups = [placement_group_for(ray, stage.replica_config(i), 30) for i in range(2)]
+        try:
+            return [ray.util.placement_group_table(g)["bundles_to_node_id"][0] for g in groups]
+        finally:
+            for group in groups:
+                ray.util.remove_placement_group(group)
+
+    assert nodes(pinned) == [node_b, node_a]
+    assert nodes(spread) == sorted([node_a, node_b])  # replica i on node i, in node-id order
+
+
+async def until(condition, timeout_s: float, what: str) -> None:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
+        await asyncio.sleep(0.05)
+
+
+async def test_replicas_spread_over_the_nodes_and_one_killed_comes_back(cluster):
+    _, node_a, node_b = cluster
+    config = with_replicas(load_pipeline("tiny-chat", torch_threads=1), ["0=2"])  # no placement
+    fast = RestartPolicy(max_restarts=5, window_s=600, backoff_s=0.05, max_backoff_s=0.2)
+    engine = AsyncOmni.from_config(config, distributed_executor_backend="ray", restart_policy=fast)
+    try:
+        client = engine.clients[0]
+        spread = [r._handle.node_id for r in client.replicas]
+        assert spread == sorted([node_a, node_b])  # one per node (the launcher's spread)
+        results = await asyncio.gather(
+            *(collect(engine, f"hello {i}", request_id=f"across-{i}") for i in range(4))
+        )
+        assert all(r.token_ids for r in results)
+        assert {client.placed(f"across-{i}") for i in range(4)} == {0, 1}  # both nodes served
+        pid = client.replicas[1].pid
+        os.kill(pid, signal.SIGKILL)
+        await until(lambda: client.replicas[1].is_dead, 30, "the death noticed")
+        assert (await collect(engine, "one replica left", request_id="left")).token_ids
+        assert client.placed("left") == 0 and engine.gate.stages[0].state == "awake"
+        await until(lambda: not client.replicas[1].is_dead and 1 not in client.restarting, 60,
+                    "the replica back")  # fmt: skip
+        assert client.replicas[1].pid != pid
+        assert client.replicas[1]._handle.node_id == spread[1]  # back on its node
+        results = await asyncio.gather(
+            *(collect(engine, f"again {i}", request_id=f"again-{i}") for i in range(4))
+        )
+        assert all(r.token_ids for r in results)
+        assert {client.placed(f"again-{i}") for i in range(4)} == {0, 1}
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_leaves_no_actor_behind(omni, cluster):
