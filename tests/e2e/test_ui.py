@@ -1,9 +1,11 @@
 """The console and playground at /ui, in a real headless Chromium (the DevTools protocol over a
-pipe, ``tests/e2e/browser.py``) on one ``tiny-omni`` server with an API key and a control key:
-without the key the page shows its login prompt and no data; signed in, both stages awake;
-sleep stage 1 at level 2 and see its state and released memory within 2 s, wake it; a level
-typed by hand that the server refuses shows the server's 400; a chat gets its reply, and its
-picture; and a three-stage pipeline (``tiny-qwen3-omni``) fits a 1280 px window. A screenshot of
+pipe, ``tests/e2e/browser.py``) on one ``tiny-omni`` server with an API key and a control key,
+its image decoder run as two replicas (``--stage-replicas 1=2``): without the key the page shows
+its login prompt and no data; signed in, both stages awake; sleep stage 1 at level 2 and see its
+state and released memory within 2 s, wake it; a level typed by hand that the server refuses
+shows the server's 400; one replica of stage 1 sleeps and wakes from its own row while the stage
+stays awake; a chat gets its reply, and its picture; and a three-stage pipeline
+(``tiny-qwen3-omni``) fits a 1280 px window. A screenshot of
 each step goes to ``$OMNISTAGE_UI_SCREENSHOTS`` (else pytest's temp folder; the path is
 printed), and each is checked for overflow: no sideways scrolling, nothing out of its card."""
 
@@ -23,7 +25,8 @@ from tests.e2e.server import Server, running_server
 
 API_KEY = "ui-data-key"
 CONTROL_KEY = "ui-control-key"
-STAGE_1 = '.stage[data-stage-id="1"]'
+STAGE_0 = '.stage[data-stage-id="0"]'
+STAGE_1 = '.stage[data-stage-id="1"]'  # two replicas: --stage-replicas 1=2
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +39,8 @@ def server() -> Iterator[Server]:
         API_KEY,
         "--control-api-key",
         CONTROL_KEY,
+        "--stage-replicas",
+        "1=2",
     ) as server:
         yield server
 
@@ -196,6 +201,66 @@ def test_a_level_the_server_refuses_shows_its_400(page: Page, server: Server, sh
     assert page.eval(f"document.querySelector('{STAGE_1}').dataset.state") == "awake"
     snap(page, shots / "05-level-7-refused.png")
     page.type(f"{STAGE_1} input.level", "2")
+
+
+def replica(i: int) -> str:
+    return f'{STAGE_1} .replica[data-replica-id="{i}"]'
+
+
+def as_shown(page: Page, n: int) -> str:
+    """``n`` bytes as the page writes them."""
+    return str(page.eval(f"import('./static/dom.js').then((dom) => dom.bytes({n}))"))
+
+
+def test_one_replica_sleeps_and_wakes_from_its_row_while_the_stage_serves(
+    page: Page, server: Server, shots: Path
+) -> None:
+    """Stage 1's card has a row per replica (state, in flight, pid, memory), stage 0's none;
+    *Sleep* on replica 1's row sends ``replica_ids: [1]``: that row says asleep with its memory
+    released while the stage and replica 0 stay awake; *Wake* on the row brings it back."""
+    page.wait_for(f"document.querySelectorAll('{STAGE_1} .replica[data-state=awake]').length === 2")
+    assert page.eval(f"document.querySelectorAll('{STAGE_0} .replicas').length") == 0
+    stages = httpx.get(server.url + "/v1/omni/stages", headers=server.control_headers()).json()
+    for r in stages["stages"][1]["replicas"]:
+        row = replica(r["replica_id"])
+        assert text(page, f"{row} .replica-state") == "awake"
+        assert text(page, f"{row} .replica-load") == f"in flight 0 · running 0 · pid {r['pid']}"
+        resident = as_shown(page, r["memory"]["resident_bytes"])
+        assert text(page, f"{row} .replica-bytes") == f"{resident} resident · 0 B released"
+
+    page.type(f"{STAGE_1} input.level", "2")
+    page.click(f"{replica(1)} button.replica-sleep")
+    page.wait_for(
+        f"""document.querySelector('{replica(1)}').dataset.state === 'asleep'
+            && document.querySelector('{replica(1)} .replica-state').textContent
+                === 'asleep · level 2'"""
+    )
+    answer = text(page, "#answer")
+    assert '{"stage_ids":[1],"replica_ids":[1],"level":2}' in answer and "HTTP 200" in answer
+    stages = httpx.get(server.url + "/v1/omni/stages", headers=server.control_headers()).json()
+    image = stages["stages"][1]
+    assert image["state"] == "awake"
+    assert [r["state"] for r in image["replicas"]] == ["awake", "asleep"]
+    assert page.eval(f"document.querySelector('{STAGE_1}').dataset.state") == "awake"
+    assert page.eval(f"document.querySelector('{replica(0)}').dataset.state") == "awake"
+    released = as_shown(page, image["replicas"][1]["memory"]["released_bytes"])
+    assert text(page, f"{replica(1)} .replica-bytes") == f"0 B resident · {released} released"
+    assert "weights asleep" in text(page, f"{replica(1)} .replica-load")
+    page.wait_for(
+        "[...document.querySelectorAll('#acks tbody tr')]"
+        ".some((tr) => tr.children[2].textContent === '1.1')"
+    )
+    snap(page, shots / "05a-replica-1-asleep.png")
+
+    page.click(f"{replica(1)} button.replica-wake")
+    page.wait_for(
+        f"""document.querySelector('{replica(1)}').dataset.state === 'awake'
+            && document.querySelector('{replica(1)} .replica-bytes').textContent
+                .endsWith(' 0 B released')"""
+    )
+    assert '{"stage_ids":[1],"replica_ids":[1]}' in text(page, "#answer")
+    assert page.eval(f"document.querySelector('{STAGE_1}').dataset.state") == "awake"
+    snap(page, shots / "05b-replica-1-awake-again.png")
 
 
 def test_a_chat_in_the_playground_gets_the_servers_reply(
