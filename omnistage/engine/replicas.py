@@ -362,31 +362,7 @@ class ReplicatedStageClient:
             }
 
         each = await asyncio.gather(*(one(i) for i in targets))
-        first = next((e for e in each if e["state"] != DEAD), each[0])
-        summary = {
-            k: v
-            for k, v in first.items()
-            if k not in ("replica_id", "state", "level", "pid", "in_flight", "restarting")
-        }
-        for key in ("num_running", "num_waiting"):  # the stage's: its replicas' together
-            values = [e[key] for e in each if isinstance(e.get(key), int)]
-            if values:
-                summary[key] = sum(values)
-        memories = [e["memory"] for e in each if isinstance(e.get("memory"), dict)]
-        if memories:
-            summary["memory"] = {
-                **memories[0],
-                **{
-                    key: sum(int(m.get(key, 0)) for m in memories)
-                    for key in (
-                        "reserved_bytes",
-                        "resident_bytes",
-                        "released_bytes",
-                        "backup_bytes",
-                    )
-                },  # fmt: skip
-            }
-        return {**summary, "replicas": each}
+        return {**summarized([e for e in each if e["state"] != DEAD] or each), "replicas": each}
 
 
 _TRANSFER_OPS = (
@@ -395,6 +371,41 @@ _TRANSFER_OPS = (
     ops.ReceiveWeights,
     ops.FinishWeightUpdate,
 )
+
+
+_BYTES = ("reserved_bytes", "resident_bytes", "released_bytes", "backup_bytes")
+_REPLICA_ONLY = ("replica_id", "state", "level", "pid", "in_flight", "restarting")
+
+
+def summarized(each: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stage's status from its replicas': queues and memory summed (per tag too), what
+    is asleep or invalid only what is so on every replica (the stage serves while one
+    serves), the rest as the first replica has it."""
+    summary = {k: v for k, v in each[0].items() if k not in _REPLICA_ONLY}
+    for key in ("num_running", "num_waiting"):
+        values = [e[key] for e in each if isinstance(e.get(key), int)]
+        if values:
+            summary[key] = sum(values)
+    for key in ("is_sleeping", "weights_valid"):
+        values = [e[key] for e in each if isinstance(e.get(key), bool)]
+        if values:
+            summary[key] = all(values) if key == "is_sleeping" else any(values)
+    tag_lists = [e["sleeping_tags"] for e in each if isinstance(e.get("sleeping_tags"), list)]
+    if tag_lists:
+        summary["sleeping_tags"] = [t for t in tag_lists[0] if all(t in ts for ts in tag_lists)]
+    memories = [e["memory"] for e in each if isinstance(e.get("memory"), dict)]
+    if memories:
+        memory = {**memories[0], **{k: sum(int(m.get(k, 0)) for m in memories) for k in _BYTES}}
+        tags: dict[str, dict[str, Any]] = {}
+        for m in memories:
+            for tag, stats in (m.get("tags") or {}).items():
+                into = tags.setdefault(tag, {**stats, **dict.fromkeys(_BYTES, 0)})
+                for k in _BYTES:
+                    into[k] += int(stats.get(k, 0))
+                into["is_asleep"] = into.get("is_asleep", True) and bool(stats.get("is_asleep"))
+        memory["tags"] = tags
+        summary["memory"] = memory
+    return summary
 
 
 def _acks_op(op: ops.ControlOp) -> bool:

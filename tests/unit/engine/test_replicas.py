@@ -163,3 +163,32 @@ def test_the_serve_flag_sets_a_stages_replicas() -> None:
     for bad in ("thinker", "nobody=2", "0=x", "0=0"):
         with pytest.raises(ConfigError, match="--stage-replicas"):
             with_replicas(pipeline, [bad])
+
+
+def test_the_stages_status_sums_its_replicas_and_is_asleep_only_where_all_are() -> None:
+    from omnistage.engine.replicas import summarized
+
+    def replica(asleep: bool, resident: int) -> dict:
+        weights = {"reserved_bytes": 10, "resident_bytes": resident, "released_bytes": 10 - resident,
+                   "backup_bytes": 0, "is_asleep": asleep, "is_valid": True}  # fmt: skip
+        return {
+            "replica_id": 0, "state": "asleep" if asleep else "awake", "num_running": 2,
+            "num_waiting": 1, "is_sleeping": asleep, "weights_valid": not asleep,
+            "sleeping_tags": ["weights"] if asleep else [], "tensor_parallel_size": 1,
+            "memory": {"tags": {"weights": weights}, "reserved_bytes": 10,
+                       "resident_bytes": resident, "released_bytes": 10 - resident,
+                       "backup_bytes": 0},
+        }  # fmt: skip
+
+    half = summarized([replica(True, 0), replica(False, 10)])
+    assert (half["num_running"], half["num_waiting"], half["tensor_parallel_size"]) == (4, 2, 1)
+    assert not half["is_sleeping"] and half["weights_valid"] and half["sleeping_tags"] == []
+    assert half["memory"]["resident_bytes"] == 10 and half["memory"]["reserved_bytes"] == 20
+    assert half["memory"]["tags"]["weights"]["released_bytes"] == 10
+    assert not half["memory"]["tags"]["weights"]["is_asleep"]
+    assert "replica_id" not in half and "state" not in half
+    both = summarized([replica(True, 0), replica(True, 0)])
+    assert (
+        both["is_sleeping"] and not both["weights_valid"] and both["sleeping_tags"] == ["weights"]
+    )
+    assert both["memory"]["tags"]["weights"]["is_asleep"]
