@@ -107,7 +107,12 @@ class AsyncOmni:
                         f"stages.{stage.stage_id}.stream: processor {stage.input_processor!r} "
                         "cannot stream its input; set stream: false"
                     )
-        check_replicas(config, on_cpu_cores=os.cpu_count() or 1, cuda_devices=_cuda_devices())
+        on_ray = (
+            launcher is None and not in_process and uses_ray(config, distributed_executor_backend)
+        )
+        check_replicas(
+            config, on_cpu_cores=os.cpu_count() or 1, cuda_devices=_cuda_devices(), on_ray=on_ray
+        )
         if launcher is None:
             num_processes = sum(stage.replicas for stage in config.stages)
             threads = lambda stage: stage_threads(stage, num_processes)  # noqa: E731

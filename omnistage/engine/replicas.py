@@ -430,13 +430,19 @@ def rolled_up(acks: list[Ack]) -> list[Ack]:
     return acks
 
 
-def check_replicas(pipeline: Any, *, on_cpu_cores: int, cuda_devices: int) -> None:
+def check_replicas(
+    pipeline: Any, *, on_cpu_cores: int, cuda_devices: int, on_ray: bool = False
+) -> None:
     """Each stage's replicas fit what it is given (``ConfigError`` naming the key): on the
     CPU, ``replicas`` x ``tensor_parallel_size`` x ``torch_threads`` (when set) within the
     machine's cores; on CUDA, ``replicas`` x ``tensor_parallel_size`` devices from the
-    stage's first, within the devices there are (when CUDA is there to count them)."""
+    stage's first, within the devices there are (when CUDA is there to count them). On Ray
+    (``on_ray``) the replicas go where their placements find room: Ray refuses what fits
+    nowhere, and this machine's cores and devices say nothing."""
     from omnistage.config import ConfigError
 
+    if on_ray:
+        return
     for stage in pipeline.stages:
         key = f"stages.{stage.stage_id}.replicas"
         ranks = stage.replicas * stage.tensor_parallel_size

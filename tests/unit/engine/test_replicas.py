@@ -154,6 +154,7 @@ def test_replicas_beyond_the_cores_or_devices_are_refused() -> None:
     check_replicas(gpu, on_cpu_cores=1, cuda_devices=5)
     with pytest.raises(ConfigError, match=r"stages\.0\.replicas: .* up to cuda:4; there are 4"):
         check_replicas(gpu, on_cpu_cores=1, cuda_devices=4)
+    check_replicas(gpu, on_cpu_cores=1, cuda_devices=1, on_ray=True)  # Ray places them
 
 
 def test_the_serve_flag_sets_a_stages_replicas() -> None:
