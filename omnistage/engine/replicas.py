@@ -31,6 +31,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -118,6 +119,7 @@ class ReplicatedStageClient:
         self._death_callbacks: list[Callable[[int], bool]] = []
         self._replica_death_callbacks: list[ReplicaDeath] = []
         self.restarting: set[int] = set()  # replicas the supervisor is bringing back alone
+        self._sessions: dict[str, list[str]] = {}  # a transfer's session -> each replica's
         for index, replica in enumerate(self.replicas):
             replica.on_death(functools.partial(self._replica_died_at, index))
 
@@ -285,12 +287,8 @@ class ReplicatedStageClient:
         """``op`` on every replica of ``replica_ids`` (None: all) at once: ACKs flat (see the
         module docstring), a status with each replica's, or the first replica's value."""
         targets = self._targets(replica_ids)
-        if isinstance(op, _TRANSFER_OPS):
-            raise errors.InvalidRequestError(
-                "stage_id", f"stage {self.stage_id} runs {len(self.replicas)} replicas: a "
-                "trainer's weight transfer reaches a stage of one; update_weights (a checkpoint "
-                "on disk) reaches every replica"
-            )  # fmt: skip
+        if isinstance(op, (*_TRANSFER_OPS, ops.WeightsChecksum)):
+            return await self._transfer(op)
         if isinstance(op, ops.Status):
             return await self._status(targets)
         if isinstance(op, ops.Sleep):
@@ -325,6 +323,81 @@ class ReplicatedStageClient:
                 result = errors.StageDeadError(self.stage_id, self.replicas[index].death_reason)
             acks += [msgspec.structs.replace(a, replica_id=index) for a in _as_acks(self, result)]
         return rolled_up(acks)
+
+    # -- a trainer's weight transfer: every replica takes the same tensors -----------------
+
+    async def _transfer(self, op: ops.ControlOp) -> Any:
+        """A weight-transfer step on every replica at once (a collective: each replica's
+        rank 0 is a member of the trainer's group, replica ``r`` at rank ``rank_offset + r``);
+        a session is one id here standing for each replica's own."""
+        down = [i for i, r in enumerate(self.replicas) if r.is_dead]
+        if down:
+            raise errors.StageDeadError(self.stage_id, f"replicas {down} are down")
+        each: list[ops.ControlOp] = [op] * len(self.replicas)
+        if isinstance(op, ops.InitWeightTransfer) and op.backend == "nccl":
+            each = self._ranked(op)
+        elif isinstance(op, ops.StartWeightUpdate):
+            if (op.update_info or {}).get("shared_staging"):
+                raise errors.InvalidRequestError(
+                    "update_info.shared_staging", f"stage {self.stage_id} runs "
+                    f"{len(self.replicas)} replicas, each with staging of its own: send the "
+                    "tensors (ipc handles or the nccl group) instead"
+                )  # fmt: skip
+        elif isinstance(op, ops.ReceiveWeights | ops.FinishWeightUpdate | ops.AbortWeightUpdate):
+            sessions = self._sessions.get(op.session) if op.session is not None else None
+            if op.session is not None and sessions is None:
+                raise errors.InvalidRequestError(
+                    "session", "no such update session (it ended, or another one began)"
+                )
+            if sessions is not None:
+                each = [msgspec.structs.replace(op, session=own) for own in sessions]
+        results = await asyncio.gather(
+            *(r.call(o) for r, o in zip(self.replicas, each, strict=True)), return_exceptions=True
+        )
+        if isinstance(op, ops.FinishWeightUpdate):
+            if all(isinstance(r, BaseException) for r in results):
+                raise results[0]  # type: ignore[misc]
+            acks: list[Ack] = []
+            for index, result in enumerate(results):
+                acks += [
+                    msgspec.structs.replace(a, replica_id=index) for a in _as_acks(self, result)
+                ]
+            return rolled_up(acks)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        if isinstance(op, ops.WeightsChecksum):
+            sums = [str(r) for r in results]
+            return sums[0] if len(set(sums)) == 1 else "replicas differ: " + ",".join(sums)
+        first = results[0]
+        if isinstance(op, ops.StartWeightUpdate) and isinstance(first, dict):
+            own = [r.get("session") if isinstance(r, dict) else None for r in results]
+            if all(isinstance(o, str) for o in own):
+                session = secrets.token_hex(16)
+                self._sessions[session] = [str(o) for o in own]
+                while len(self._sessions) > 16:
+                    self._sessions.pop(next(iter(self._sessions)))
+                first = {**first, "session": session}
+        return first
+
+    def _ranked(self, op: ops.InitWeightTransfer) -> list[ops.ControlOp]:
+        """Each replica's ``init`` in the trainer's group: its own rank after the first's."""
+        info = dict(op.init_info or {})
+        offset = info.get("rank_offset", 1)
+        size = info.get("world_size", 2)
+        if isinstance(offset, int) and isinstance(size, int):
+            needed = offset + len(self.replicas)
+            if size < needed:
+                raise errors.InvalidRequestError(
+                    "init_info.world_size", f"is {size}; stage {self.stage_id}'s "
+                    f"{len(self.replicas)} replicas each join the group (ranks {offset} to "
+                    f"{needed - 1}): at least {needed}"
+                )  # fmt: skip
+            return [
+                msgspec.structs.replace(op, init_info={**info, "rank_offset": offset + i})
+                for i in range(len(self.replicas))
+            ]
+        return [op] * len(self.replicas)
 
     def _settle(self, op: ops.ControlOp, answered: dict[int, Any]) -> None:
         """Each replica's sleep state from its answer."""
@@ -370,6 +443,7 @@ _TRANSFER_OPS = (
     ops.StartWeightUpdate,
     ops.ReceiveWeights,
     ops.FinishWeightUpdate,
+    ops.AbortWeightUpdate,
 )
 
 

@@ -88,6 +88,7 @@ class WeightSender:
             base_url=self.base_url, headers=headers, timeout=timeout_s + HTTP_MARGIN_S
         )
         self._session: str | None = None  # the stage's id of the update in progress
+        self.replicas = 1  # the stage's processes, learnt at init
         self._group: Any = None
         self._store: Any = None
         self._segment: shared_memory.SharedMemory | None = None  # ipc: reused, faulted in once
@@ -110,33 +111,44 @@ class WeightSender:
 
     # -- the protocol ----------------------------------------------------------------------
 
+    def _stage_replicas(self) -> int:
+        """How many processes run the stage (its replicas; each joins the group)."""
+        reply = self._http.get("/v1/omni/stages")
+        if reply.status_code != 200:
+            raise WeightSyncError(f"GET /v1/omni/stages: {reply.status_code} {reply.text}")
+        stages = reply.json()["stages"]
+        stage: dict[str, Any] = next((s for s in stages if s.get("stage_id") == self.stage_id), {})
+        return len(stage.get("replicas") or [None])
+
     def init(self, *, abort_open: bool = False) -> None:
-        """Join the stage (``nccl``: rank 0 of a group of two, on CPU through gloo);
-        ``abort_open`` discards an update session left open on the stage."""
+        """Join the stage (``nccl``: rank 0 of a group with each of the stage's replicas, on
+        CPU through gloo); ``abort_open`` discards an update session left open on the stage."""
         body: dict[str, Any] = {"backend": self.backend, "init_info": {}, "abort_open": abort_open}
+        self.replicas = self._stage_replicas()
         if self.backend == "ipc":
             self._post("/v1/omni/weights/init", body)
             return
         import torch.distributed as dist
 
+        size = 1 + self.replicas
         body["init_info"] = {
             "master_address": self.master_address,
             "master_port": self.master_port,
             "rank_offset": 1,
-            "world_size": 2,
+            "world_size": size,
             "timeout_s": self.timeout_s,
         }
         timeout = datetime.timedelta(seconds=self.timeout_s)
         self._store = dist.TCPStore(
-            self.master_address, self.master_port, 2, is_master=True, timeout=timeout,
+            self.master_address, self.master_port, size, is_master=True, timeout=timeout,
             wait_for_workers=False,
         )  # fmt: skip
         reply = self._in_background(lambda: self._post("/v1/omni/weights/init", body))
         if torch.cuda.is_available():
             nccl = dist.ProcessGroupNCCL
-            self._group = nccl(self._store, 0, 2, nccl.Options())
+            self._group = nccl(self._store, 0, size, nccl.Options())
         else:
-            self._group = dist.ProcessGroupGloo(self._store, 0, 2, timeout)
+            self._group = dist.ProcessGroupGloo(self._store, 0, size, timeout)
         reply.result()
 
     def send(
@@ -154,7 +166,10 @@ class WeightSender:
             check_weight_version(weight_version)  # before anything moves
         tensors = [(name, t.detach().contiguous()) for name, t in named_tensors]
         info = _describe(tensors)
-        info.shared_staging = self.backend == "ipc" and not any(t.is_cuda for _, t in tensors)
+        # Written straight into the stage's staging when it has one (a stage of one process).
+        info.shared_staging = (
+            self.backend == "ipc" and self.replicas == 1 and not any(t.is_cuda for _, t in tensors)
+        )
         start = {"update_info": info.to_json(), "require_session": True, "abort_open": abort_open}
         started = self._post("/v1/omni/weights/start", start)
         self._session = str(started["session"])

@@ -2,11 +2,14 @@
 image-decoder=2``): ``/v1/omni/stages`` lists each replica; ``/v1/omni/sleep`` and
 ``/v1/omni/wakeup`` with ``replica_ids`` answer one ACK per replica named by ``replica_id``
 while the stage serves on; ``omnistage ctl`` shows and drives them; ``/metrics`` has a
-``replica`` label; a replica id the stage lacks is a 400 naming ``replica_ids``; a bad
-``--stage-replicas`` stops the server at start naming the flag."""
+``replica`` label; a trainer's weight sync (gloo, shared memory) reaches both thinker
+replicas, each then holding the trainer's checksum; a replica id the stage lacks is a 400
+naming ``replica_ids``; a bad ``--stage-replicas`` stops the server at start naming the
+flag."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -20,7 +23,8 @@ from tests.e2e.server import running_server
 @pytest.fixture(scope="module")
 def server():
     with running_server(
-        "--pipeline", "tiny-omni", "--enable-sleep-mode", "--stage-replicas", "image-decoder=2",
+        "--pipeline", "tiny-omni", "--enable-sleep-mode",
+        "--stage-replicas", "image-decoder=2", "thinker=2",
     ) as server:  # fmt: skip
         yield server
 
@@ -54,7 +58,7 @@ def ctl(server, *args: str) -> str:
 
 def test_the_stages_list_each_replica(server):
     thinker, image = stages(server)
-    assert "replicas" not in thinker
+    assert [r["replica_id"] for r in thinker["replicas"]] == [0, 1]
     assert [(r["replica_id"], r["state"]) for r in image["replicas"]] == [
         (0, "awake"),
         (1, "awake"),
@@ -81,6 +85,22 @@ def test_one_replica_sleeps_and_wakes_over_http_while_the_stage_serves(server):
                      metrics), metrics  # fmt: skip
     assert "status: SUCCESS" in ctl(server, "wakeup", "1", "--replica-ids", "1")
     assert [r["state"] for r in stages(server)[1]["replicas"]] == ["awake", "awake"]
+
+
+@pytest.mark.parametrize("backend", ["nccl", "ipc"])
+def test_a_trainers_sync_reaches_every_replica(server, backend):
+    from omnistage.pipelines import load_pipeline
+
+    folder = load_pipeline("tiny-omni").stages[0].model
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.e2e.trainer", server.url, folder, backend, "ok", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (step,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (step["status"], step["checksum_ok"]) == ("SUCCESS", True), step  # every replica's
+    assert httpx.get(server.url + "/get_world_size", timeout=30).json() == {"world_size": 2}
+    assert draw(server).status_code == 200
 
 
 def test_a_replica_id_the_stage_lacks_is_named(server):

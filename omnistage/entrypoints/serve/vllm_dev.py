@@ -37,11 +37,18 @@ def _ranks(engine: Any, stage_id: int) -> int:
     return int(getattr(engine.config.stages[stage_id], "tensor_parallel_size", 1) or 1)
 
 
+def _replicas(engine: Any, stage_id: int) -> int:
+    return int(getattr(engine.config.stages[stage_id], "replicas", 1) or 1)
+
+
 @router.get("/get_world_size")
 async def get_world_size(engine: EngineClientDep, include_dp: bool = Query(True)) -> dict:
-    """The ranks of the text stage (its tensor-parallel size; no data parallelism here, so
-    ``include_dp`` changes nothing): a trainer joining them is rank 0 of ``world_size + 1``."""
-    return {"world_size": _ranks(engine, text_stage_id(engine))}
+    """The ranks of the text stage: its tensor-parallel size times, with ``include_dp`` (as
+    vLLM counts data-parallel engines), its replicas — a trainer joining them is rank 0 of
+    ``world_size + 1``."""
+    sid = text_stage_id(engine)
+    replicas = _replicas(engine, sid) if include_dp else 1
+    return {"world_size": _ranks(engine, sid) * replicas}
 
 
 def _max_model_len(engine: Any, stage_id: int) -> int | None:
@@ -70,8 +77,8 @@ def server_config(request: Request, engine: Any) -> dict[str, Any]:
         "parallel_config": {
             "tensor_parallel_size": ranks,
             "pipeline_parallel_size": 1,
-            "data_parallel_size": 1,
-            "world_size": ranks,
+            "data_parallel_size": _replicas(engine, sid),
+            "world_size": ranks,  # vLLM's: tensor x pipeline, without data parallelism
         },
         "cache_config": {
             "block_size": stage.ar.block_size,
