@@ -10,7 +10,6 @@ default). The public control methods return ACKs as plain dicts, vLLM-Omni's sha
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
@@ -21,7 +20,8 @@ from omnistage.engine.autopilot import Autopilot
 from omnistage.engine.control import StageControl
 from omnistage.engine.launcher import InProcessLauncher, LocalProcessLauncher, StageLauncher
 from omnistage.engine.outputs import OmniRequestOutput
-from omnistage.engine.replicas import check_replicas, replicated
+from omnistage.engine.replica_parts import check_replicas
+from omnistage.engine.replicas import replicated
 from omnistage.engine.request_stats import StatsListener
 from omnistage.engine.router import RequestRouter
 from omnistage.engine.spawn import SpawnedStage, stage_threads, uses_ray
@@ -107,12 +107,8 @@ class AsyncOmni:
                         f"stages.{stage.stage_id}.stream: processor {stage.input_processor!r} "
                         "cannot stream its input; set stream: false"
                     )
-        on_ray = (
-            launcher is None and not in_process and uses_ray(config, distributed_executor_backend)
-        )
-        check_replicas(
-            config, on_cpu_cores=os.cpu_count() or 1, cuda_devices=_cuda_devices(), on_ray=on_ray
-        )
+        ray = launcher is None and not in_process and uses_ray(config, distributed_executor_backend)
+        check_replicas(config, on_ray=ray)
         if launcher is None:
             num_processes = sum(stage.replicas for stage in config.stages)
             threads = lambda stage: stage_threads(stage, num_processes)  # noqa: E731
@@ -270,11 +266,8 @@ class AsyncOmni:
     ) -> list[dict[str, Any]]:
         """``replica_ids``: only those replicas of each stage (``StageControl.sleep``)."""
         self._attach()
-        return _dicts(
-            await self.control.sleep(
-                stage_ids, level=level, mode=mode, tags=tags, replica_ids=replica_ids
-            )
-        )
+        options = {"level": level, "mode": mode, "tags": tags, "replica_ids": replica_ids}
+        return _dicts(await self.control.sleep(stage_ids, **options))  # type: ignore[arg-type]
 
     async def wake_up(
         self,
@@ -285,11 +278,8 @@ class AsyncOmni:
         replica_ids: Sequence[int] | None = None,
     ) -> list[dict[str, Any]]:
         self._attach()
-        return _dicts(
-            await self.control.wake_up(
-                stage_ids, tags=tags, reload=reload, resume=resume, replica_ids=replica_ids
-            )
-        )
+        options = {"tags": tags, "reload": reload, "resume": resume, "replica_ids": replica_ids}
+        return _dicts(await self.control.wake_up(stage_ids, **options))  # type: ignore[arg-type]
 
     async def pause_generation(
         self, stage_ids: Sequence[int] | None = None, mode: str = "abort"
@@ -437,13 +427,3 @@ class AsyncOmni:
 
 def _dicts(acks: list[Ack]) -> list[dict[str, Any]]:
     return [ack.to_dict() for ack in acks]
-
-
-def _cuda_devices() -> int:
-    """CUDA devices this process sees (0 without CUDA; torch is not imported for it)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return 0
-    return int(torch.cuda.device_count())

@@ -20,6 +20,7 @@ from typing import Any
 from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.events import TRIGGER_API, log_sleep, log_wake, log_weights
+from omnistage.engine.replica_parts import check_replica_ids, serves_beside
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import SleepModeDisabledError, StageDeadError, StageRestartingError
 from omnistage.stage import control as ops
@@ -77,27 +78,6 @@ class StageControl:
             if not self.config.stages[sid].enable_sleep_mode:
                 raise SleepModeDisabledError(sid)
 
-    def _check_replica_ids(self, stage_ids: list[int], replica_ids: Sequence[int]) -> None:
-        """Each replica id names a replica of every stage addressed (400 naming
-        ``replica_ids``)."""
-        from omnistage.errors import InvalidRequestError
-
-        if not replica_ids:
-            raise InvalidRequestError("replica_ids", "must name at least one replica")
-        for sid in stage_ids:
-            count = self.config.stages[sid].replicas
-            bad = [r for r in replica_ids if not 0 <= r < count]
-            if bad:
-                raise InvalidRequestError(
-                    "replica_ids", f"stage {sid} has replicas 0 to {count - 1}; {bad} is not one"
-                )
-
-    def _serves_beside(self, sid: int, replica_ids: Sequence[int]) -> bool:
-        """Whether a replica of stage ``sid`` outside ``replica_ids`` takes requests: then a
-        sleep of those is the replicas' own, the stage serving on."""
-        serving = getattr(self.clients[sid], "serving", None)
-        return serving is not None and bool(set(serving()) - set(replica_ids))
-
     async def _call_each(
         self, stage_ids: list[int], op: ops.ControlOp, replica_ids: Sequence[int] | None = None
     ) -> dict[int, Any]:
@@ -131,9 +111,8 @@ class StageControl:
         trigger: str = TRIGGER_API,
         replica_ids: Sequence[int] | None = None,
     ) -> list[Ack]:
-        """``trigger`` (what asked: ``api``, ``auto_wake``, ``idle_sleep``) goes to the log.
-        ``replica_ids``: only those replicas of each stage; while another replica of a stage
-        serves, the stage stays awake (serving on the others), else it sleeps as a whole."""
+        """``trigger`` (``api``, ``auto_wake``, ``idle_sleep``) goes to the log; ``replica_ids``:
+        those replicas, the stage asleep only if no other serves (docs/distributed.md)."""
         ids = self.check_stage_ids(stage_ids)
         op = ops.Sleep(level=level, mode=mode, tags=None if tags is None else list(tags))
         self._check_sleep_mode(ids)
@@ -141,12 +120,12 @@ class StageControl:
             return []
         flat: list[Ack] = []
         if replica_ids is not None:
-            self._check_replica_ids(ids, replica_ids)
+            check_replica_ids(self.config, ids, replica_ids)
             beside = [
                 sid
                 for sid in ids
                 if self.gate.stages[sid].state == adm.AWAKE
-                and self._serves_beside(sid, replica_ids)
+                and serves_beside(self.clients[sid], replica_ids)
             ]
             if beside:
                 flat += await asyncio.shield(
@@ -170,8 +149,7 @@ class StageControl:
         *,
         trigger: str,
     ) -> list[Ack]:
-        """A sleep or wake of some replicas of stages that serve on: no stage transition
-        (the replicated client keeps requests off a replica from before its sleep)."""
+        """A sleep or wake of some replicas of stages that serve on: no stage transition."""
         start = time.perf_counter()
         results = await self._call_each(ids, op, replica_ids)
         metadata = {"level": op.level, "mode": op.mode} if isinstance(op, ops.Sleep) else {}
@@ -273,7 +251,7 @@ class StageControl:
             return []
         flat: list[Ack] = []
         if replica_ids is not None:
-            self._check_replica_ids(ids, replica_ids)
+            check_replica_ids(self.config, ids, replica_ids)
             serving = [sid for sid in ids if self.gate.stages[sid].state == adm.AWAKE]
             if serving:
                 flat += await asyncio.shield(

@@ -28,20 +28,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import itertools
 import logging
-import secrets
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgspec
-
 from omnistage import errors
+from omnistage.engine.replica_parts import (
+    ASLEEP,
+    AWAKE,
+    DEAD,
+    DRAINING,
+    PrefixPlacement,
+    ReplicaDeath,
+    replica_acks,
+    rolled_up,
+    summarized,
+)
+from omnistage.engine.replica_weights import TRANSFER_OPS, transfer
 from omnistage.engine.stage_client import StageClient
 from omnistage.stage import control as ops
-from omnistage.stage.control import Ack, make_ack
+from omnistage.stage.control import Ack
+from omnistage.stage.kinds import stage_kind
 from omnistage.stage.messages import (
     HandoffRef,
     OutputMessage,
@@ -52,51 +60,6 @@ from omnistage.stage.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-AWAKE, ASLEEP, DRAINING, DEAD = "awake", "asleep", "draining", "dead"
-
-
-class PrefixPlacement:
-    """Where prompts' prefixes were last served: keys are hashes of a prompt's first
-    ``block * 2**k`` token ids (k = 0, 1, ...), so prompts sharing a long head share the keys
-    up to its length; the longest known key names the replica. Bounded (``max_keys``, least
-    recently used dropped)."""
-
-    def __init__(self, block: int = 16, max_keys: int = 65536) -> None:
-        self.block = block
-        self.max_keys = max_keys
-        self._where: OrderedDict[bytes, int] = OrderedDict()
-
-    def _keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        keys, digest, done, length = [], hashlib.blake2b(digest_size=16), 0, self.block
-        while length <= len(token_ids):
-            digest.update(msgspec.msgpack.encode(list(token_ids[done:length])))
-            keys.append(digest.copy().digest())
-            done, length = length, length * 2
-        return keys
-
-    def lookup(self, token_ids: Sequence[int]) -> int | None:
-        for key in reversed(self._keys(token_ids)):
-            replica = self._where.get(key)
-            if replica is not None:
-                self._where.move_to_end(key)
-                return replica
-        return None
-
-    def record(self, token_ids: Sequence[int], replica: int) -> None:
-        for key in self._keys(token_ids):
-            self._where[key] = replica
-            self._where.move_to_end(key)
-        while len(self._where) > self.max_keys:
-            self._where.popitem(last=False)
-
-    def forget(self, replica: int) -> None:
-        """A replica whose cache is gone (slept, restarted): none of its prefixes holds."""
-        for key in [k for k, r in self._where.items() if r == replica]:
-            del self._where[key]
-
-
-ReplicaDeath = Callable[[int, int], bool]
 
 
 class ReplicatedStageClient:
@@ -118,6 +81,7 @@ class ReplicatedStageClient:
         self._prefixes = PrefixPlacement()
         self._death_callbacks: list[Callable[[int], bool]] = []
         self._replica_death_callbacks: list[ReplicaDeath] = []
+        self._caches_prefixes = stage_kind(self.kind).has_prefix_cache
         self.restarting: set[int] = set()  # replicas the supervisor is bringing back alone
         self._sessions: dict[str, list[str]] = {}  # a transfer's session -> each replica's
         for index, replica in enumerate(self.replicas):
@@ -244,7 +208,7 @@ class ReplicatedStageClient:
             self._placed = {rid: i for rid, i in self._placed.items() if self._in_flight(i, rid)}
         self._placed[request_id] = index
         token_ids = getattr(request, "prompt_token_ids", None)
-        if token_ids and self.kind == "ar":
+        if token_ids and self._caches_prefixes:
             self._prefixes.record(token_ids, index)
         return queue
 
@@ -287,8 +251,8 @@ class ReplicatedStageClient:
         """``op`` on every replica of ``replica_ids`` (None: all) at once: ACKs flat (see the
         module docstring), a status with each replica's, or the first replica's value."""
         targets = self._targets(replica_ids)
-        if isinstance(op, (*_TRANSFER_OPS, ops.WeightsChecksum)):
-            return await self._transfer(op)
+        if isinstance(op, (*TRANSFER_OPS, ops.WeightsChecksum)):
+            return await transfer(self, op)
         if isinstance(op, ops.Status):
             return await self._status(targets)
         if isinstance(op, ops.Sleep):
@@ -321,83 +285,8 @@ class ReplicatedStageClient:
             result = answered.get(index)
             if result is None:
                 result = errors.StageDeadError(self.stage_id, self.replicas[index].death_reason)
-            acks += [msgspec.structs.replace(a, replica_id=index) for a in _as_acks(self, result)]
+            acks += replica_acks(self.stage_id, index, result)
         return rolled_up(acks)
-
-    # -- a trainer's weight transfer: every replica takes the same tensors -----------------
-
-    async def _transfer(self, op: ops.ControlOp) -> Any:
-        """A weight-transfer step on every replica at once (a collective: each replica's
-        rank 0 is a member of the trainer's group, replica ``r`` at rank ``rank_offset + r``);
-        a session is one id here standing for each replica's own."""
-        down = [i for i, r in enumerate(self.replicas) if r.is_dead]
-        if down:
-            raise errors.StageDeadError(self.stage_id, f"replicas {down} are down")
-        each: list[ops.ControlOp] = [op] * len(self.replicas)
-        if isinstance(op, ops.InitWeightTransfer) and op.backend == "nccl":
-            each = self._ranked(op)
-        elif isinstance(op, ops.StartWeightUpdate):
-            if (op.update_info or {}).get("shared_staging"):
-                raise errors.InvalidRequestError(
-                    "update_info.shared_staging", f"stage {self.stage_id} runs "
-                    f"{len(self.replicas)} replicas, each with staging of its own: send the "
-                    "tensors (ipc handles or the nccl group) instead"
-                )  # fmt: skip
-        elif isinstance(op, ops.ReceiveWeights | ops.FinishWeightUpdate | ops.AbortWeightUpdate):
-            sessions = self._sessions.get(op.session) if op.session is not None else None
-            if op.session is not None and sessions is None:
-                raise errors.InvalidRequestError(
-                    "session", "no such update session (it ended, or another one began)"
-                )
-            if sessions is not None:
-                each = [msgspec.structs.replace(op, session=own) for own in sessions]
-        results = await asyncio.gather(
-            *(r.call(o) for r, o in zip(self.replicas, each, strict=True)), return_exceptions=True
-        )
-        if isinstance(op, ops.FinishWeightUpdate):
-            if all(isinstance(r, BaseException) for r in results):
-                raise results[0]  # type: ignore[misc]
-            acks: list[Ack] = []
-            for index, result in enumerate(results):
-                acks += [
-                    msgspec.structs.replace(a, replica_id=index) for a in _as_acks(self, result)
-                ]
-            return rolled_up(acks)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        if isinstance(op, ops.WeightsChecksum):
-            sums = [str(r) for r in results]
-            return sums[0] if len(set(sums)) == 1 else "replicas differ: " + ",".join(sums)
-        first = results[0]
-        if isinstance(op, ops.StartWeightUpdate) and isinstance(first, dict):
-            own = [r.get("session") if isinstance(r, dict) else None for r in results]
-            if all(isinstance(o, str) for o in own):
-                session = secrets.token_hex(16)
-                self._sessions[session] = [str(o) for o in own]
-                while len(self._sessions) > 16:
-                    self._sessions.pop(next(iter(self._sessions)))
-                first = {**first, "session": session}
-        return first
-
-    def _ranked(self, op: ops.InitWeightTransfer) -> list[ops.ControlOp]:
-        """Each replica's ``init`` in the trainer's group: its own rank after the first's."""
-        info = dict(op.init_info or {})
-        offset = info.get("rank_offset", 1)
-        size = info.get("world_size", 2)
-        if isinstance(offset, int) and isinstance(size, int):
-            needed = offset + len(self.replicas)
-            if size < needed:
-                raise errors.InvalidRequestError(
-                    "init_info.world_size", f"is {size}; stage {self.stage_id}'s "
-                    f"{len(self.replicas)} replicas each join the group (ranks {offset} to "
-                    f"{needed - 1}): at least {needed}"
-                )  # fmt: skip
-            return [
-                msgspec.structs.replace(op, init_info={**info, "rank_offset": offset + i})
-                for i in range(len(self.replicas))
-            ]
-        return [op] * len(self.replicas)
 
     def _settle(self, op: ops.ControlOp, answered: dict[int, Any]) -> None:
         """Each replica's sleep state from its answer."""
@@ -438,107 +327,8 @@ class ReplicatedStageClient:
         return {**summarized([e for e in each if e["state"] != DEAD] or each), "replicas": each}
 
 
-_TRANSFER_OPS = (
-    ops.InitWeightTransfer,
-    ops.StartWeightUpdate,
-    ops.ReceiveWeights,
-    ops.FinishWeightUpdate,
-    ops.AbortWeightUpdate,
-)
-
-
-_BYTES = ("reserved_bytes", "resident_bytes", "released_bytes", "backup_bytes")
-_REPLICA_ONLY = ("replica_id", "state", "level", "pid", "in_flight", "restarting")
-
-
-def summarized(each: list[dict[str, Any]]) -> dict[str, Any]:
-    """The stage's status from its replicas': queues and memory summed (per tag too), what
-    is asleep or invalid only what is so on every replica (the stage serves while one
-    serves), the rest as the first replica has it."""
-    summary = {k: v for k, v in each[0].items() if k not in _REPLICA_ONLY}
-    for key in ("num_running", "num_waiting"):
-        values = [e[key] for e in each if isinstance(e.get(key), int)]
-        if values:
-            summary[key] = sum(values)
-    for key in ("is_sleeping", "weights_valid"):
-        values = [e[key] for e in each if isinstance(e.get(key), bool)]
-        if values:
-            summary[key] = all(values) if key == "is_sleeping" else any(values)
-    tag_lists = [e["sleeping_tags"] for e in each if isinstance(e.get("sleeping_tags"), list)]
-    if tag_lists:
-        summary["sleeping_tags"] = [t for t in tag_lists[0] if all(t in ts for ts in tag_lists)]
-    memories = [e["memory"] for e in each if isinstance(e.get("memory"), dict)]
-    if memories:
-        memory = {**memories[0], **{k: sum(int(m.get(k, 0)) for m in memories) for k in _BYTES}}
-        tags: dict[str, dict[str, Any]] = {}
-        for m in memories:
-            for tag, stats in (m.get("tags") or {}).items():
-                into = tags.setdefault(tag, {**stats, **dict.fromkeys(_BYTES, 0)})
-                for k in _BYTES:
-                    into[k] += int(stats.get(k, 0))
-                into["is_asleep"] = into.get("is_asleep", True) and bool(stats.get("is_asleep"))
-        memory["tags"] = tags
-        summary["memory"] = memory
-    return summary
-
-
 def _acks_op(op: ops.ControlOp) -> bool:
     return isinstance(op, ops.Sleep | ops.WakeUp | ops.UpdateWeights)
-
-
-def _as_acks(client: ReplicatedStageClient, result: Any) -> list[Ack]:
-    if isinstance(result, list) and result and all(isinstance(a, Ack) for a in result):
-        return result
-    error = f"{type(result).__name__}: {result}"
-    return [make_ack(client.stage_id, status="ERROR", error_msg=error)]
-
-
-def rolled_up(acks: list[Ack]) -> list[Ack]:
-    """``acks`` with one whose status is the stage's first: the first ``ERROR``, else the
-    first ``SUCCESS``, else the first (each replica's rank 0 speaks for its ranks)."""
-    heads = [a for a in acks if a.rank == 0]
-    for status in ("ERROR", "SUCCESS"):
-        lead = next((a for a in heads if a.status == status), None)
-        if lead is not None:
-            return [lead, *(a for a in acks if a is not lead)]
-    return acks
-
-
-def check_replicas(
-    pipeline: Any, *, on_cpu_cores: int, cuda_devices: int, on_ray: bool = False
-) -> None:
-    """Each stage's replicas fit what it is given (``ConfigError`` naming the key): on the
-    CPU, ``replicas`` x ``tensor_parallel_size`` x ``torch_threads`` (when set) within the
-    machine's cores; on CUDA, ``replicas`` x ``tensor_parallel_size`` devices from the
-    stage's first, within the devices there are (when CUDA is there to count them). On Ray
-    (``on_ray``) the replicas go where their placements find room: Ray refuses what fits
-    nowhere, and this machine's cores and devices say nothing."""
-    from omnistage.config import ConfigError
-
-    if on_ray:
-        return
-    for stage in pipeline.stages:
-        key = f"stages.{stage.stage_id}.replicas"
-        ranks = stage.replicas * stage.tensor_parallel_size
-        if stage.replicas == 1:
-            continue
-        if not stage.device.startswith("cuda"):
-            if stage.torch_threads and ranks * stage.torch_threads > on_cpu_cores:
-                raise ConfigError(
-                    f"{key}: {stage.replicas} replicas x {stage.tensor_parallel_size} ranks x "
-                    f"{stage.torch_threads} torch_threads is more than the {on_cpu_cores} "
-                    "cores here"
-                )
-            continue
-        if stage.replica_devices is not None or not cuda_devices:
-            continue
-        base = int(stage.device.partition(":")[2] or 0)
-        if base + ranks > cuda_devices:
-            raise ConfigError(
-                f"{key}: {stage.replicas} replicas x {stage.tensor_parallel_size} ranks from "
-                f"{stage.device} need devices up to cuda:{base + ranks - 1}; there are "
-                f"{cuda_devices} (or name them: replica_devices)"
-            )
 
 
 def replicated(clients: Sequence[StageClient]) -> Any:

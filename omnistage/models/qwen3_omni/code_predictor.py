@@ -25,7 +25,7 @@ from torch import nn
 
 from omnistage.models.ar_config import ARModelConfig, RopeConfig
 from omnistage.models.decoder import DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary
-from omnistage.stage.ar.sampler import filter_scores
+from omnistage.models.sampling import filter_scores
 
 TOP_K = 50
 TOP_P = 0.8

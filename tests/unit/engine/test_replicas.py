@@ -12,13 +12,8 @@ from pydantic import ValidationError
 
 from omnistage.config import ConfigError, PipelineConfig, StageConfig
 from omnistage.engine.launcher import InProcessLauncher
-from omnistage.engine.replicas import (
-    ASLEEP,
-    PrefixPlacement,
-    ReplicatedStageClient,
-    check_replicas,
-    rolled_up,
-)
+from omnistage.engine.replica_parts import ASLEEP, PrefixPlacement, check_replicas, rolled_up
+from omnistage.engine.replicas import ReplicatedStageClient
 from omnistage.engine.stage_client import StageClient
 from omnistage.entrypoints.openai.server_config import with_replicas
 from omnistage.stage.ar.sampling_params import SamplingParams
@@ -167,7 +162,7 @@ def test_the_serve_flag_sets_a_stages_replicas() -> None:
 
 
 def test_the_stages_status_sums_its_replicas_and_is_asleep_only_where_all_are() -> None:
-    from omnistage.engine.replicas import summarized
+    from omnistage.engine.replica_parts import summarized
 
     def replica(asleep: bool, resident: int) -> dict:
         weights = {"reserved_bytes": 10, "resident_bytes": resident, "released_bytes": 10 - resident,
