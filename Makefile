@@ -49,12 +49,15 @@ serve: install
 # Two pytest runs at once, on the two cores CI has: the main one (unit tests first) and, beside
 # the unit tests, the install-from-scratch test and then the Ray tests — mostly one core of
 # pip unpacking and Ray starting up, where the unit tests leave the other core idle a good
-# part of the time — and then the speech and docs-example e2e modules (SIDE_E2E: servers
-# of their own, no timing bounds), which would otherwise end the main run; the integration
-# and other e2e tests, whose bounds are timings, run after the unit tests. The second run's
+# part of the time — and then the speech, docs-example, Qwen3-Omni and replica modules
+# (SIDE_E2E: servers or pipelines of their own, no timing bounds), which would otherwise end
+# the main run; the integration and other e2e tests, whose bounds are timings, run after the
+# unit tests. The second run's
 # output is shown when both are done; any of them failing fails the target.
 SIDE_E2E := tests/e2e/test_speech_api.py tests/e2e/test_speech_stream.py \
-	tests/e2e/test_speech_clone.py tests/e2e/test_docs_examples.py
+	tests/e2e/test_speech_clone.py tests/e2e/test_docs_examples.py \
+	tests/e2e/test_qwen3_omni_api.py tests/e2e/test_replicas_api.py \
+	tests/integration/test_replicas.py
 test: install
 	@side_log=$$(mktemp); \
 	( $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests/e2e/test_packaging.py; \
