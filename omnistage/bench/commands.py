@@ -152,6 +152,21 @@ _ORDER = (  # `all` runs them in this order
         ("pipelines",),
         "tiny-qwen3-tts-customvoice,bench-qwen3-tts-customvoice",
     ),
+    Benchmark(
+        "replicas",
+        "stage replicas: throughput against the cores' bound, sleep/wake, 2 replicas against 1",
+        "a stage run as 2 processes (replicas: 2) against 1 through omnistage serve, every "
+        "stage process at 1 torch thread: 8 concurrent streamed speech requests with the "
+        "code2wav stage replicated (tiny-qwen2.5-omni, bench-qwen2.5-omni) and 4 concurrent "
+        "images with the diffusion stage replicated (tiny-flux) — requests/s, time to first "
+        "audio, the CPU seconds one request costs alone and the throughput over the bound "
+        "the cores set (cores / those seconds), whether each output is its output alone — "
+        "and the sleep + wake round trip of the replicated stage over HTTP, 2 replicas "
+        "against 1. --pipelines picks some; --repeats sets the sleep/wake cycles (10).",
+        "about 4-5 minutes (6 server starts)",
+        ("pipelines", "repeats"),
+        "tiny-qwen2.5-omni,bench-qwen2.5-omni,tiny-flux",
+    ),
 )
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in _ORDER}
 
@@ -188,7 +203,8 @@ def _common(p: argparse.ArgumentParser, bench: Benchmark) -> None:
             "--repeats",
             type=int,
             default=None,
-            help="Cycles per measurement, median taken (default: 3; control_http: 30).",
+            help="Cycles per measurement, median taken (default: 3; control_http: 30; "
+            "replicas: 10).",
         )
 
 
@@ -212,7 +228,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "every benchmark but serve, in order",
         "everything the benchmarks above measure, one after another (serve excepted: it "
         "needs a running server).",
-        "about 50 minutes",
+        "about 55 minutes",
         ("sizes_mib", "pipelines", "repeats"),
         "each benchmark's own",
     )

@@ -203,6 +203,21 @@ GLOSSARY: dict[str, str] = {
     "code2wav_cpu_s": "CPU seconds of the code2wav stage process per request (warm-up included)",
     "cpu_busy": "the stage processes' CPU seconds over the run's wall seconds (cores kept busy)",
     "batched_steps": "code2wav synthesis steps several utterances shared, of all its steps",
+    # stage replicas (bench replicas)
+    "replicas": "processes running the replicated stage (replicas: N)",
+    "step_threads": "groups of jobs each replica of that stage steps at once, a thread each",
+    "torch_threads": "torch threads of every stage process",
+    "cpu_s_alone": "CPU seconds of all stage processes per request, requests sent one at a time",
+    "cpu_s_per_request": "CPU seconds of all stage processes per request in this row's run",
+    "core_bound_per_s": "the machine's cores / cpu_s_alone: requests per second the cores allow",
+    "vs_core_bound": "requests (images) per second over core_bound_per_s",
+    "vs_1_replica": "requests (images) per second over the 1-replica server's, same concurrency",
+    "api_cpu_s": "CPU seconds of the API server process per request (not in the bound)",
+    "replica_cpu_s": "CPU seconds per request of each replica of the replicated stage (a/b)",
+    "others_busy": "cores other processes kept busy during the run (0: the machine was ours)",
+    "images_as_alone": "images equal, byte for byte, to the same request's alone",
+    "same_as_1_replica": "outputs equal, byte for byte, to the 1-replica server's alone",
+    "round_trip_vs_1_replica": "round_trip_p50_ms over the 1-replica stage's",
 }
 
 
