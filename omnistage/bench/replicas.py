@@ -2,34 +2,17 @@
 what a second process of the heaviest stage buys in throughput on the cores there are, and
 what it costs a sleep and wake.
 
-Per pipeline, ``omnistage serve --config`` of the built-in pipeline's file with its step-
-scheduled stage (the code2wav stage of a Qwen2.5-Omni pipeline, a diffusion pipeline's
-diffusion stage) at 1 and at 2 replicas, every stage process at ``torch_threads: 1`` and the
-replicated stage stepping ``cores // replicas`` groups of jobs at once (``step_threads``: two
-on two cores with one replica, as the speech pipelines ship, one per replica with two), so
-that replicas x threads is the cores either way. Prefix caching is off (the requests alone
-would otherwise cache the prompts the concurrent ones then skip) and sleep mode on.
-
-Throughput. After one warm-up request per replica, the same ``requests`` one at a time
-(``concurrency`` 1: each request's output alone, and ``cpu_s_alone``, the CPU seconds of all
-the stage processes together over the run per request — what one request costs), then all at
-once (speech: 8, images: 4). ``core_bound_per_s`` is ``os.cpu_count()`` over ``cpu_s_alone``:
-the requests per second the cores allow if nothing else ran and nothing batched;
-``vs_core_bound`` the measured rate over it (above 1 where requests together cost less CPU
-than alone: ``cpu_s_per_request``). ``replica_cpu_s``: each replica's share of that CPU;
-``cpu_busy``: the cores the stage processes kept busy; ``others_busy``: those every other
-process on the machine did meanwhile (a run beside other work is slower). Speech: streamed chat requests through ``bench
-serve`` (text + pcm16 audio; random 8-token prompts, greedy, ``thinker_tokens`` and
-``talker_tokens`` codes, ``num_steps`` ODE steps, seed 7); images: ``POST
-/v1/images/generations``, one image each (its own prompt and seed). ``audio_as_alone`` and
-``images_as_alone``: the outputs of the concurrent run equal to the same request's alone, bit
-for bit; ``same_as_1_replica``: of this server's outputs (alone and concurrent), those equal
-to the 1-replica server's alone.
-
-Sleep and wake. On the same servers afterwards, ``cycles`` times (after one warm-up cycle):
-``POST /v1/omni/sleep`` of the replicated stage at level 1, then ``POST /v1/omni/wakeup``,
-each timed as the client sees it (a connection per call: see ``FRESH``); medians, and the
-round trip of 2 replicas over that of 1 (``round_trip_vs_1_replica``).
+Per pipeline, its step-scheduled stage (a Qwen2.5-Omni pipeline's code2wav stage, a diffusion
+pipeline's diffusion stage) at 1 and at 2 replicas, every stage process at ``torch_threads:
+1`` and the replicated stage stepping ``cores // replicas`` groups of jobs at once, prefix
+caching off, sleep mode on. The same ``requests`` one at a time (each output alone, and
+``cpu_s_alone``: the CPU seconds of every stage process per request), then all at once
+(speech: 8, images: 4): ``core_bound_per_s`` is ``os.cpu_count()`` over ``cpu_s_alone`` and
+``vs_core_bound`` the measured rate over it; ``replica_cpu_s``, ``cpu_busy`` and
+``others_busy`` say where the CPU went; ``audio_as_alone``, ``images_as_alone`` and
+``same_as_1_replica`` check the outputs bit for bit. Then ``cycles`` sleep (level 1) + wake
+round trips of the replicated stage over HTTP; medians, and 2 replicas over 1. The columns and
+the reading: docs/benchmarks.md, *Stage replicas*.
 """
 
 from __future__ import annotations
@@ -52,6 +35,7 @@ from omnistage.bench.omni_stream import speech_load
 from omnistage.bench.report import write_results
 from omnistage.bench.serve import bench
 from omnistage.bench.served import Served
+from omnistage.stage.kinds import stage_kind
 
 PIPELINES = ("tiny-qwen2.5-omni", "bench-qwen2.5-omni", "tiny-flux")
 REPLICATED_KINDS = ("code2wav", "diffusion")  # the stage replicated: the last of these kinds
@@ -70,10 +54,8 @@ SLEEP_COLUMNS = ["pipeline", "stage", "replicas", "level", "cycles", "sleep_p50_
                  "wake_p50_ms", "round_trip_p50_ms", "round_trip_p90_ms",
                  "round_trip_vs_1_replica"]  # fmt: skip
 
-# A connection per call: on a kept-alive connection every reply of ``omnistage serve`` after
-# the first waits ~40 ms for the client's delayed ACK (its listening socket, bound before the
-# stages start, is made without IPPROTO_TCP, so asyncio leaves Nagle on for the connections
-# it accepts), which would swamp a sleep or wake of a few milliseconds.
+# A connection per call, as the bench was measured: kept-alive replies used to wait ~40 ms
+# for a delayed ACK (the listening socket made without IPPROTO_TCP; fixed since).
 FRESH = httpx.Limits(max_keepalive_connections=0)
 
 BUSY = ("user", "nice", "system", "irq", "softirq", "steal")  # a machine's busy time (Linux)
@@ -96,7 +78,7 @@ class ReplicaSettings:
 
 
 def is_speech(config: dict[str, Any]) -> bool:
-    return any(stage["kind"] == "code2wav" for stage in config["stages"])
+    return any(stage_kind(stage["kind"]).modality == "audio" for stage in config["stages"])
 
 
 def replicated_stage(config: dict[str, Any]) -> dict[str, Any]:
