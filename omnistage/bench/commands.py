@@ -162,8 +162,11 @@ _ORDER = (  # `all` runs them in this order
         "audio, the CPU seconds one request costs alone and the throughput over the bound "
         "the cores set (cores / those seconds), whether each output is its output alone — "
         "and the sleep + wake round trip of the replicated stage over HTTP, 2 replicas "
-        "against 1. --pipelines picks some; --repeats sets the sleep/wake cycles (10).",
-        "about 4-5 minutes (6 server starts)",
+        "against 1; then an AR stage at 2 replicas (the bench model) serving groups of "
+        "prompts with shared heads, prefix-aware placement against least-loaded (prefix "
+        "cache hits, tokens prefilled, requests/s). --pipelines picks some; --repeats sets "
+        "the sleep/wake cycles (10).",
+        "about 5-6 minutes (6 server starts, 4 pipeline starts)",
         ("pipelines", "repeats"),
         "tiny-qwen2.5-omni,bench-qwen2.5-omni,tiny-flux",
     ),

@@ -218,6 +218,11 @@ GLOSSARY: dict[str, str] = {
     "images_as_alone": "images equal, byte for byte, to the same request's alone",
     "same_as_1_replica": "outputs equal, byte for byte, to the 1-replica server's alone",
     "round_trip_vs_1_replica": "round_trip_p50_ms over the 1-replica stage's",
+    "placement": "where a request goes: prefix-aware (where its head is cached) or least-loaded",
+    "head_tokens": "prompt tokens a group of requests shares at its start",
+    "hit_rate": "prompt tokens the replicas found in their prefix caches, over those looked up",
+    "prefilled_tokens": "prompt tokens the replicas computed (not found cached)",
+    "same_tokens": "every request's tokens the same under both placements",
 }
 
 

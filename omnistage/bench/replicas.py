@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from omnistage.bench import replica_prefix
 from omnistage.bench.control_http import _percentile, _post_ms
 from omnistage.bench.omni_stream import speech_load
 from omnistage.bench.report import write_results
@@ -374,4 +375,5 @@ def run(
     if images:
         tables.append(write_results(out_dir, f"replicas-images-{name}", images, IMAGE_COLUMNS))
     tables.append(write_results(out_dir, f"replicas-sleep-{name}", sleeps, SLEEP_COLUMNS))
+    tables.append(replica_prefix.run(out_dir, device))
     return "\n\n".join(tables)
