@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,3 +48,12 @@ async def collect(
         if out.final:
             result.finish_reason = out.finish_reason
     return result
+
+
+async def until(condition: Any, timeout_s: float, what: str) -> float:
+    """Wait until ``condition()`` holds (failing after ``timeout_s``); the seconds it took."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start

@@ -24,7 +24,7 @@ from omnistage.engine.async_omni import AsyncOmni  # noqa: E402
 from omnistage.engine.supervisor import RestartPolicy  # noqa: E402
 from omnistage.entrypoints.openai.server_config import with_replicas  # noqa: E402
 from omnistage.pipelines import load_pipeline  # noqa: E402
-from tests.integration.helpers import GREEDY, collect  # noqa: E402
+from tests.integration.helpers import GREEDY, collect, until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -148,13 +148,6 @@ def test_each_replicas_group_goes_where_its_placement_or_the_spread_says(cluster
 
     assert nodes(pinned) == [node_b, node_a]
     assert nodes(spread) == sorted([node_a, node_b])  # replica i on node i, in node-id order
-
-
-async def until(condition, timeout_s: float, what: str) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
-        await asyncio.sleep(0.05)
 
 
 async def test_replicas_spread_over_the_nodes_and_one_killed_comes_back(cluster):

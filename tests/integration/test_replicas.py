@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 import pytest_asyncio
@@ -20,7 +19,7 @@ from omnistage.engine.supervisor import RestartPolicy
 from omnistage.entrypoints.openai.server_config import with_replicas
 from omnistage.errors import StageAsleepError
 from omnistage.pipelines import load_pipeline
-from tests.integration.helpers import collect
+from tests.integration.helpers import collect, until
 
 FAST = RestartPolicy(max_restarts=20, window_s=600, backoff_s=0.05, max_backoff_s=0.2)
 IMAGE = ["text", "image"]
@@ -36,13 +35,6 @@ async def omni():
         yield engine
     finally:
         engine.shutdown()
-
-
-async def until(condition, timeout_s: float, what: str) -> None:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
-        await asyncio.sleep(0.02)
 
 
 async def replicas(omni: AsyncOmni, stage_id: int) -> list[dict]:

@@ -19,7 +19,7 @@ import torch
 from omnistage.engine.async_omni import AsyncOmni
 from omnistage.engine.supervisor import RestartPolicy
 from omnistage.errors import StageDeadError, StageRestartingError
-from tests.integration.helpers import GREEDY, collect
+from tests.integration.helpers import GREEDY, collect, until
 
 FAST = RestartPolicy(max_restarts=20, window_s=600, backoff_s=0.05, max_backoff_s=0.2)
 LONG = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
@@ -34,14 +34,6 @@ async def omni():
         yield engine
     finally:
         engine.shutdown()
-
-
-async def until(condition, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s}s"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - start
 
 
 async def kill(omni: AsyncOmni, stage_id: int) -> int:
