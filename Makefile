@@ -49,27 +49,29 @@ serve: install
 # Two pytest runs at once, on the two cores CI has: the main one (unit tests first) and, beside
 # the unit tests, the install-from-scratch test and then the Ray tests — mostly one core of
 # pip unpacking and Ray starting up, where the unit tests leave the other core idle a good
-# part of the time — and then the speech, docs-example, Qwen3-Omni and replica modules
-# (SIDE_E2E: servers or pipelines of their own, no timing bounds), which would otherwise end
-# the main run; the integration and other e2e tests, whose bounds are timings, run after the
-# unit tests. The second run's
-# output is shown when both are done; any of them failing fails the target.
-SIDE_E2E := tests/e2e/test_speech_api.py tests/e2e/test_speech_stream.py \
+# part of the time — and then SIDE_TESTS: modules with servers or pipelines of their own and
+# no timing bounds (speech, docs examples, Qwen3-Omni, replicas, the omni families' parity,
+# the AR engine's batching and scheduler checks), which would otherwise end the main run; the
+# integration and other e2e tests, whose bounds are timings, run after the unit tests. The
+# second run's output is shown when both are done; any of them failing fails the target.
+SIDE_TESTS := tests/e2e/test_speech_api.py tests/e2e/test_speech_stream.py \
 	tests/e2e/test_speech_clone.py tests/e2e/test_docs_examples.py \
 	tests/e2e/test_qwen3_omni_api.py tests/e2e/test_replicas_api.py \
-	tests/integration/test_replicas.py
+	tests/integration/test_replicas.py tests/integration/test_qwen2_5_omni.py \
+	tests/integration/test_qwen3_omni.py tests/unit/stage/ar/test_engine_batching.py \
+	tests/unit/stage/ar/test_scheduler_fairness.py
 test: install
 	@side_log=$$(mktemp); \
 	( $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" tests/e2e/test_packaging.py; \
 	  first=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider -m ray tests; \
-	  second=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" $(SIDE_E2E); \
+	  second=$$?; $(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" $(SIDE_TESTS); \
 	  third=$$?; test $$first = 0 && test $$second = 0 && test $$third = 0 ) >$$side_log 2>&1 & \
 	side=$$!; \
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not ray" \
-		--ignore=tests/e2e/test_packaging.py $(addprefix --ignore=,$(SIDE_E2E)) \
+		--ignore=tests/e2e/test_packaging.py $(addprefix --ignore=,$(SIDE_TESTS)) \
 		tests/unit tests/integration tests/e2e; main=$$?; \
 	wait $$side; side_status=$$?; \
-	echo "--- beside the unit tests: tests/e2e/test_packaging.py, the Ray tests, then $(SIDE_E2E)"; \
+	echo "--- beside the unit tests: tests/e2e/test_packaging.py, the Ray tests, then $(SIDE_TESTS)"; \
 	cat $$side_log; rm -f $$side_log; \
 	test $$main = 0 && test $$side_status = 0
 

@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -81,6 +82,11 @@ def test_one_replica_sleeps_and_wakes_over_http_while_the_stage_serves(server):
     out = ctl(server, "status")
     assert "1.0" in out and "1.1" in out and "asleep" in out
     metrics = httpx.get(server.url + "/metrics", timeout=60).text
+    documented = (Path(__file__).parents[2] / "docs" / "metrics.md").read_text()
+    families = re.findall(r"^\| `(omnistage:replica_[a-z_]+)` \|", documented, flags=re.M)
+    assert len(families) >= 5
+    for family in families:  # each documented replica family has samples here
+        assert re.search(rf"^{family}\{{", metrics, flags=re.M), family
     assert re.search(r'omnistage:replica_state\{[^}]*replica="1",stage="1",state="asleep"\} 1\.0',
                      metrics), metrics  # fmt: skip
     assert "status: SUCCESS" in ctl(server, "wakeup", "1", "--replica-ids", "1")
