@@ -3,7 +3,8 @@ as two processes. Requests spread over both and answer as they do alone; a reque
 prompt starts as an earlier one's goes to the thinker replica that cached it; one replica
 sleeps (its memory given back) while the stage serves on the other, and a sleep of the last
 serving replica, or of the stage, puts the stage to sleep; a killed replica comes back while
-the other serves; a checkpoint update reaches both."""
+the other serves; a checkpoint update reaches both; a tensor-parallel stage runs its ranks
+inside each replica."""
 
 from __future__ import annotations
 
@@ -128,3 +129,28 @@ async def test_a_checkpoint_update_reaches_every_replica(omni):
     assert [(a["replica_id"], a["status"]) for a in acks] == [(0, "SUCCESS"), (1, "SUCCESS")]
     assert omni.gate.stages[0].state == "awake" and not omni.gate.stages[0].paused
     assert (await collect(omni, "same weights", ["text"])).token_ids == before.token_ids
+
+
+async def test_tensor_parallel_ranks_inside_each_replica():
+    """2 replicas x 2 ranks: four processes, each replica its own rank 1; the greedy tokens
+    are the one-process stage's."""
+    prompts = [f"hello {i}" for i in range(4)]
+
+    async def tokens(config) -> tuple[list[list[int]], dict]:
+        engine = AsyncOmni.from_config(config)
+        try:
+            results = await asyncio.gather(
+                *(collect(engine, p, ["text"], request_id=f"tp-{i}") for i, p in enumerate(prompts))
+            )
+            status = (await engine.stage_status())[0]
+            return [r.token_ids for r in results], status
+        finally:
+            engine.shutdown()
+
+    alone, _ = await tokens(load_pipeline("tiny-chat"))
+    split, status = await tokens(
+        with_replicas(load_pipeline("tiny-chat", tensor_parallel_size=2), ["0=2"])
+    )
+    assert split == alone
+    ranks = [(r["pid"], *r["rank_pids"]) for r in status["replicas"]]
+    assert len(ranks) == 2 and len({pid for pids in ranks for pid in pids}) == 4
