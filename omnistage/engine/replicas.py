@@ -177,7 +177,12 @@ class ReplicatedStageClient:
         return [i for i, r in enumerate(self.replicas) if not r.is_dead and self.states[i] == AWAKE]
 
     def _choose(self, request: StageRequest) -> int:
-        candidates = self.serving() or [i for i, r in enumerate(self.replicas) if not r.is_dead]
+        candidates = self.serving()
+        if not candidates and self.restarting:  # the ones that served are coming back
+            raise errors.StageRestartingError(
+                self.stage_id, f"its serving replicas {sorted(self.restarting)} restart"
+            )
+        candidates = candidates or [i for i, r in enumerate(self.replicas) if not r.is_dead]
         if not candidates:
             raise errors.StageDeadError(self.stage_id, self.death_reason or "no replica is up")
         loads = {i: self.replicas[i].num_in_flight for i in candidates}

@@ -94,6 +94,20 @@ def test_asleep_or_dead_replicas_take_nothing(replicated) -> None:
     assert replicated.is_dead
 
 
+def test_with_the_serving_replica_restarting_a_request_is_told_to_retry(replicated) -> None:
+    """The other replica asleep (a replica's own sleep), the serving one dead and coming
+    back: a 503 with Retry-After, not the asleep replica's refusal."""
+    from omnistage.errors import StageRestartingError
+
+    replicated.states[1] = ASLEEP
+    replicated.replicas[0].is_dead = True
+    replicated.restarting.add(0)
+    with pytest.raises(StageRestartingError, match="replicas \\[0\\] restart"):
+        replicated._choose(_request([1]))
+    replicated.restarting.clear()  # not coming back: the asleep one says so itself
+    assert replicated._choose(_request([1])) == 1
+
+
 def test_the_first_ack_carries_the_stages_status() -> None:
     ok, skipped, failed = (make_ack(0, status=s) for s in ("SUCCESS", "SKIPPED", "ERROR"))
     assert rolled_up([skipped, ok]) == [ok, skipped]
