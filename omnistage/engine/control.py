@@ -20,7 +20,11 @@ from typing import Any
 from omnistage.config import PipelineConfig
 from omnistage.engine import admission as adm
 from omnistage.engine.events import TRIGGER_API, log_sleep, log_wake, log_weights
-from omnistage.engine.replica_parts import check_replica_ids, serves_beside
+from omnistage.engine.replica_parts import (
+    check_replica_ids,
+    replicas_together,
+    serves_beside,
+)
 from omnistage.engine.stage_client import EngineStageClient
 from omnistage.errors import SleepModeDisabledError, StageDeadError, StageRestartingError
 from omnistage.stage import control as ops
@@ -319,20 +323,12 @@ class StageControl:
         (sid,) = self.check_stage_ids([stage_id], "stage_id")
         self.gate.check_alive(sid)
         op = ops.UpdateWeights(path=str(path), check_finite=check_finite)
-        # Replicas take the new weights together: no request enters the stage until every
-        # replica has them (those running finish on theirs, as on a stage of one process).
-        together = self.config.stages[sid].replicas > 1
-        was_paused = self.gate.stages[sid].paused
-        if together:
-            await self.gate.close_and_drain_admission([sid])
         try:
-            acks: list[Ack] = await self.clients[sid].call(op)
+            async with replicas_together(self.gate, self.config, sid):
+                acks: list[Ack] = await self.clients[sid].call(op)
         except Exception as exc:
             log_weights(logger, "update_weights", sid, self._name(sid), exc, path=str(path))
             raise
-        finally:
-            if together and not was_paused:
-                await self.gate.reopen([sid])
         log_weights(logger, "update_weights", sid, self._name(sid), acks[0], path=str(path))
         if acks[0].status == "SUCCESS":
             self.gate.set_weights_valid(sid, True)

@@ -5,10 +5,11 @@ a pipeline's replica settings (``check_replicas``)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -114,6 +115,23 @@ def rolled_up(acks: list[Ack]) -> list[Ack]:
         if lead is not None:
             return [lead, *(a for a in acks if a is not lead)]
     return acks
+
+
+@contextlib.asynccontextmanager
+async def replicas_together(gate: Any, pipeline: Any, stage_id: int) -> AsyncIterator[None]:
+    """Around a weight update of a replicated stage: its admission closed, so no request enters
+    until every replica has the new weights (those running finish on theirs, as on a stage of
+    one process); reopened after, unless it was paused before. A stage of one: nothing."""
+    if pipeline.stages[stage_id].replicas == 1:
+        yield
+        return
+    was_paused = gate.stages[stage_id].paused
+    await gate.close_and_drain_admission([stage_id])
+    try:
+        yield
+    finally:
+        if not was_paused:
+            await gate.reopen([stage_id])
 
 
 def check_replica_ids(pipeline: Any, stage_ids: list[int], replica_ids: Sequence[int]) -> None:

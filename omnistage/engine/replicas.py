@@ -218,7 +218,7 @@ class ReplicatedStageClient:
         return queue
 
     def _in_flight(self, index: int, request_id: str) -> bool:
-        return request_id in self.replicas[index]._queues
+        return self.replicas[index].holds(request_id)
 
     def placed(self, request_id: str) -> int | None:
         """The replica a request went to (None: none, or it is long finished)."""

@@ -236,6 +236,10 @@ class StageClient:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether the request is in flight here (its last output not seen yet)."""
+        return request_id in self._queues
+
     def _send(self, msg: ToStage) -> None:
         if self._handle is None or self.is_dead:
             raise errors.StageDeadError(self.stage_id, self.death_reason)

@@ -14,6 +14,7 @@ from typing import Any
 
 from omnistage.engine.control import StageControl
 from omnistage.engine.events import log_weights
+from omnistage.engine.replica_parts import replicas_together
 from omnistage.rl.bounds import check_weight_version
 from omnistage.stage import control as ops
 from omnistage.stage.control import Ack
@@ -85,21 +86,13 @@ class WeightSyncClient:
         op = ops.FinishWeightUpdate(weight_version=version, session=session)
         client = self._stage(stage_id)
         name = self.control.config.stages[stage_id].display_name
-        # A stage's replicas apply the update together: no request enters the stage until
-        # every replica has the new weights (see docs/distributed.md, Stage replicas).
-        gate = self.control.gate
-        together = self.control.config.stages[stage_id].replicas > 1
-        was_paused = gate.stages[stage_id].paused
-        if together:
-            await gate.close_and_drain_admission([stage_id])
+        control = self.control
         try:
-            acks: list[Ack] = await client.call(op)
+            async with replicas_together(control.gate, control.config, stage_id):
+                acks: list[Ack] = await client.call(op)
         except Exception as exc:
             log_weights(logger, "weight_sync", stage_id, name, exc, weight_version=version)
             raise
-        finally:
-            if together and not was_paused:
-                await gate.reopen([stage_id])
         ack = acks[0]
         log_weights(logger, "weight_sync", stage_id, name, ack, weight_version=version)
         if ack.status == "SUCCESS":
